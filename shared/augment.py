@@ -1,0 +1,43 @@
+"""Whole-batch image preprocessing on the device: a few tensor ops per batch, not a Python
+loop over images on the CPU (the torchvision per-image `transforms` pipeline).
+
+Every function takes a batch (N, C, H, W) on any device and draws one random choice per image.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+
+def normalize(images: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
+    """uint8 pixels -> float32 (x / 255 - mean) / std, per channel."""
+    mean_t, std_t = _channel_stats(mean, std, images.device)
+    return (images.float() / 255 - mean_t) / std_t
+
+
+@functools.cache
+def _channel_stats(mean, std, device):
+    # Built once per device: a host-to-GPU copy inside every step would stall the GPU queue.
+    return (torch.tensor(mean, device=device).view(1, -1, 1, 1), torch.tensor(std, device=device).view(1, -1, 1, 1))
+
+
+def random_crop(images: torch.Tensor, padding: int) -> torch.Tensor:
+    """Pad each side with `padding` zeros, then cut each image at its own random offset."""
+    n, c, h, w = images.shape
+    padded = F.pad(images, (padding, padding, padding, padding))
+    dy = torch.randint(0, 2 * padding + 1, (n, 1, 1, 1), device=images.device)
+    dx = torch.randint(0, 2 * padding + 1, (n, 1, 1, 1), device=images.device)
+    rows = dy + torch.arange(h, device=images.device).view(1, 1, h, 1)
+    cols = dx + torch.arange(w, device=images.device).view(1, 1, 1, w)
+    batch = torch.arange(n, device=images.device).view(n, 1, 1, 1)
+    channel = torch.arange(c, device=images.device).view(1, c, 1, 1)
+    return padded[batch, channel, rows, cols]
+
+
+def random_flip(images: torch.Tensor) -> torch.Tensor:
+    """Mirror a random half of the images left to right."""
+    flip = torch.rand(len(images), 1, 1, 1, device=images.device) < 0.5
+    return torch.where(flip, images.flip(3), images)

@@ -1,0 +1,146 @@
+"""Full-state checkpoints, resuming from them, and loading weights files of any common layout.
+
+A checkpoint is `accelerator.save_state` (model, optimizer, scheduler, grad scaler, every
+process's RNG state, and the registered `Progress`) in `checkpoints/step_<N>/`. It is written
+under a temporary name and renamed when complete, so a run killed mid-save leaves the previous
+checkpoint as the newest one on disk.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from shared.errors import RecipeError, first_line
+
+STEP_DIR = re.compile(r"step_(\d+)$")
+
+
+class Progress:
+    """Where training stands. Registered with accelerator.register_for_checkpointing, so it is
+    saved and restored together with the model: counters can never disagree with the weights."""
+
+    def __init__(self):
+        self.step = 0  # optimizer steps taken
+        self.epoch = 0  # epochs completed
+        self.batches_seen = 0  # batches of the current epoch consumed (all micro-batches)
+        self.best_eval_acc = 0.0
+
+    def state_dict(self) -> dict:
+        return dict(vars(self))
+
+    def load_state_dict(self, state: dict) -> None:
+        vars(self).update(state)
+
+
+def save_checkpoint(accelerator, model, run_dir: Path, step: int, keep: int) -> Path:
+    """Save the full training state to checkpoints/step_<step>; keep the newest `keep`.
+
+    Weights that are no longer finite are never saved: the newest checkpoint stays a good one."""
+    if not all(torch.isfinite(p).all() for p in model.parameters()):
+        good = list_checkpoints(run_dir)
+        raise RecipeError(f"the weights became NaN or inf by step {step} (lower --lr): nothing saved; "
+                          f"the newest good checkpoint is {good[-1] if good else 'none (none was saved yet)'}")
+    final = Path(run_dir) / "checkpoints" / f"step_{step}"
+    partial = final.with_name(f"partial_{final.name}")
+    if accelerator.is_main_process:
+        shutil.rmtree(partial, ignore_errors=True)  # left over by a run killed while saving
+    accelerator.wait_for_everyone()
+    accelerator.save_state(partial)  # every process writes its own RNG state into it
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(partial, final)
+        for old in list_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first."""
+    folder = Path(run_dir) / "checkpoints"
+    found = [p for p in folder.glob("step_*") if p.is_dir() and STEP_DIR.search(p.name)] if folder.is_dir() else []
+    return sorted(found, key=lambda p: int(STEP_DIR.search(p.name).group(1)))
+
+
+def find_checkpoint(run_dir: Path | None, resume: str, recipe: str) -> Path:
+    """The checkpoint that --resume names: `latest` of run_dir (or of the newest run of the recipe), or a folder."""
+    if resume != "latest":
+        path = Path(resume)
+        if not (path / "custom_checkpoint_0.pkl").exists():
+            raise RecipeError(f"--resume {resume}: not a checkpoint folder (expected checkpoints/step_<N> of a run)")
+        return path
+    if run_dir is None:
+        runs = sorted((p for p in Path("runs").glob(f"{recipe}-*") if list_checkpoints(p)), key=os.path.getmtime)
+        if not runs:
+            raise RecipeError(f"--resume latest: no run of {recipe} with checkpoints under runs/: pass --output_dir of the run to continue")
+        run_dir = runs[-1]
+    checkpoints = list_checkpoints(run_dir)
+    if not checkpoints:
+        raise RecipeError(f"--resume latest: {run_dir} has no checkpoints: start it without --resume, "
+                          "or pass --output_dir of a run that saved one (--checkpoint_every N)")
+    return checkpoints[-1]
+
+
+def resume_from(accelerator, checkpoint: Path) -> None:
+    """accelerator.load_state, after checking that no file in the checkpoint can run code."""
+    for pickled in sorted(checkpoint.glob("*.pkl")) + sorted(checkpoint.glob("*.bin")):
+        try:
+            # accelerate loads registered objects with weights_only=False: refuse anything a
+            # weights_only load would not accept before that happens.
+            torch.load(pickled, map_location="cpu", weights_only=True)
+        except Exception as error:
+            raise RecipeError(f"--resume {checkpoint}: {pickled.name} is corrupt or holds more than tensors and "
+                              f"numbers ({type(error).__name__}): resume from another checkpoint") from None
+    try:
+        accelerator.load_state(checkpoint)
+    except (RuntimeError, ValueError, OSError) as error:
+        raise RecipeError(f"--resume {checkpoint}: it does not match this model or run "
+                          f"({first_line(error)}): resume with the recipe and flags that wrote it") from None
+
+
+def save_weights(accelerator, model, path: Path, metadata: dict) -> None:
+    """Final weights as a plain safetensors state dict: no `module.` or `_orig_mod.` prefixes."""
+    state = accelerator.get_state_dict(model)  # unwraps DDP; model.compile() adds no prefix
+    if accelerator.is_main_process:
+        partial = Path(path).with_suffix(".tmp")
+        save_file({k: v.contiguous() for k, v in state.items()}, partial, metadata={k: str(v) for k, v in metadata.items()})
+        os.replace(partial, path)
+
+
+def load_weights(model: torch.nn.Module, path: str | Path) -> None:
+    """Load a weights file into `model`: a .safetensors file, a torch.save'd state dict (plain or
+    under 'model'/'state_dict'/'model_state_dict', keys prefixed 'module.' or '_orig_mod.'), or an
+    accelerate checkpoint folder; tensors saved on a GPU load on a CPU."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "model.safetensors"
+    if not path.exists():
+        raise RecipeError(f"--weights {path}: no such file: pass a model.safetensors, a .pt/.pth file or a checkpoint folder")
+    try:
+        if path.suffix == ".safetensors":
+            state = load_file(path)
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise RecipeError(f"--weights {path}: cannot be read safely ({type(error).__name__}: {first_line(error)}): "
+                          "save a state dict (torch.save(model.state_dict(), path)) where the model was made") from None
+    for key in ("model_state_dict", "state_dict", "model"):
+        if isinstance(state, dict) and isinstance(state.get(key), dict):
+            state = state[key]
+    state = {re.sub(r"^(module\.|_orig_mod\.)+", "", k): v for k, v in state.items()}
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in state]
+    mismatched = [k for k in expected if k in state and state[k].shape != expected[k].shape]
+    if missing or mismatched:
+        detail = (f"first missing key {missing[0]!r}" if missing else
+                  f"{mismatched[0]!r} is {tuple(state[mismatched[0]].shape)} in the file, {tuple(expected[mismatched[0]].shape)} in the model")
+        raise RecipeError(f"--weights {path} does not fit this model ({detail}): pass weights written by this recipe")
+    model.load_state_dict({k: state[k] for k in expected})
+

@@ -1,0 +1,61 @@
+"""Tiny image datasets written in the formats users bring: save_to_disk, parquet, imagefolder.
+
+Images are random, with a per-class brightness so that a label means something, and the
+datasets are small enough that a recipe runs through them in seconds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import datasets
+import numpy as np
+from PIL import Image
+
+CLASSES = [f"class_{i}" for i in range(10)]
+
+
+def image_splits(sizes=None, shape=(3, 32, 32), num_classes=10, seed=0) -> datasets.DatasetDict:
+    """A DatasetDict with an Image column 'img' and a ClassLabel column 'label'."""
+    sizes = sizes or {"train": 64, "test": 20}
+    rng = np.random.default_rng(seed)
+    channels, height, width = shape
+    features = datasets.Features({"img": datasets.Image(), "label": datasets.ClassLabel(names=CLASSES[:num_classes])})
+    splits = {}
+    for split, size in sizes.items():
+        labels = np.arange(size) % num_classes
+        images = []
+        for label in labels:
+            pixels = rng.integers(0, 128, (height, width, channels), dtype=np.uint8) + np.uint8(12 * label)
+            images.append(Image.fromarray(pixels[..., 0] if channels == 1 else pixels))
+        splits[split] = datasets.Dataset.from_dict({"img": images, "label": labels.tolist()}, features=features)
+    return datasets.DatasetDict(splits)
+
+
+def save_to_disk_dataset(path: Path, **kwargs) -> Path:
+    image_splits(**kwargs).save_to_disk(str(path))
+    return path
+
+
+def parquet_dataset(path: Path, **kwargs) -> Path:
+    path.mkdir(parents=True)
+    for split, dataset in image_splits(**kwargs).items():
+        dataset.to_parquet(str(path / f"{split}.parquet"))  # load_dataset(folder) maps file names to splits
+    return path
+
+
+def imagefolder_dataset(path: Path, **kwargs) -> Path:
+    """path/<split>/<class name>/<n>.png: the layout torchvision's ImageFolder also reads."""
+    for split, dataset in image_splits(**kwargs).items():
+        for n, example in enumerate(dataset):
+            folder = path / split / CLASSES[example["label"]]
+            folder.mkdir(parents=True, exist_ok=True)
+            example["img"].save(folder / f"{n}.png")
+    return path
+
+
+def text_dataset(path: Path) -> Path:
+    """A dataset with the wrong columns for an image recipe."""
+    datasets.DatasetDict(train=datasets.Dataset.from_dict({"text": ["a", "b"], "label": [0, 1]}),
+                         test=datasets.Dataset.from_dict({"text": ["c"], "label": [1]})).save_to_disk(str(path))
+    return path
