@@ -1,5 +1,5 @@
 #!/bin/bash
-# Multi-node training under SLURM with accelerate_configs/multinode.yaml.
+# Multi-node training under SLURM with accelerate_configs/multinode.yaml, preemption-safe.
 # Submit from the repository root:   sbatch accelerate_configs/slurm_multinode.sh
 # One task per node; each task runs `accelerate launch`, which starts one process per GPU.
 #SBATCH --job-name=cifar_cnn
@@ -9,20 +9,39 @@
 #SBATCH --cpus-per-task=32
 #SBATCH --time=02:00:00
 #SBATCH --output=slurm-%j.out
+#SBATCH --requeue                 # a preempted or timed-out job may go back into the queue
+#SBATCH --signal=B:TERM@120       # SIGTERM to this script 120 s before the time limit
 
 set -euo pipefail
 
 GPUS_PER_NODE=8
 MAIN_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 MAIN_PORT=29500
+# A requeued job keeps its job id, so it finds its own run folder and continues it.
+OUTPUT_DIR="runs/cifar_cnn-slurm-${SLURM_JOB_ID}"
+RESUME=""
+if [ -d "$OUTPUT_DIR/checkpoints" ]; then RESUME="--resume latest"; fi
+
+# On SIGTERM (time limit near, or preemption): pass it on to the training processes, which
+# finish their step, save a checkpoint and exit 0; then put this job back in the queue.
+requeue() {
+    echo "SIGTERM: waiting for the checkpoint, then requeueing job $SLURM_JOB_ID"
+    kill -TERM "$TRAINING" 2>/dev/null || true
+    wait "$TRAINING" || true
+    scontrol requeue "$SLURM_JOB_ID"
+    exit 0
+}
+trap requeue TERM
 
 # The per-node values come from SLURM and override the template's placeholders.
-# \$SLURM_NODEID is expanded by each task on its own node, hence the single quotes.
-srun bash -c 'accelerate launch \
+# $SLURM_NODEID is expanded by each task on its own node, hence the single quotes.
+srun --kill-on-bad-exit=1 bash -c 'exec accelerate launch \
     --config_file accelerate_configs/multinode.yaml \
     --num_machines '"$SLURM_NNODES"' \
     --num_processes '"$((SLURM_NNODES * GPUS_PER_NODE))"' \
     --machine_rank "$SLURM_NODEID" \
     --main_process_ip '"$MAIN_NODE"' \
     --main_process_port '"$MAIN_PORT"' \
-    recipes/cifar_cnn.py'
+    recipes/cifar_cnn.py --output_dir '"$OUTPUT_DIR"' '"$RESUME" &
+TRAINING=$!
+wait "$TRAINING"

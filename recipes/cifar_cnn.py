@@ -17,7 +17,6 @@ Outputs land in runs/cifar_cnn-<time>/: config.json, metrics.jsonl, summary.json
 model.safetensors and checkpoints/.
 """
 
-import json
 import math
 import sys
 import time
@@ -27,18 +26,21 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator, DataLoaderConfiguration
-from accelerate.utils import set_seed
+from accelerate.utils import GradientAccumulationPlugin, set_seed
 from torch import nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it
 from shared.augment import normalize, random_crop, random_flip  # noqa: E402
-from shared.checkpoints import Progress, find_checkpoint, load_weights, resume_from, save_checkpoint, save_weights  # noqa: E402
+from shared.batch_size import largest_batch_size  # noqa: E402
+from shared.checkpoints import (Progress, StopSignal, evaluate_weights, find_checkpoint, resume_command,  # noqa: E402
+                                resume_from, save_checkpoint, save_weights)
 from shared.config import RunConfig, parse_config  # noqa: E402
 from shared.data import load_image_data, whole_batch  # noqa: E402
 from shared.errors import RecipeError, check_launch, one_line_errors  # noqa: E402
-from shared.tracking import Throughput, make_run_dir, peak_memory_mb, run_config, tracker_kwargs, trackers  # noqa: E402
+from shared.pictures import save_pictures  # noqa: E402
+from shared.tracking import TrainWindow, make_run_dir, run_config, run_summary, trackers  # noqa: E402
 
 RECIPE = "cifar_cnn"
 
@@ -59,6 +61,11 @@ class Config(RunConfig):
 IMAGE_SHAPE = (3, 32, 32)  # channels, height, width
 MEAN = (0.4914, 0.4822, 0.4465)  # per-channel mean and std of the CIFAR-10 training images
 STD = (0.2470, 0.2435, 0.2616)
+
+
+def load_data(cfg: Config):
+    """(train, test) as uint8 image tensors: the hub, a local folder, or --synthetic."""
+    return load_image_data(cfg.data, IMAGE_SHAPE, cfg.synthetic)
 
 
 def preprocess(images: torch.Tensor, augment: bool) -> torch.Tensor:
@@ -83,54 +90,73 @@ def make_model(num_classes: int) -> nn.Sequential:
     )
 
 
+def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    # Weight decay on weight matrices and kernels only: decaying biases just limits what they can fit.
+    weights = [p for p in model.parameters() if p.ndim > 1]
+    biases = [p for p in model.parameters() if p.ndim <= 1]
+    return torch.optim.SGD([{"params": weights, "weight_decay": cfg.weight_decay}, {"params": biases, "weight_decay": 0}],
+                           lr=cfg.lr, momentum=cfg.momentum, nesterov=True)
+
+
 @torch.no_grad()  # no autograd graph: evaluation needs no gradients, and would hold every activation
-def evaluate(model, loader, accelerator) -> dict:
+def evaluate(model, loader, accelerator) -> tuple[dict, torch.Tensor]:
+    """Test loss and accuracy over every process, and the predictions in test-set order."""
     model.eval()
-    loss_sum = correct = count = 0
+    loss_sum = correct = 0
+    predictions = []
     for images, labels in loader:
         logits = model(preprocess(images, augment=False))
-        # Gathered from every process; gather_for_metrics drops the samples that accelerate
-        # repeated to make the last batch even, so each test image counts exactly once.
+        # From every process, minus the samples accelerate repeated to even out the last batch.
         logits, labels = accelerator.gather_for_metrics((logits, labels))
         loss_sum += F.cross_entropy(logits.float(), labels, reduction="sum")
-        correct += (logits.argmax(dim=1) == labels).sum()
-        count += len(labels)
-    return {"eval_loss": (loss_sum / count).item(), "eval_acc": (correct / count).item(), "eval_samples": count}
+        predictions.append(logits.argmax(dim=1))
+        correct += (predictions[-1] == labels).sum()
+    count = sum(len(p) for p in predictions)
+    metrics = {"eval_loss": (loss_sum / count).item(), "eval_acc": (correct / count).item(), "eval_samples": count}
+    return metrics, torch.cat(predictions).cpu()
 
 
 # ----------------------------------------------------------------------------- training
 def train(cfg: Config) -> None:
-    check_launch()  # refuses duplicate runs (2gpu.yaml without GPUs) and fp16 on a CPU
+    check_launch()  # stops launches that would not run as configured (see shared/errors.py)
     run_dir = make_run_dir(cfg, RECIPE)
     accelerator = Accelerator(
-        gradient_accumulation_steps=cfg.grad_accum,
+        # Every optimizer step averages exactly grad_accum batches, also across an epoch's end
+        # (by default accelerate steps early at the end of the data, with too small a gradient).
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.grad_accum, sync_with_dataloader=False),
         step_scheduler_with_optimizer=False,  # stepped below, exactly once per optimizer step
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed),  # order = f(seed, epoch)
         project_dir=run_dir,
-        log_with=trackers(cfg, run_dir),  # wandb / tensorboard + config.json, metrics.jsonl, summary.json, curves.png
+        log_with=trackers(cfg, run_dir, RECIPE),  # wandb / tensorboard + config.json, metrics.jsonl, summary.json, ...
     )
     set_seed(cfg.seed)
     with accelerator.main_process_first():  # the main process decodes and caches; the others read its cache
-        train_set, test_set = load_image_data(cfg.data, IMAGE_SHAPE, cfg.synthetic)
-    train_loader = DataLoader(train_set, cfg.batch_size, shuffle=True, drop_last=True, collate_fn=whole_batch)
-    test_loader = DataLoader(test_set, 2 * cfg.batch_size, collate_fn=whole_batch)
+        train_set, test_set = load_data(cfg)
+    if cfg.data_on_device:  # one copy of the uint8 dataset now, instead of a host-to-GPU copy per batch
+        train_set, test_set = train_set.to(accelerator.device), test_set.to(accelerator.device)
+    if cfg.auto_batch_size:  # halve --batch_size until one training step fits in memory, on every process
+        cfg.batch_size = largest_batch_size(accelerator, cfg.batch_size, train_set, lambda: make_model(len(train_set.classes)),
+                                            lambda model: make_optimizer(model, cfg), lambda images: preprocess(images, cfg.augment))
+    # Own generators: every new DataLoader iterator draws a seed, and drawing it from the global RNG
+    # would shift the augmentation's random numbers after a mid-epoch resume (no longer bitwise exact).
+    train_loader = DataLoader(train_set, cfg.batch_size, shuffle=True, drop_last=True, collate_fn=whole_batch,
+                              generator=torch.Generator())
+    test_loader = DataLoader(test_set, 2 * cfg.batch_size, collate_fn=whole_batch, generator=torch.Generator())
 
+    global_batch_size = cfg.batch_size * accelerator.num_processes * cfg.grad_accum
     model = make_model(len(train_set.classes))
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if cfg.compile:
         model.compile()  # in place: state_dict keys stay free of `_orig_mod.`
-    weights = [p for p in model.parameters() if p.ndim > 1]
-    biases = [p for p in model.parameters() if p.ndim <= 1]
-    optimizer = torch.optim.SGD([{"params": weights, "weight_decay": cfg.weight_decay}, {"params": biases, "weight_decay": 0}],
-                                lr=cfg.lr, momentum=cfg.momentum, nesterov=True)
+    optimizer = make_optimizer(model, cfg)
     model, optimizer, train_loader, test_loader = accelerator.prepare(model, optimizer, train_loader, test_loader)
 
     # After prepare, len(train_loader) counts this process's batches: its share of the epoch.
-    steps_per_epoch = math.ceil(len(train_loader) / cfg.grad_accum)
-    total_steps = cfg.max_steps or cfg.epochs * steps_per_epoch
-    epochs = math.ceil(total_steps / steps_per_epoch)
-    global_batch_size = cfg.batch_size * accelerator.num_processes * cfg.grad_accum
+    total_steps = cfg.max_steps or cfg.epochs * len(train_loader) // cfg.grad_accum
+    if len(train_loader) == 0 or total_steps == 0:  # drop_last leaves no batch when the data is smaller than one
+        raise RecipeError(f"{len(train_set)} training images make no full step of {global_batch_size}: lower --batch_size or --grad_accum")
+    epochs = math.ceil(total_steps * cfg.grad_accum / len(train_loader))
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=cfg.lr, total_steps=total_steps, pct_start=0.2,
                                                     anneal_strategy="linear", cycle_momentum=False)
     scheduler = accelerator.prepare(scheduler)
@@ -144,14 +170,14 @@ def train(cfg: Config) -> None:
     data_name = "SYNTHETIC data" if cfg.synthetic else cfg.data
     accelerator.print(f"{RECIPE}: {data_name}, {len(train_set)} train / {len(test_set)} test images | "
                       f"{accelerator.num_processes} process(es) on {accelerator.device}, precision {accelerator.mixed_precision} | "
-                      f"global batch {global_batch_size}, {steps_per_epoch} steps/epoch, {total_steps} steps | {run_dir}")
+                      f"global batch {global_batch_size}, {total_steps} steps ({epochs} epochs) | {run_dir}")
     config = run_config(cfg, accelerator, recipe=RECIPE, data=data_name, global_batch_size=global_batch_size,
-                        steps_per_epoch=steps_per_epoch, total_steps=total_steps, train_size=len(train_set),
-                        test_size=len(test_set), resumed_step=progress.step if cfg.resume else None)
-    accelerator.init_trackers(RECIPE, config=config, init_kwargs=tracker_kwargs(cfg, run_dir, run_dir.name))
+                        total_steps=total_steps, train_size=len(train_set), test_size=len(test_set),
+                        resumed_step=progress.step if cfg.resume else None)
+    accelerator.init_trackers(RECIPE, config=config)
 
-    start, speed = time.perf_counter(), Throughput()
-    loss_sum, loss_count = torch.zeros((), device=accelerator.device), 0
+    start, window = time.perf_counter(), TrainWindow(accelerator)
+    stop = StopSignal(accelerator)  # SIGTERM or Ctrl-C: checkpoint after the current step, then exit 0
     show_bar = accelerator.is_local_main_process and sys.stderr.isatty()
     while progress.step < total_steps:
         model.train()
@@ -159,74 +185,68 @@ def train(cfg: Config) -> None:
         batches = train_loader
         if progress.batches_seen:  # resuming mid-epoch: same permutation, minus the batches already trained on
             batches = accelerator.skip_first_batches(train_loader, progress.batches_seen)
-        for images, labels in tqdm(batches, desc=f"epoch {progress.epoch + 1}/{epochs}", disable=not show_bar, leave=False):
+        bar = tqdm(batches, desc=f"epoch {progress.epoch + 1}/{epochs}", disable=not show_bar, leave=False)
+        for images, labels in bar:
             with accelerator.accumulate(model):  # DDP syncs gradients only on the last batch of each accumulation
-                if cfg.channels_last:
-                    images = images.contiguous(memory_format=torch.channels_last)
-                loss = F.cross_entropy(model(preprocess(images, cfg.augment)), labels)
+                inputs = preprocess(images, cfg.augment)
+                if cfg.channels_last:  # after preprocessing: the crop's gather returns a plain NCHW tensor
+                    inputs = inputs.contiguous(memory_format=torch.channels_last)
+                logits = model(inputs)
+                loss = F.cross_entropy(logits, labels)
                 accelerator.backward(loss)  # scaled by 1/grad_accum, so accumulated gradients are a mean
                 optimizer.step()  # does nothing until the last batch of the accumulation
                 optimizer.zero_grad()
             progress.batches_seen += 1
-            speed.count(len(labels) * accelerator.num_processes)
-            loss_sum += loss.detach()  # detach: keeping `loss` itself would keep its whole graph alive
-            loss_count += 1
+            window.add(loss, logits, labels)  # summed on the device: no loss.item() (a GPU sync) every step
             if not accelerator.sync_gradients:
                 continue
             lr = scheduler.get_last_lr()[0]  # the rate this step used
             scheduler.step()
             progress.step += 1
-            if progress.step % cfg.log_every == 0 or progress.step == total_steps:
-                train_loss = accelerator.reduce(loss_sum, "mean").item() / loss_count  # .item() waits for the GPU: only here
-                if not math.isfinite(train_loss):
-                    raise RecipeError(f"train loss became {train_loss} by step {progress.step}: lower --lr (now {cfg.lr}); "
-                                      "checkpoints already on disk hold finite weights")
-                accelerator.log({"epoch": progress.epoch + progress.batches_seen / len(train_loader), "train_loss": train_loss,
-                                 "lr": lr, "samples_per_s": speed.window()}, step=progress.step)
-                loss_sum.zero_()
-                loss_count = 0
-            if cfg.checkpoint_every and progress.step % cfg.checkpoint_every == 0:
-                with speed.paused():
+            log_now = progress.step % cfg.log_every == 0 or progress.step == total_steps
+            if log_now:
+                epoch = progress.epoch + progress.batches_seen / len(train_loader)
+                point = {"epoch": epoch, "lr": lr, **window.flush(progress.step)}
+                accelerator.log(point, step=progress.step)
+                bar.set_postfix(loss=f"{point['train_loss']:.3f}", acc=f"{point['train_acc']:.3f}",
+                                samples_per_s=f"{point['samples_per_s']:.0f}")
+            save_now = cfg.checkpoint_every > 0 and progress.step % cfg.checkpoint_every == 0
+            stopping = stop.requested(synced=log_now or save_now)
+            if save_now or stopping:
+                with window.paused():
                     save_checkpoint(accelerator, model, run_dir, progress.step, cfg.keep_checkpoints)
+            if stopping:
+                accelerator.print(f"stopped by {stop.received or 'a signal to another process'} at step {progress.step}, "
+                                  f"checkpoint saved; continue with:\n  {resume_command(run_dir)}")
+                accelerator.end_training()
+                return
             if progress.step == total_steps:
                 break
         if progress.batches_seen == len(train_loader):
             progress.epoch, progress.batches_seen = progress.epoch + 1, 0
-        with speed.paused():
-            metrics = evaluate(model, test_loader, accelerator)
+        with window.paused():
+            metrics, predictions = evaluate(model, test_loader, accelerator)
         progress.best_eval_acc = max(progress.best_eval_acc, metrics["eval_acc"])
         accelerator.log(metrics, step=progress.step)
         accelerator.print(f"step {progress.step}/{total_steps}  eval_loss {metrics['eval_loss']:.4f}  eval_acc {metrics['eval_acc']:.4f}")
 
-    if not (cfg.checkpoint_every and progress.step % cfg.checkpoint_every == 0):
-        save_checkpoint(accelerator, model, run_dir, progress.step, cfg.keep_checkpoints)
+    save_checkpoint(accelerator, model, run_dir, progress.step, cfg.keep_checkpoints)  # no-op if this step is saved
     wall_s = time.perf_counter() - start
-    summary = {"best_eval_acc": progress.best_eval_acc, "steps": progress.step, "epochs": progress.step / steps_per_epoch,
-               "wall_s": wall_s, "samples_per_s": speed.overall(),
-               "peak_mem_mb": peak_memory_mb(accelerator.device), "world_size": accelerator.num_processes,
-               "mixed_precision": accelerator.mixed_precision, "data": data_name}
+    summary = run_summary(accelerator, progress, window, wall_s, progress.epoch + progress.batches_seen / len(train_loader), data_name)
     save_weights(accelerator, model, run_dir / "model.safetensors", {"recipe": RECIPE, **metrics, **summary})
+    save_pictures(accelerator, run_dir, test_set, predictions, progress.step)  # confusion matrix, misclassified images
     accelerator.log(summary, step=progress.step)
     accelerator.end_training()
     accelerator.print(f"done: eval_acc {metrics['eval_acc']:.4f} after {progress.step} steps in {wall_s:.0f} s; files in {run_dir}")
 
 
-def evaluate_weights(cfg: Config) -> None:
-    """--eval_only: test-split loss and accuracy of a weights file, printed as one JSON line."""
-    check_launch()
-    accelerator = Accelerator()
-    with accelerator.main_process_first():
-        _, test_set = load_image_data(cfg.data, IMAGE_SHAPE, cfg.synthetic)
-    model = make_model(len(test_set.classes))
-    load_weights(model, cfg.weights)
-    model, test_loader = accelerator.prepare(model, DataLoader(test_set, 2 * cfg.batch_size, collate_fn=whole_batch))
-    accelerator.print(json.dumps({"weights": cfg.weights, **evaluate(model, test_loader, accelerator)}))
-
-
 def main() -> None:
     cfg = parse_config(Config)
     with one_line_errors():
-        evaluate_weights(cfg) if cfg.eval_only else train(cfg)
+        if cfg.eval_only:  # --eval_only --weights PATH: test metrics of a weights file, as one JSON line
+            evaluate_weights(cfg, make_model, lambda: load_data(cfg)[1], evaluate)
+        else:
+            train(cfg)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,11 @@ Each module has one job:
     config       the Config dataclass -> command-line flags
     data         datasets (hub, local folders, synthetic) -> uint8 tensors, batched
     augment      whole-batch image augmentation on the device
-    tracking     run folder, config.json, metrics.jsonl, summary.json, curves.png, wandb
-    checkpoints  full-state checkpoints, resume, portable weights loading
+    tracking     run folder, config.json, metrics.jsonl, summary.json, curves.png, wandb, TensorBoard
+    pictures     confusion matrix and misclassified images at the end of a run
+    checkpoints  full-state checkpoints, resume, preemption, portable weights loading
     errors       one-line errors and launch checks
+    runs         `python -m shared.runs runs/`: a table comparing finished runs
+    measure      step timing and the CUDA memory breakdown, for sweeps and benchmarks
+    report       markdown + CSV + PNG tables, for sweeps and benchmarks
 """

@@ -8,15 +8,24 @@ checkpoint as the newest one on disk.
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
 import re
+import shlex
 import shutil
+import signal
+import sys
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator
+from accelerate.utils import load as accelerate_load  # torch.load(weights_only=True) + NumPy RNG types
 from safetensors.torch import load_file, save_file
+from torch.utils.data import DataLoader
 
-from shared.errors import RecipeError, first_line
+from shared.data import whole_batch
+from shared.errors import RecipeError, check_launch, first_line
 
 STEP_DIR = re.compile(r"step_(\d+)$")
 
@@ -38,6 +47,52 @@ class Progress:
         vars(self).update(state)
 
 
+class StopSignal:
+    """SIGTERM (what SLURM and most schedulers send before they kill a job) or SIGINT (Ctrl-C) asks
+    the run to stop: it finishes the optimizer step in progress, saves a checkpoint and exits 0.
+
+    Later signals change nothing: launchers forward the first one again (torchrun sends SIGTERM to
+    its workers when it gets one), and that must not cost the checkpoint. kill -9 stops at once."""
+
+    def __init__(self, accelerator):
+        self.accelerator, self.received = accelerator, None
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = self.received or signal.Signals(signum).name
+
+    def requested(self, synced: bool) -> bool:
+        """Whether to stop after this step: the same answer on every process.
+
+        One process answers at once. Several must agree, or one would wait in a checkpoint's
+        barrier while another runs the next step's all-reduce; they agree through a collective
+        (accelerate's set_trigger/check_trigger), only where the step already waits for the
+        device (`synced`: log points and checkpoints), so the loop gains no extra GPU sync."""
+        if self.accelerator.num_processes == 1:
+            return self.received is not None
+        if not synced:
+            return False
+        if self.received:
+            self.accelerator.set_trigger()
+        return self.accelerator.check_trigger()
+
+
+def resume_command(run_dir: Path) -> str:
+    """The command that continues this run: the same script and flags, --resume latest."""
+    args, skip = [], False
+    for arg in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif arg in ("--output_dir", "--resume"):
+            skip = True
+        elif not arg.startswith(("--output_dir=", "--resume=", "--overwrite")):
+            args.append(arg)
+    launched = "ACCELERATE_MIXED_PRECISION" in os.environ  # set by `accelerate launch` for every config
+    launcher = "accelerate launch --config_file <the same config>" if launched else "python"
+    return f"{launcher} {shlex.join([sys.argv[0], *args, '--output_dir', str(run_dir), '--resume', 'latest'])}"
+
+
 def save_checkpoint(accelerator, model, run_dir: Path, step: int, keep: int) -> Path:
     """Save the full training state to checkpoints/step_<step>; keep the newest `keep`.
 
@@ -47,14 +102,21 @@ def save_checkpoint(accelerator, model, run_dir: Path, step: int, keep: int) -> 
         raise RecipeError(f"the weights became NaN or inf by step {step} (lower --lr): nothing saved; "
                           f"the newest good checkpoint is {good[-1] if good else 'none (none was saved yet)'}")
     final = Path(run_dir) / "checkpoints" / f"step_{step}"
+    if final.is_dir():
+        return final  # already saved at this step (--checkpoint_every landed on the last one)
     partial = final.with_name(f"partial_{final.name}")
     if accelerator.is_main_process:
         shutil.rmtree(partial, ignore_errors=True)  # left over by a run killed while saving
     accelerator.wait_for_everyone()
-    accelerator.save_state(partial)  # every process writes its own RNG state into it
+    try:
+        accelerator.save_state(partial)  # every process writes its own RNG state into it
+    except OSError as error:  # disk full, quota, permissions: keep what is on disk, say what happened
+        shutil.rmtree(partial, ignore_errors=True)
+        good = list_checkpoints(run_dir)
+        raise RecipeError(f"saving the checkpoint of step {step} failed ({error.strerror or error}): the newest complete "
+                          f"checkpoint is {good[-1] if good else 'none'}; free space, then continue with --resume latest") from None
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
         for old in list_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old)
@@ -92,17 +154,21 @@ def resume_from(accelerator, checkpoint: Path) -> None:
     """accelerator.load_state, after checking that no file in the checkpoint can run code."""
     for pickled in sorted(checkpoint.glob("*.pkl")) + sorted(checkpoint.glob("*.bin")):
         try:
-            # accelerate loads registered objects with weights_only=False: refuse anything a
-            # weights_only load would not accept before that happens.
-            torch.load(pickled, map_location="cpu", weights_only=True)
+            # accelerate loads registered objects with weights_only=False: refuse anything that a
+            # weights_only load (plus the NumPy types of the RNG states, as accelerate allows) would not.
+            accelerate_load(pickled, map_location="cpu")
         except Exception as error:
             raise RecipeError(f"--resume {checkpoint}: {pickled.name} is corrupt or holds more than tensors and "
                               f"numbers ({type(error).__name__}): resume from another checkpoint") from None
     try:
         accelerator.load_state(checkpoint)
-    except (RuntimeError, ValueError, OSError) as error:
-        raise RecipeError(f"--resume {checkpoint}: it does not match this model or run "
-                          f"({first_line(error)}): resume with the recipe and flags that wrote it") from None
+    except Exception as error:  # a size mismatch, a missing or truncated file: all mean "not this run's"
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        detail = next((line for line in lines if line.startswith(("size mismatch", "Missing key", "Unexpected key"))),
+                      lines[0] if lines else type(error).__name__)
+        raise RecipeError(f"--resume {checkpoint} cannot be loaded into this run ({type(error).__name__}: "
+                          f"{detail[:200]}): resume with the recipe and flags that wrote it, "
+                          "or from another checkpoint") from None
 
 
 def save_weights(accelerator, model, path: Path, metadata: dict) -> None:
@@ -126,11 +192,18 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
     try:
         if path.suffix == ".safetensors":
             state = load_file(path)
-        else:
+        else:  # weights_only: tensors and plain containers only; a pickle that would run code is refused
             state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        found = re.search(r"GLOBAL (\S+)", str(error))
+        raise RecipeError(
+            f"--weights {path} holds pickled Python objects ({found.group(1) if found else 'not only tensors'}), "
+            "and loading it could run code: refused. Where the file was made and is trusted, convert it with "
+            "`model = torch.load(path, weights_only=False)` then `torch.save(model.state_dict(), 'weights.pt')`"
+        ) from None
     except Exception as error:
-        raise RecipeError(f"--weights {path}: cannot be read safely ({type(error).__name__}: {first_line(error)}): "
-                          "save a state dict (torch.save(model.state_dict(), path)) where the model was made") from None
+        raise RecipeError(f"--weights {path} cannot be read ({type(error).__name__}: {first_line(error)}): "
+                          "it may be truncated or not a weights file; pass a model.safetensors or a .pt state dict") from None
     for key in ("model_state_dict", "state_dict", "model"):
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]
@@ -144,3 +217,19 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
         raise RecipeError(f"--weights {path} does not fit this model ({detail}): pass weights written by this recipe")
     model.load_state_dict({k: state[k] for k in expected})
 
+
+
+def evaluate_weights(cfg, make_model, load_test_set, evaluate) -> None:
+    """--eval_only --weights PATH: test-split loss and accuracy of a weights file, as one JSON line.
+
+    `make_model(num_classes)`, `load_test_set()` and `evaluate(model, loader, accelerator)` are the recipe's."""
+    check_launch()
+    accelerator = Accelerator()
+    with accelerator.main_process_first():
+        test_set = load_test_set()
+    model = make_model(len(test_set.classes))
+    load_weights(model, cfg.weights)
+    loader = DataLoader(test_set, 2 * cfg.batch_size, collate_fn=whole_batch)
+    model, loader = accelerator.prepare(model, loader)
+    metrics, _ = evaluate(model, loader, accelerator)
+    accelerator.print(json.dumps({"weights": cfg.weights, **metrics}))

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 # Checked for every recipe that has the field; a recipe adds its own rules in __post_init__.
-POSITIVE = ("epochs", "batch_size", "lr", "grad_accum", "max_steps", "log_every", "keep_checkpoints")
+POSITIVE = ("epochs", "batch_size", "lr", "grad_accum", "max_steps", "log_every", "keep_checkpoints", "segments",
+            "sweep_batch", "sweep_repeats")
 NON_NEGATIVE = ("seed", "checkpoint_every", "weight_decay", "momentum", "label_smoothing")
 
 
@@ -45,6 +46,8 @@ class RunConfig:
     tracker: Literal["wandb", "tensorboard", "none"] = "wandb"  # wandb is offline without an API key
     compile: bool = False  # torch.compile the model (GPU; the first steps are slow while it compiles)
     channels_last: bool = False  # NHWC memory layout for convolutions (GPU, faster with mixed precision)
+    data_on_device: bool = False  # hold the whole uint8 dataset in GPU memory: no host-to-GPU copy per batch
+    auto_batch_size: bool = False  # halve --batch_size until a training step fits in memory (all processes agree)
 
     def __post_init__(self):
         for name in POSITIVE:

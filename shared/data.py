@@ -44,6 +44,10 @@ class ImageTensors(torch.utils.data.Dataset):
     def __getitem__(self, index):
         return self.images[index], self.labels[index]
 
+    def to(self, device) -> ImageTensors:
+        """The split moved to `device`: batches are then cut where the model runs, without a copy."""
+        return ImageTensors(self.images.to(device), self.labels.to(device), self.classes, self.name)
+
     def __getitems__(self, indices):
         # The DataLoader passes a whole batch of indices here (PyTorch >= 2.2): one gather
         # instead of batch_size __getitem__ calls plus a stack in collate.
@@ -57,10 +61,12 @@ def whole_batch(batch):
 
 
 def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: bool = False,
-                    synthetic_sizes: tuple[int, int] = (50_000, 10_000)) -> tuple[ImageTensors, ImageTensors]:
-    """(train, test) splits with images of `image_shape` (C, H, W); see the module docstring."""
+                    synthetic_sizes: tuple[int, int] = (50_000, 10_000),
+                    synthetic_classes: int = 10) -> tuple[ImageTensors, ImageTensors]:
+    """(train, test) splits with images of `image_shape` (C, H, W); see the module docstring.
+    The synthetic stand-in copies the real dataset's split sizes and class count."""
     if synthetic:
-        return make_synthetic(image_shape, *synthetic_sizes)
+        return make_synthetic(image_shape, *synthetic_sizes, num_classes=synthetic_classes)
     splits = open_dataset(source)
     train, test = pick_splits(splits, source)
     image_column, label_column, classes = find_columns(train, source)
@@ -73,6 +79,7 @@ def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: b
 def open_dataset(source: str) -> datasets.DatasetDict:
     path = Path(source).expanduser()
     if path.exists():
+        datasets.disable_progress_bars()  # a local folder loads in moments: no bars on stderr
         try:
             if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
                 loaded = datasets.load_from_disk(str(path))  # written by save_to_disk
@@ -81,7 +88,8 @@ def open_dataset(source: str) -> datasets.DatasetDict:
         except Exception as error:
             raise RecipeError(
                 f"could not read a dataset from {path} ({type(error).__name__}: {first_line(error)}): "
-                "expected a save_to_disk folder, parquet files, or an imagefolder (one subfolder per class)"
+                "expected a save_to_disk folder, parquet files, or an imagefolder (one subfolder per class), "
+                "with examples in every split"
             ) from None
         return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict(train=loaded)
     if source.startswith((".", "/", "~")) or source.count("/") > 1:
@@ -194,7 +202,7 @@ def make_synthetic(image_shape, train_size: int, test_size: int, num_classes: in
     Fixed generator seed: every run and every process sees the same images, whatever --seed is.
     """
     channels, height, width = image_shape
-    cache = CACHE_DIR / f"synthetic-v1-{channels}x{height}x{width}-{train_size}-{test_size}.safetensors"
+    cache = CACHE_DIR / f"synthetic-v1-{channels}x{height}x{width}-{train_size}-{test_size}-{num_classes}.safetensors"
     if cache.exists():
         return tuple(ImageTensors(*_read_cache(cache, split), name=f"synthetic {split}") for split in ("train", "test"))
     generator = torch.Generator().manual_seed(1234)

@@ -3,6 +3,9 @@
 A recipe raises `RecipeError` for anything the user can fix (data, flags, launch, checkpoints);
 `one_line_errors()` around `train()` turns it into a single line on stderr and exit status 1.
 Programming errors keep their traceback: those are for the person changing the code.
+
+In a run of several processes every process makes the same checks (same flags, data, checkpoint,
+and a training loss reduced over all processes), so all stop together and rank 0 alone prints.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import sys
 import traceback
 from contextlib import contextmanager
 
+import torch
 from accelerate import PartialState
 from accelerate.utils import parse_flag_from_env
 
@@ -41,10 +45,12 @@ def one_line_errors():
             print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(1)
     except RuntimeError as error:
-        # A collective (barrier, all-reduce) failed under a non-main process: another process
-        # stopped first and printed why; a second traceback here would only bury that line.
-        if is_main_process() or not _raised_in_torch_distributed(error):
+        # A collective (barrier, all-reduce) failed: another process of the run stopped first and
+        # printed why (or the launcher will). More tracebacks here would only bury that line.
+        if os.environ.get("WORLD_SIZE", "1") == "1" or not _raised_in_torch_distributed(error):
             raise
+        if is_main_process():
+            print(f"error: another process of this run stopped ({first_line(error)[:160]})", file=sys.stderr, flush=True)
         sys.exit(1)
 
 
@@ -55,6 +61,11 @@ def _raised_in_torch_distributed(error: BaseException) -> bool:
 
 def check_launch() -> None:
     """Stop launches that would run, but not as the user thinks."""
+    per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if per_machine > 1 and not parse_flag_from_env("ACCELERATE_USE_CPU") and 0 < torch.cuda.device_count() < per_machine:
+        raise RecipeError(f"the config starts {per_machine} processes on this machine but it has "
+                          f"{torch.cuda.device_count()} GPU(s): use --num_processes {torch.cuda.device_count()} "
+                          "or a config that matches the machine")
     # The process group starts here; the Accelerator reuses it. Like the Accelerator, honour
     # ACCELERATE_USE_CPU (PartialState alone would ignore it).
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))

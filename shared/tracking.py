@@ -13,25 +13,29 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import netrc
 import os
 import platform
 import resource
 import shutil
+import sys
 import time
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
 from accelerate import PartialState
-from accelerate.tracking import GeneralTracker
+from accelerate.tracking import GeneralTracker, TensorBoardTracker, WandBTracker, on_main_process
 from accelerate.utils import broadcast_object_list
 
 from shared.checkpoints import find_checkpoint
-from shared.errors import RecipeError
+from shared.errors import RecipeError, first_line
 
-RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "curves.png", "model.safetensors", "checkpoints", "wandb", "tensorboard")
+RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "curves.png", "confusion_matrix.png", "misclassified.png",
+             "model.safetensors", "checkpoints", "wandb", "tensorboard")
 
 
 def make_run_dir(cfg, recipe: str) -> Path:
@@ -62,18 +66,66 @@ def make_run_dir(cfg, recipe: str) -> Path:
     return run_dir
 
 
-def trackers(cfg, run_dir: Path) -> list:
-    """Accelerator(log_with=...): the chosen tracker plus the run's own files."""
-    chosen = [] if cfg.tracker == "none" else [cfg.tracker]
-    return chosen + [RunFiles(run_dir, labels={"synthetic": True} if cfg.synthetic else {})]
+def trackers(cfg, run_dir: Path, recipe: str) -> list:
+    """Accelerator(log_with=...): wandb or TensorBoard (or neither), plus the run's own files.
+
+    Built before the Accelerator, from what the launcher put in the environment. A resumed run
+    keeps its run id (from config.json), so it continues the same wandb run."""
+    previous = run_dir / "config.json"
+    run_id = json.loads(previous.read_text()).get("run_id") if cfg.resume and previous.exists() else None
+    run_id = run_id or uuid.uuid4().hex[:8]
+    labels = {"synthetic": True} if cfg.synthetic else {}
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    name = (f"{recipe}-{world_size}x{precision}-b{cfg.batch_size * world_size * cfg.grad_accum}"
+            f"{'-synthetic' if cfg.synthetic else ''}-{time.strftime('%m%d-%H%M')}")
+    chosen = {
+        "wandb": lambda: [WandB(recipe, run_dir, run_id, name, tags=list(labels))],
+        "tensorboard": lambda: [TensorBoard("tensorboard", run_dir)],  # writes run_dir/tensorboard/
+        "none": lambda: [],
+    }[cfg.tracker]()
+    return chosen + [RunFiles(run_dir, run_id, labels)]
 
 
-def tracker_kwargs(cfg, run_dir: Path, run_name: str) -> dict:
-    """init_trackers(init_kwargs=...): where each tracker writes and what it calls the run."""
-    if cfg.tracker == "wandb":
-        tags = ["synthetic"] if cfg.synthetic else []
-        return {"wandb": {"name": run_name, "dir": str(run_dir), "mode": wandb_mode(), "tags": tags}}
-    return {}
+class WandB(WandBTracker):
+    """accelerate's wandb tracker, with the optimizer step as the x-axis of every chart.
+
+    The step travels as a logged value ("step", declared the x-axis with define_metric) rather than
+    as wandb's own step counter: a run resumed from its last checkpoint logs again the steps that
+    came after it, and wandb silently drops any point whose own step goes backwards."""
+
+    def __init__(self, project: str, run_dir: Path, run_id: str, name: str, tags: list[str]):
+        super().__init__(project, name=name, dir=str(run_dir), id=run_id, resume="allow", mode=wandb_mode(), tags=tags)
+
+    @on_main_process
+    def start(self):
+        try:
+            super().start()
+        except Exception as error:  # no network, server down, bad key: training matters more than the dashboard
+            if self.init_kwargs["mode"] != "online":
+                raise
+            print(f"warning: wandb could not start online ({type(error).__name__}: {first_line(error)[:150]}); "
+                  "logging offline instead, upload later with `wandb sync`", file=sys.stderr, flush=True)
+            import wandb
+
+            wandb.teardown()  # the failed attempt still holds the run id in wandb's background service
+            self.init_kwargs["mode"] = "offline"
+            super().start()
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+
+    @on_main_process
+    def log(self, values: dict, step: int | None = None, **kwargs):
+        self.run.log({**values, "step": step}, **kwargs)
+
+
+class TensorBoard(TensorBoardTracker):
+    """accelerate's TensorBoard tracker, with the config flattened to what hparams accept."""
+
+    @on_main_process
+    def store_init_configuration(self, values: dict):
+        super().store_init_configuration({key: value if isinstance(value, (int, float, str, bool)) else str(value)
+                                          for key, value in values.items()})
 
 
 def wandb_mode() -> str:
@@ -105,40 +157,63 @@ def run_config(cfg, accelerator, **extra) -> dict:
     }
 
 
-class Throughput:
-    """Training samples per second, leaving out the time spent evaluating and checkpointing."""
+class TrainWindow:
+    """What happened since the last log point: mean training loss and samples per second.
 
-    def __init__(self):
-        self.samples = self.window_samples = 0
-        self.seconds = self.window_seconds = 0.0
+    Losses are summed on the device, so a step never waits for the GPU; `flush()` synchronizes
+    once per log point. Time spent inside `paused()` (evaluation, checkpoints) is left out.
+    """
+
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
+        self.loss_sum, self.batches = torch.zeros((), device=accelerator.device), 0
+        self.correct = torch.zeros((), device=accelerator.device, dtype=torch.long)
+        self.samples = self.total_samples = 0
+        self.seconds = self.total_seconds = 0.0
         self.started = time.perf_counter()
 
-    def count(self, samples: int) -> None:
-        self.window_samples += samples
+    def add(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        self.loss_sum += loss.detach()  # detach: summing `loss` itself would keep every step's graph alive
+        self.correct += (logits.detach().argmax(dim=1) == labels).sum()
+        self.batches += 1
+        self.samples += len(labels) * self.accelerator.num_processes
 
-    def _close_window(self) -> None:
-        now = time.perf_counter()
-        self.window_seconds += now - self.started
-        self.started = now
-
-    def window(self) -> float:
-        """Samples/s since the last call; call it where the GPU was just synchronized (after .item())."""
-        self._close_window()
-        rate = self.window_samples / max(self.window_seconds, 1e-9)
-        self.samples += self.window_samples
-        self.seconds += self.window_seconds
-        self.window_samples, self.window_seconds = 0, 0.0
-        return rate
+    def flush(self, step: int) -> dict:
+        """{"train_loss", "train_acc", "samples_per_s"} over the window and all processes; starts a new window."""
+        train_loss = (self.accelerator.reduce(self.loss_sum, "mean") / max(self.batches, 1)).item()
+        train_acc = self.accelerator.reduce(self.correct, "sum").item() / max(self.samples, 1)
+        if not math.isfinite(train_loss):
+            raise RecipeError(f"the training loss became {train_loss} by step {step}: lower --lr; "
+                              "checkpoints already on disk hold finite weights")
+        self._clock()
+        rate = self.samples / max(self.seconds, 1e-9)
+        self.total_samples, self.total_seconds = self.total_samples + self.samples, self.total_seconds + self.seconds
+        self.loss_sum.zero_()
+        self.correct.zero_()
+        self.batches, self.samples, self.seconds = 0, 0, 0.0
+        return {"train_loss": train_loss, "train_acc": train_acc, "samples_per_s": rate}
 
     @contextmanager
     def paused(self):
-        self._close_window()
+        self._clock()
         yield
         self.started = time.perf_counter()
 
-    def overall(self) -> float:
-        self.window()
-        return self.samples / max(self.seconds, 1e-9)
+    def overall_samples_per_s(self) -> float:
+        self._clock()
+        return (self.total_samples + self.samples) / max(self.total_seconds + self.seconds, 1e-9)
+
+    def _clock(self) -> None:
+        now = time.perf_counter()
+        self.seconds += now - self.started
+        self.started = now
+
+
+def run_summary(accelerator, progress, window: "TrainWindow", wall_s: float, epochs: float, data: str) -> dict:
+    """What summary.json reports beyond the last logged values (see RECIPES.md)."""
+    return {"best_eval_acc": progress.best_eval_acc, "steps": progress.step, "epochs": epochs, "wall_s": wall_s,
+            "samples_per_s": window.overall_samples_per_s(), "peak_mem_mb": peak_memory_mb(accelerator.device),
+            "world_size": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision, "data": data}
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -154,9 +229,9 @@ class RunFiles(GeneralTracker):
     name = "run_files"
     requires_logging_directory = False
 
-    def __init__(self, run_dir: Path, labels: dict):
+    def __init__(self, run_dir: Path, run_id: str, labels: dict):
         super().__init__()
-        self.run_dir, self.labels, self.summary = Path(run_dir), labels, {}
+        self.run_dir, self.run_id, self.labels, self.summary = Path(run_dir), run_id, labels, {}
         self.metrics = self.run_dir / "metrics.jsonl"
 
     @property
@@ -164,8 +239,10 @@ class RunFiles(GeneralTracker):
         return self
 
     def store_init_configuration(self, values: dict):
-        write_json(self.run_dir / "config.json", values)
         resumed_step = values.get("resumed_step")
+        if resumed_step is not None and (self.run_dir / "config.json").exists():
+            describe_changes(json.loads((self.run_dir / "config.json").read_text()), values, resumed_step)
+        write_json(self.run_dir / "config.json", {**values, "run_id": self.run_id})
         if resumed_step is None:
             self.metrics.unlink(missing_ok=True)
         elif self.metrics.exists():
@@ -185,6 +262,27 @@ class RunFiles(GeneralTracker):
         offline_runs = sorted((self.run_dir / "wandb").glob("offline-run-*"))
         if offline_runs:
             print(f"wandb ran offline; upload the run with: wandb sync {offline_runs[-1]}")
+
+
+# What decides which images each optimizer step sees: same values, same batches after a resume.
+DATA_ORDER_KEYS = ("data", "synthetic", "train_size", "seed", "batch_size", "world_size", "grad_accum")
+NOT_SETTINGS = ("resume", "resumed_step", "run_id", "overwrite", "versions")
+
+
+def describe_changes(before: dict, after: dict, step: int) -> None:
+    """Print what a resumed run changed since its checkpoint, and whether the data order stays exact."""
+    changed = [key for key in after if key not in NOT_SETTINGS and before.get(key) != after[key]]
+    if not changed:
+        print(f"resuming at step {step} with the same configuration: the data order continues exactly")
+        return
+    print(f"resuming at step {step}; changed since the checkpoint: "
+          + ", ".join(f"{key} {before.get(key)!r} -> {after[key]!r}" for key in changed))
+    breaking = [key for key in changed if key in DATA_ORDER_KEYS]
+    if breaking:
+        print(f"the data order is NOT the same as an uninterrupted run ({', '.join(breaking)} changed): batches "
+              "after the checkpoint differ, and a mid-epoch position is only approximate")
+    else:
+        print("the data order continues exactly")
 
 
 def write_json(path: Path, values: dict) -> None:

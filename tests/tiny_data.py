@@ -15,12 +15,13 @@ from PIL import Image
 CLASSES = [f"class_{i}" for i in range(10)]
 
 
-def image_splits(sizes=None, shape=(3, 32, 32), num_classes=10, seed=0) -> datasets.DatasetDict:
-    """A DatasetDict with an Image column 'img' and a ClassLabel column 'label'."""
+def image_splits(sizes=None, shape=(3, 32, 32), num_classes=10, seed=0, image_column="img") -> datasets.DatasetDict:
+    """A DatasetDict with an Image column (CIFAR-10 on the hub calls it 'img', Fashion-MNIST
+    'image') and a ClassLabel column 'label'."""
     sizes = sizes or {"train": 64, "test": 20}
     rng = np.random.default_rng(seed)
     channels, height, width = shape
-    features = datasets.Features({"img": datasets.Image(), "label": datasets.ClassLabel(names=CLASSES[:num_classes])})
+    features = datasets.Features({image_column: datasets.Image(), "label": datasets.ClassLabel(names=CLASSES[:num_classes])})
     splits = {}
     for split, size in sizes.items():
         labels = np.arange(size) % num_classes
@@ -28,7 +29,7 @@ def image_splits(sizes=None, shape=(3, 32, 32), num_classes=10, seed=0) -> datas
         for label in labels:
             pixels = rng.integers(0, 128, (height, width, channels), dtype=np.uint8) + np.uint8(12 * label)
             images.append(Image.fromarray(pixels[..., 0] if channels == 1 else pixels))
-        splits[split] = datasets.Dataset.from_dict({"img": images, "label": labels.tolist()}, features=features)
+        splits[split] = datasets.Dataset.from_dict({image_column: images, "label": labels.tolist()}, features=features)
     return datasets.DatasetDict(splits)
 
 
@@ -50,7 +51,7 @@ def imagefolder_dataset(path: Path, **kwargs) -> Path:
         for n, example in enumerate(dataset):
             folder = path / split / CLASSES[example["label"]]
             folder.mkdir(parents=True, exist_ok=True)
-            example["img"].save(folder / f"{n}.png")
+            next(v for v in example.values() if isinstance(v, Image.Image)).save(folder / f"{n}.png")
     return path
 
 

@@ -1,0 +1,88 @@
+"""1 process vs 2 processes, with and without learning-rate scaling, for recipes/resnet18_fmnist.py.
+
+Each row launches the real recipe (`accelerate launch ...`) for the same number of epochs on the
+same data and reports its seconds per epoch and final test accuracy from the run's summary.json.
+On a machine without GPUs the 2-process rows run as 2 CPU processes (ACCELERATE_USE_CPU=true).
+
+    python benchmarks/one_vs_two_processes.py                      # CPU: a 4k/1k synthetic subset
+    python benchmarks/one_vs_two_processes.py --train_size 60000   # GPU: Fashion-MNIST-sized
+
+The data is the recipe's synthetic stand-in (FMNIST shapes, 10 classes), written once as a
+`save_to_disk` folder, so every row reads the same images.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from shared.data import make_synthetic  # noqa: E402
+
+ROWS = [  # label, processes, batch per process, --lr_scaling
+    ("1 process, batch 128", 1, 128, "sqrt"),
+    ("2 processes x 128, no LR scaling", 2, 128, "none"),
+    ("2 processes x 128, sqrt LR scaling", 2, 128, "sqrt"),
+    ("2 processes x 128, linear LR scaling", 2, 128, "linear"),
+    ("2 processes x 64 (global batch 128)", 2, 64, "sqrt"),
+]
+
+
+def write_dataset(folder: Path, train_size: int, test_size: int, shape=(1, 28, 28), num_classes: int = 10) -> Path:
+    """The synthetic stand-in written as a `save_to_disk` folder, so every run reads the same images."""
+    if folder.exists():
+        return folder
+    splits = {}
+    for name, split in zip(("train", "test"), make_synthetic(shape, train_size, test_size, num_classes)):
+        images = [(image[0] if shape[0] == 1 else image.permute(1, 2, 0)).numpy().astype(np.uint8) for image in split.images]
+        features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=split.classes)})
+        splits[name] = datasets.Dataset.from_dict({"image": images, "label": split.labels.tolist()}, features=features)
+    datasets.DatasetDict(splits).save_to_disk(str(folder))
+    return folder
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--train_size", type=int, default=4000, help="training images")
+    parser.add_argument("--test_size", type=int, default=1000, help="test images")
+    parser.add_argument("--epochs", type=int, default=3, help="epochs per row")
+    parser.add_argument("--out", default="runs/one_vs_two_processes", help="folder for the runs and the table")
+    args = parser.parse_args()
+
+    out = Path(args.out)
+    data = write_dataset(out / f"data-{args.train_size}-{args.test_size}", args.train_size, args.test_size)
+    gpus = torch.cuda.device_count()
+    env = dict(os.environ) if gpus >= 2 else dict(os.environ, ACCELERATE_USE_CPU="true")
+    lines = ["| setup | global batch | effective LR | steps | s/epoch (training) | samples/s | test accuracy |",
+             "|---|---|---|---|---|---|---|"]
+    for label, processes, batch, scaling in ROWS:
+        config = ("1gpu" if gpus else "cpu") if processes == 1 else "2gpu"
+        run = out / label.replace(" ", "_").replace(",", "").replace("(", "").replace(")", "")
+        command = ["accelerate", "launch", "--config_file", f"accelerate_configs/{config}.yaml", "recipes/resnet18_fmnist.py",
+                   "--data", str(data), "--epochs", str(args.epochs), "--batch_size", str(batch), "--lr_scaling", scaling,
+                   "--tracker", "none", "--log_every", "10", "--output_dir", str(run), "--overwrite"]
+        print("+", " ".join(command), flush=True)
+        subprocess.run(command, cwd=ROOT, env=env, check=True)
+        summary = json.loads((run / "summary.json").read_text())
+        config_json = json.loads((run / "config.json").read_text())
+        seconds_per_epoch = args.train_size / summary["samples_per_s"]
+        lines.append(f"| {label} | {config_json['global_batch_size']} | {config_json['effective_lr']:.3g} | {summary['steps']} "
+                     f"| {seconds_per_epoch:.1f} | {summary['samples_per_s']:.1f} | {summary['eval_acc']:.3f} |")
+    device = torch.cuda.get_device_name() if gpus else f"CPU ({os.cpu_count()} cores)"
+    table = "\n".join(lines) + (f"\n\n{device}; {args.epochs} epochs of {args.train_size} synthetic training images, "
+                                f"test accuracy on {args.test_size}; torch {torch.__version__}.\n")
+    (out / "table.md").write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

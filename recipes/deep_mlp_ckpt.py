@@ -1,0 +1,362 @@
+"""Gradient checkpointing on the seed's 72-layer MLP: how much memory it saves, and what it costs.
+
+Backward needs the activations of forward. Checkpointing keeps only the inputs of each segment and
+recomputes the rest during backward: memory for time. With n layers in k segments, the activations
+held fall from n layers' worth to about k inputs + n/k layers, smallest near k = sqrt(n).
+`--sweep` measures it for every k instead of claiming it.
+
+The seed's network: Linear 1000->1000, 70 x Linear 1000->1000, Linear 1000->100, Adam lr 0.002,
+betas (0.5, 0.999). Each hidden Linear is followed by LayerNorm and ReLU (optionally Dropout): without
+a nonlinearity 72 layers are one linear map, and without normalization so deep a stack stops training.
+Images are flattened and projected to 1000 inputs by a fixed random matrix (same in every run).
+
+Results (update only from real runs; the command that produced each number is given):
+  real CIFAR-100   not measured yet: this file was written on a machine that cannot download it.
+  --sweep, CPU     8 segments hold 0.17x the activations of no checkpointing (94 of 559 MB at batch
+                   1024) for 1.35x the step time; 12 segments hold the least (0.15x, 1.21x).
+                   `python recipes/deep_mlp_ckpt.py --sweep --tracker none` (2-core CPU, float32, 4 min 49 s).
+
+Run it (from the repository root):
+  accelerate launch --config_file accelerate_configs/1gpu.yaml recipes/deep_mlp_ckpt.py --ckpt sequential --segments 8
+  python recipes/deep_mlp_ckpt.py --sweep          # memory and step time for every segment count
+  python recipes/deep_mlp_ckpt.py --synthetic --max_steps 200      # offline smoke run, no download
+Outputs land in runs/deep_mlp_ckpt-<time>/ (the sweep adds sweep.md, sweep.csv and sweep.png).
+"""
+
+import functools
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.utils import GradientAccumulationPlugin, set_seed
+from torch import nn
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it
+from shared.augment import normalize  # noqa: E402
+from shared.batch_size import largest_batch_size  # noqa: E402
+from shared.checkpoints import (Progress, StopSignal, evaluate_weights, find_checkpoint, resume_command,  # noqa: E402
+                                resume_from, save_checkpoint, save_weights)
+from shared.config import RunConfig, parse_config  # noqa: E402
+from shared.data import load_image_data, whole_batch  # noqa: E402
+from shared.errors import RecipeError, check_launch, one_line_errors  # noqa: E402
+from shared.measure import median_step_ms, memory_breakdown  # noqa: E402
+from shared.report import markdown_table, write_report  # noqa: E402
+from shared.pictures import save_pictures  # noqa: E402
+from shared.tracking import TrainWindow, make_run_dir, run_config, run_summary, trackers  # noqa: E402
+
+RECIPE = "deep_mlp_ckpt"
+WIDTH, HIDDEN_LAYERS = 1000, 71  # + the 1000 -> classes output layer: 72 Linear layers
+
+
+@dataclass
+class Config(RunConfig):
+    data: str = "uoft-cs/cifar100"  # hub id or local folder; 100 classes, as the seed's 100 outputs
+    epochs: int = 10  # passes over the training set
+    batch_size: int = 128  # images per process per step; global batch = batch_size x processes x grad_accum
+    grad_accum: int = 1  # batches whose gradients are summed into one optimizer step
+    lr: float = 2e-3  # peak Adam learning rate of the one-cycle schedule (the seed's 0.002)
+    dropout: float = 0.0  # dropout after every hidden layer; > 0 shows why preserve_rng_state matters
+    ckpt: Literal["none", "sequential", "blocks"] = "none"  # checkpoint_sequential, or checkpoint() per block of layers
+    segments: int = 8  # checkpointed segments; about sqrt(72) = 8.5 holds the least
+    preserve_rng_state: bool = True  # replay dropout's masks when recomputing; off is faster, and wrong with dropout
+    sweep: bool = False  # measure memory and step time for every segment count (sweep.md/.csv/.png), no training
+    sweep_batch: int = 1024  # samples per step in the sweep: large enough for activations to matter
+    sweep_repeats: int = 3  # timed steps per sweep row, after one warm-up step; the median is reported
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.segments > HIDDEN_LAYERS + 1:
+            raise ValueError(f"--segments must be at most {HIDDEN_LAYERS + 1}, one per layer; got {self.segments}")
+
+
+# ----------------------------------------------------------------------------- data
+IMAGE_SHAPE = (3, 32, 32)  # channels, height, width
+MEAN = (0.5071, 0.4865, 0.4409)  # per-channel mean and std of the CIFAR-100 training images
+STD = (0.2673, 0.2564, 0.2762)
+
+
+def load_data(cfg: Config):
+    """(train, test) as uint8 image tensors: the hub, a local folder, or --synthetic (CIFAR-100's sizes and classes)."""
+    return load_image_data(cfg.data, IMAGE_SHAPE, cfg.synthetic, synthetic_classes=100)
+
+
+@functools.cache
+def projection(device: torch.device) -> torch.Tensor:
+    """Fixed random features, 3072 pixels -> 1000 inputs: the same matrix in every run and process."""
+    generator = torch.Generator().manual_seed(0)
+    return (torch.randn(3 * 32 * 32, WIDTH, generator=generator) / math.sqrt(3 * 32 * 32)).to(device)
+
+
+def preprocess(images: torch.Tensor) -> torch.Tensor:
+    """uint8 images on the device -> normalized, flattened, projected (N, 1000) floats."""
+    return normalize(images, MEAN, STD).flatten(1) @ projection(images.device)
+
+
+# ----------------------------------------------------------------------------- model
+class DeepMLP(nn.Module):
+    """The layers stay one nn.Sequential, so checkpoint_sequential can cut it into segments."""
+
+    def __init__(self, num_classes: int, dropout: float = 0.0, ckpt: str = "none", segments: int = 8,
+                 preserve_rng_state: bool = True):
+        super().__init__()
+        hidden = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH), nn.ReLU(), nn.Dropout(dropout))
+                  for _ in range(HIDDEN_LAYERS)]
+        self.layers = nn.Sequential(*hidden, nn.Linear(WIDTH, num_classes))
+        self.ckpt, self.segments, self.preserve_rng_state = ckpt, segments, preserve_rng_state
+
+    def forward(self, x):
+        # use_reentrant=False: the seed used the older use_reentrant=True, which runs the segment under
+        # no_grad and relies on an input that requires grad to recompute it. The first segment's input
+        # is the data, which does not, so its layers silently got no gradients (PyTorch warns "None of
+        # the inputs have requires_grad=True"); the seed passed a dummy tensor with requires_grad=True.
+        # The non-reentrant version records the segment in the autograd graph itself: no dummy needed.
+        rng = self.preserve_rng_state  # False skips saving and restoring the RNG: faster, but dropout
+        if self.ckpt == "sequential":  # would draw new masks when recomputed, and gradients go wrong
+            return checkpoint_sequential(self.layers, self.segments, x, use_reentrant=False, preserve_rng_state=rng)
+        if self.ckpt == "blocks":
+            size = math.ceil(len(self.layers) / self.segments)
+            for start in range(0, len(self.layers), size):
+                x = checkpoint(self.layers[start:start + size], x, use_reentrant=False, preserve_rng_state=rng)
+            return x
+        return self.layers(x)
+
+
+def make_model(num_classes: int, cfg=None) -> DeepMLP:
+    cfg = cfg or Config()
+    return DeepMLP(num_classes, cfg.dropout, cfg.ckpt, cfg.segments, cfg.preserve_rng_state)
+
+
+def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    return torch.optim.Adam(model.parameters(), lr=cfg.lr, betas=(0.5, 0.999))  # the seed's optimizer
+
+
+# ----------------------------------------------------------------------------- measuring
+SWEEP_SEGMENTS = (None, 1, 2, 3, 4, 6, 8, 9, 12, 18, 24, 36, 72)  # None: no checkpointing; the rest divide 72
+
+
+def saved_bytes(fn, x: torch.Tensor, model: nn.Module) -> int:
+    """Bytes that autograd keeps for backward while `fn(x)` runs forward, parameters excluded.
+
+    Counted with saved_tensors_hooks, so it works on any device. Inside a checkpointed segment
+    nothing is kept; the segment's input is, and it is counted."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:  # a storage saved by several ops counts once
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        output = fn(x)
+    output.float().sum().backward()  # runs backward, which frees what was saved
+    return sum(saved.values())
+
+
+def measure(model: DeepMLP, optimizer, x, labels, segments: int | None, mode: str, repeats: int) -> dict:
+    """One sweep row: memory held for backward, the segment rebuilt during backward, step time."""
+    model.ckpt, model.segments = ("none", 1) if segments is None else (mode, segments)
+    held = saved_bytes(model, x, model)
+    recomputed = 0  # one segment's activations, rebuilt during backward (sequential never rebuilds its last)
+    if segments is not None and (mode == "blocks" or segments > 1):
+        size = len(model.layers) // segments if mode == "sequential" else math.ceil(len(model.layers) / segments)
+        recomputed = saved_bytes(model.layers[:size], x, model)
+
+    def step():
+        optimizer.zero_grad(set_to_none=False)  # gradients stay allocated: a fixed part of the breakdown
+        F.cross_entropy(model(x), labels).backward()
+        optimizer.step()
+
+    row = {"segments": "none" if segments is None else segments, "saved_MB": held / 2**20,
+           "recomputed_MB": recomputed / 2**20, "step_ms": median_step_ms(step, x.device, repeats)}
+    return row | memory_breakdown(step, model, optimizer, x.device)  # on CUDA: where the peak goes
+
+
+def sweep(cfg: Config) -> None:
+    """--sweep: every segment count at --sweep_batch and at the seed's 16; writes sweep.md/.csv/.png."""
+    check_launch()
+    run_dir = make_run_dir(cfg, RECIPE)
+    accelerator = Accelerator()
+    if accelerator.num_processes > 1:
+        raise RecipeError("--sweep measures a single process: launch it with cpu.yaml, 1gpu.yaml or bf16.yaml")
+    set_seed(cfg.seed)
+    model = make_model(100, cfg).to(accelerator.device)
+    optimizer = make_optimizer(model, cfg)
+    mode = "blocks" if cfg.ckpt == "blocks" else "sequential"
+    with accelerator.autocast():  # the precision the config asks for, as in training
+        rows = []
+        for batch in (cfg.sweep_batch, 16):
+            x = torch.randn(batch, WIDTH, device=accelerator.device)
+            labels = torch.randint(100, (batch,), device=accelerator.device)
+            batch_rows = [{"batch": batch, **measure(model, optimizer, x, labels, k, mode, cfg.sweep_repeats)} for k in SWEEP_SEGMENTS]
+            for row in batch_rows:  # ratios to no checkpointing, measured in this same run
+                row["saved_x"] = row["saved_MB"] / batch_rows[0]["saved_MB"]
+                row["time_x"] = row["step_ms"] / batch_rows[0]["step_ms"]
+                row["note"] = "~ sqrt(72)" if row["segments"] == 8 else ""
+            accelerator.print(markdown_table(batch_rows))
+            rows += batch_rows
+    title = (f"# Gradient checkpointing sweep, {mode} mode: {accelerator.device.type}, "
+             f"{accelerator.mixed_precision} precision, torch {torch.__version__}")
+    write_report(rows, run_dir / "sweep", title, x="segments", ys=["saved_x", "time_x"], group="batch",
+                 mark=math.sqrt(len(model.layers)), log_x=True)
+    accelerator.print(f"wrote {run_dir}/sweep.md, sweep.csv and sweep.png")
+
+
+@torch.no_grad()  # no autograd graph: evaluation needs no gradients, and would hold every activation
+def evaluate(model, loader, accelerator) -> tuple[dict, torch.Tensor]:
+    """Test loss and accuracy over every process, and the predictions in test-set order."""
+    model.eval()
+    loss_sum = correct = 0
+    predictions = []
+    for images, labels in loader:
+        logits = model(preprocess(images))
+        # From every process, minus the samples accelerate repeated to even out the last batch.
+        logits, labels = accelerator.gather_for_metrics((logits, labels))
+        loss_sum += F.cross_entropy(logits.float(), labels, reduction="sum")
+        predictions.append(logits.argmax(dim=1))
+        correct += (predictions[-1] == labels).sum()
+    count = sum(len(p) for p in predictions)
+    metrics = {"eval_loss": (loss_sum / count).item(), "eval_acc": (correct / count).item(), "eval_samples": count}
+    return metrics, torch.cat(predictions).cpu()
+
+
+# ----------------------------------------------------------------------------- training
+def train(cfg: Config) -> None:
+    check_launch()  # stops launches that would not run as configured (see shared/errors.py)
+    run_dir = make_run_dir(cfg, RECIPE)
+    accelerator = Accelerator(
+        # Every optimizer step averages exactly grad_accum batches, also across an epoch's end
+        # (by default accelerate steps early at the end of the data, with too small a gradient).
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.grad_accum, sync_with_dataloader=False),
+        step_scheduler_with_optimizer=False,  # stepped below, exactly once per optimizer step
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed),  # order = f(seed, epoch)
+        project_dir=run_dir,
+        log_with=trackers(cfg, run_dir, RECIPE),  # wandb / tensorboard + config.json, metrics.jsonl, summary.json, ...
+    )
+    set_seed(cfg.seed)
+    with accelerator.main_process_first():  # the main process decodes and caches; the others read its cache
+        train_set, test_set = load_data(cfg)
+    if cfg.data_on_device:  # one copy of the uint8 dataset now, instead of a host-to-GPU copy per batch
+        train_set, test_set = train_set.to(accelerator.device), test_set.to(accelerator.device)
+    if cfg.auto_batch_size:  # halve --batch_size until one training step fits in memory, on every process
+        cfg.batch_size = largest_batch_size(accelerator, cfg.batch_size, train_set, lambda: make_model(len(train_set.classes), cfg),
+                                            lambda model: make_optimizer(model, cfg), preprocess)
+    # Own generators: every new DataLoader iterator draws a seed, and drawing it from the global RNG
+    # would shift the augmentation's random numbers after a mid-epoch resume (no longer bitwise exact).
+    train_loader = DataLoader(train_set, cfg.batch_size, shuffle=True, drop_last=True, collate_fn=whole_batch,
+                              generator=torch.Generator())
+    test_loader = DataLoader(test_set, 2 * cfg.batch_size, collate_fn=whole_batch, generator=torch.Generator())
+
+    global_batch_size = cfg.batch_size * accelerator.num_processes * cfg.grad_accum
+    model = make_model(len(train_set.classes), cfg)
+    if cfg.compile:
+        model.compile()  # in place: state_dict keys stay free of `_orig_mod.`
+    optimizer = make_optimizer(model, cfg)
+    model, optimizer, train_loader, test_loader = accelerator.prepare(model, optimizer, train_loader, test_loader)
+
+    # After prepare, len(train_loader) counts this process's batches: its share of the epoch.
+    total_steps = cfg.max_steps or cfg.epochs * len(train_loader) // cfg.grad_accum
+    if len(train_loader) == 0 or total_steps == 0:  # drop_last leaves no batch when the data is smaller than one
+        raise RecipeError(f"{len(train_set)} training images make no full step of {global_batch_size}: lower --batch_size or --grad_accum")
+    epochs = math.ceil(total_steps * cfg.grad_accum / len(train_loader))
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=cfg.lr, total_steps=total_steps, pct_start=0.2,
+                                                    anneal_strategy="linear", cycle_momentum=False)
+    scheduler = accelerator.prepare(scheduler)
+    progress = Progress()
+    accelerator.register_for_checkpointing(progress)  # saved and restored with every checkpoint
+    if cfg.resume:
+        resume_from(accelerator, find_checkpoint(run_dir, cfg.resume, RECIPE))
+        if progress.step >= total_steps:
+            raise RecipeError(f"{run_dir} already finished its {total_steps} steps: raise --max_steps or --epochs to train on")
+
+    data_name = "SYNTHETIC data" if cfg.synthetic else cfg.data
+    accelerator.print(f"{RECIPE}: {data_name}, {len(train_set)} train / {len(test_set)} test images | "
+                      f"{accelerator.num_processes} process(es) on {accelerator.device}, precision {accelerator.mixed_precision} | "
+                      f"global batch {global_batch_size}, {total_steps} steps ({epochs} epochs) | {run_dir}")
+    config = run_config(cfg, accelerator, recipe=RECIPE, data=data_name, global_batch_size=global_batch_size,
+                        total_steps=total_steps, train_size=len(train_set), test_size=len(test_set),
+                        resumed_step=progress.step if cfg.resume else None)
+    accelerator.init_trackers(RECIPE, config=config)
+
+    start, window = time.perf_counter(), TrainWindow(accelerator)
+    stop = StopSignal(accelerator)  # SIGTERM or Ctrl-C: checkpoint after the current step, then exit 0
+    show_bar = accelerator.is_local_main_process and sys.stderr.isatty()
+    while progress.step < total_steps:
+        model.train()
+        train_loader.set_epoch(progress.epoch)  # the shuffle is a function of (seed, epoch), so resume is exact
+        batches = train_loader
+        if progress.batches_seen:  # resuming mid-epoch: same permutation, minus the batches already trained on
+            batches = accelerator.skip_first_batches(train_loader, progress.batches_seen)
+        bar = tqdm(batches, desc=f"epoch {progress.epoch + 1}/{epochs}", disable=not show_bar, leave=False)
+        for images, labels in bar:
+            with accelerator.accumulate(model):  # DDP syncs gradients only on the last batch of each accumulation
+                logits = model(preprocess(images))
+                loss = F.cross_entropy(logits, labels)
+                accelerator.backward(loss)  # scaled by 1/grad_accum, so accumulated gradients are a mean
+                optimizer.step()  # does nothing until the last batch of the accumulation
+                optimizer.zero_grad()
+            progress.batches_seen += 1
+            window.add(loss, logits, labels)  # summed on the device: no loss.item() (a GPU sync) every step
+            if not accelerator.sync_gradients:
+                continue
+            lr = scheduler.get_last_lr()[0]  # the rate this step used
+            scheduler.step()
+            progress.step += 1
+            log_now = progress.step % cfg.log_every == 0 or progress.step == total_steps
+            if log_now:
+                epoch = progress.epoch + progress.batches_seen / len(train_loader)
+                point = {"epoch": epoch, "lr": lr, **window.flush(progress.step)}
+                accelerator.log(point, step=progress.step)
+                bar.set_postfix(loss=f"{point['train_loss']:.3f}", acc=f"{point['train_acc']:.3f}",
+                                samples_per_s=f"{point['samples_per_s']:.0f}")
+            save_now = cfg.checkpoint_every > 0 and progress.step % cfg.checkpoint_every == 0
+            stopping = stop.requested(synced=log_now or save_now)
+            if save_now or stopping:
+                with window.paused():
+                    save_checkpoint(accelerator, model, run_dir, progress.step, cfg.keep_checkpoints)
+            if stopping:
+                accelerator.print(f"stopped by {stop.received or 'a signal to another process'} at step {progress.step}, "
+                                  f"checkpoint saved; continue with:\n  {resume_command(run_dir)}")
+                accelerator.end_training()
+                return
+            if progress.step == total_steps:
+                break
+        if progress.batches_seen == len(train_loader):
+            progress.epoch, progress.batches_seen = progress.epoch + 1, 0
+        with window.paused():
+            metrics, predictions = evaluate(model, test_loader, accelerator)
+        progress.best_eval_acc = max(progress.best_eval_acc, metrics["eval_acc"])
+        accelerator.log(metrics, step=progress.step)
+        accelerator.print(f"step {progress.step}/{total_steps}  eval_loss {metrics['eval_loss']:.4f}  eval_acc {metrics['eval_acc']:.4f}")
+
+    save_checkpoint(accelerator, model, run_dir, progress.step, cfg.keep_checkpoints)  # no-op if this step is saved
+    wall_s = time.perf_counter() - start
+    summary = run_summary(accelerator, progress, window, wall_s, progress.epoch + progress.batches_seen / len(train_loader), data_name)
+    save_weights(accelerator, model, run_dir / "model.safetensors", {"recipe": RECIPE, **metrics, **summary})
+    save_pictures(accelerator, run_dir, test_set, predictions, progress.step)  # confusion matrix, misclassified images
+    accelerator.log(summary, step=progress.step)
+    accelerator.end_training()
+    accelerator.print(f"done: eval_acc {metrics['eval_acc']:.4f} after {progress.step} steps in {wall_s:.0f} s; files in {run_dir}")
+
+
+def main() -> None:
+    cfg = parse_config(Config)
+    with one_line_errors():
+        if cfg.eval_only:  # --eval_only --weights PATH: test metrics of a weights file, as one JSON line
+            evaluate_weights(cfg, lambda n: make_model(n, cfg), lambda: load_data(cfg)[1], evaluate)
+        else:
+            sweep(cfg) if cfg.sweep else train(cfg)
+
+
+if __name__ == "__main__":
+    main()

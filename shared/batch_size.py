@@ -1,0 +1,72 @@
+"""--auto_batch_size: the largest per-process batch that trains without running out of memory.
+
+accelerate's `find_executable_batch_size` retries a function with a smaller batch whenever it
+raises an out-of-memory error. Two things make that safe here:
+  - each try builds its own model and optimizer and runs one real training step (forward,
+    backward, optimizer step: Adam's state included) on a plain, unwrapped model, so a failed
+    try frees everything it allocated, and no process waits in a DDP all-reduce for a process
+    that has just failed;
+  - after each try the processes compare notes: if any ran out of memory, all of them halve.
+    One process training with another batch size than the rest would hang the group.
+The real run then adds DDP's gradient buckets (about one more copy of the gradients) to what
+the try measured; on a GPU filled to the brim, take the next smaller batch by hand.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from accelerate.utils import find_executable_batch_size
+from accelerate.utils.memory import should_reduce_batch_size
+
+from shared.errors import RecipeError
+
+
+def largest_batch_size(accelerator, start: int, train_set, new_model: Callable, new_optimizer: Callable,
+                       preprocess: Callable) -> int:
+    """Halve `start` until one training step fits on every process; returns that batch size.
+
+    new_model() -> a fresh model; new_optimizer(model) -> its optimizer; preprocess(uint8 batch on
+    the device) -> the model's input, as in the recipe's loop."""
+    tried = []
+
+    def attempt(batch_size: int) -> int:
+        tried.append(batch_size)
+        out_of_memory = False
+        try:
+            model = new_model().to(accelerator.device)
+            optimizer = new_optimizer(model)
+            images, labels = train_set[torch.arange(batch_size) % len(train_set)]  # the recipe's own inputs
+            with accelerator.autocast():
+                loss = F.cross_entropy(model(preprocess(images.to(accelerator.device))), labels.to(accelerator.device))
+            loss.backward()
+            optimizer.step()
+        except RuntimeError as error:  # leaving the except block drops the traceback and the memory it holds
+            if not should_reduce_batch_size(error):
+                raise
+            out_of_memory = True
+        model = optimizer = loss = None  # noqa: F841  (free this try's tensors before the next one)
+        failed = accelerator.reduce(torch.tensor(int(out_of_memory), device=accelerator.device), "sum")
+        if failed.item():  # every process raises, so every process halves
+            # find_executable_batch_size retries on errors whose text contains " out of memory."
+            raise RuntimeError(f"batch {batch_size}: {failed.item()} process(es) ran out of memory.")
+        return batch_size
+
+    def halve() -> int:
+        return tried[-1] // 2
+
+    devices = [accelerator.device] if accelerator.device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices):  # the tries draw random numbers; the run must not notice them
+            # Called directly, not as @decorator(...): older accelerate drops reduce_batch_size_fn in that form.
+            batch_size = find_executable_batch_size(attempt, starting_batch_size=start, reduce_batch_size_fn=halve)()
+    except RuntimeError as error:
+        if "reached zero" in str(error):
+            raise RecipeError("--auto_batch_size: not even a batch of 1 fits in memory: "
+                              "use a smaller model, bf16.yaml, or a device with more memory") from None
+        raise
+    accelerator.print(f"--auto_batch_size: {batch_size} images per process fit "
+                      f"(tried {', '.join(map(str, tried))})")
+    return batch_size

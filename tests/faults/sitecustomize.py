@@ -1,0 +1,43 @@
+"""Fault injection for the tests, not for the recipes.
+
+Python imports `sitecustomize` at startup when this folder is on PYTHONPATH. With
+FAULT_DISK_FULL_AT_STEP=N, every file written into the checkpoint of step N fails with ENOSPC,
+exactly as the save would on a full disk; everything else writes normally.
+With FAULT_OOM_ABOVE_BATCH=N (and FAULT_OOM_RANK=R: only on that process), a loss over more than
+N samples in training raises the error PyTorch's CPU allocator raises when memory runs out.
+"""
+
+import errno
+import os
+
+_step = os.environ.get("FAULT_DISK_FULL_AT_STEP")
+if _step:
+    import safetensors.torch
+    import torch
+
+    def _failing(save):
+        def save_or_fail(obj, path, *args, **kwargs):
+            if f"partial_step_{_step}" in str(path):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            return save(obj, path, *args, **kwargs)
+        return save_or_fail
+
+    torch.save = _failing(torch.save)
+    safetensors.torch.save_file = _failing(safetensors.torch.save_file)
+
+_oom_above = os.environ.get("FAULT_OOM_ABOVE_BATCH")
+if _oom_above:
+    import torch
+    import torch.nn.functional
+
+    def _cross_entropy_or_oom(cross_entropy):
+        def cross_entropy_or_oom(input, target, *args, **kwargs):
+            rank = os.environ.get("FAULT_OOM_RANK")
+            training = torch.is_grad_enabled()  # evaluation batches are left alone
+            if training and len(target) > int(_oom_above) and rank in (None, os.environ.get("RANK", "0")):
+                raise RuntimeError(f"[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
+                                   f"you tried to allocate {len(target) * 2**30} bytes. Error code 12 (Cannot allocate memory)")
+            return cross_entropy(input, target, *args, **kwargs)
+        return cross_entropy_or_oom
+
+    torch.nn.functional.cross_entropy = _cross_entropy_or_oom(torch.nn.functional.cross_entropy)

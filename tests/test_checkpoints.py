@@ -1,0 +1,255 @@
+"""Checkpoints that survive anything: exact resume, kill -9, SIGTERM, and any weights layout.
+
+Exactness is judged on the final weights: a run that is stopped and resumed must end bitwise equal
+to the same run left alone, with augmentation on (so every RNG state must come back too).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import ROOT, launch, ok, read_json, read_jsonl
+from tiny_data import save_to_disk_dataset
+
+from recipes.cifar_cnn import make_model
+from shared.checkpoints import load_weights
+from shared.errors import RecipeError
+
+RUN = ("--batch_size", "8", "--max_steps", "20", "--checkpoint_every", "2", "--keep_checkpoints", "20",
+       "--log_every", "1", "--seed", "5", "--tracker", "none")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return save_to_disk_dataset(tmp_path_factory.mktemp("ck") / "data", sizes={"train": 64, "test": 20})
+
+
+def weights(run: Path) -> dict:
+    return load_file(run / "model.safetensors")
+
+
+def assert_bitwise_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"differ: {different[:3]} (max {max((a[k] - b[k]).abs().max().item() for k in different):.3g})"
+
+
+@pytest.fixture(scope="module")
+def reference(env, data, tmp_path_factory):
+    """The uninterrupted runs, 1 and 2 processes, that every interrupted run must reproduce."""
+    out = tmp_path_factory.mktemp("reference")
+    ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out / "one"), *RUN))
+    ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out / "two"), *RUN, config="2gpu", use_cpu=True))
+    return {1: out / "one", 2: out / "two"}
+
+
+@pytest.mark.parametrize("processes, step, where", [
+    (1, 4, "middle of epoch 1"),  # 64 images / batch 8: 8 steps per epoch
+    (1, 12, "middle of epoch 2"),
+    (2, 2, "middle of epoch 1"),  # 2 processes x 8: 4 steps per epoch
+    (2, 10, "middle of epoch 3"),
+])
+def test_resume_from_a_checkpoint_is_bitwise_exact(env, data, reference, tmp_path, processes, step, where):
+    checkpoint = reference[processes] / "checkpoints" / f"step_{step}"
+    out = tmp_path / "resumed"
+    kwargs = {"config": "2gpu", "use_cpu": True} if processes == 2 else {}
+    ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out), *RUN, "--resume", str(checkpoint), **kwargs))
+    assert_bitwise_equal(weights(out), weights(reference[processes]))
+    steps = [row["step"] for row in read_jsonl(out / "metrics.jsonl") if "train_loss" in row]
+    assert steps == list(range(step + 1, 21))  # continued where the checkpoint stopped, each step once
+
+
+def start(env, *args) -> subprocess.Popen:
+    """`accelerate launch` in its own process group, so a signal can reach the whole tree."""
+    command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file",
+               "accelerate_configs/cpu.yaml", "recipes/cifar_cnn.py", *args]
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def wait_for(predicate, process, timeout=180.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert process.poll() is None, f"run ended first:\n{process.communicate()[1][-3000:]}"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_kill_9_at_a_random_step_then_resume(env, data, reference, tmp_path):
+    out = tmp_path / "run"
+    kill_after = random.Random(os.getpid()).randint(3, 16)  # any step; logged in the failure message
+    process = start(env, "--data", str(data), "--output_dir", str(out), *RUN)
+    wait_for(lambda: any(r.get("step", 0) >= kill_after for r in safe_rows(out)), process)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out), *RUN, "--resume", "latest"))
+    assert_bitwise_equal(weights(out), weights(reference[1])), f"killed after step {kill_after}"
+    assert not list((out / "checkpoints").glob("partial_*"))
+
+
+def safe_rows(run: Path) -> list[dict]:
+    try:
+        return read_jsonl(run / "metrics.jsonl")
+    except (FileNotFoundError, ValueError):  # not there yet, or a line half written
+        return []
+
+
+def test_kill_9_during_a_checkpoint_save_keeps_the_previous_one(env, tmp_path):
+    # The 72-layer MLP's checkpoint is ~0.9 GB, so a save lasts long enough to be interrupted.
+    data = save_to_disk_dataset(tmp_path / "data", sizes={"train": 32, "test": 8})
+    args = ("--data", str(data), "--batch_size", "8", "--max_steps", "2", "--checkpoint_every", "1",
+            "--keep_checkpoints", "1", "--log_every", "1", "--tracker", "none")
+    reference = tmp_path / "reference"
+    ok(launch(env, "deep_mlp_ckpt", *args, "--output_dir", str(reference)))
+    out = tmp_path / "run"
+    command = [sys.executable, "recipes/deep_mlp_ckpt.py", *args, "--output_dir", str(out)]
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: (out / "checkpoints" / "partial_step_2").exists(), process)
+    process.kill()
+    process.wait()
+    assert [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_")] == ["step_1"]
+    ok(launch(env, "deep_mlp_ckpt", *args, "--output_dir", str(out), "--resume", "latest"))
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2"]  # no half-written folder left
+    assert_bitwise_equal(weights(out), weights(reference))
+
+
+def test_sigterm_saves_the_current_step_exits_0_and_prints_a_working_resume_command(env, data, reference, tmp_path):
+    out = tmp_path / "run"
+    command = [sys.executable, "recipes/cifar_cnn.py", "--data", str(data), "--output_dir", str(out), *RUN]
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: any(r.get("step", 0) >= 5 for r in safe_rows(out)), process)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 0, stderr
+    stopped = int(stdout.split("stopped by SIGTERM at step ")[1].split(",")[0])
+    assert 5 <= stopped < 20 and (out / "checkpoints" / f"step_{stopped}").is_dir()
+    assert not (out / "model.safetensors").exists()  # stopped, not finished
+    resume = stdout.split("continue with:\n")[1].strip().splitlines()[0]
+    assert "--resume latest" in resume and f"--output_dir {out}" in resume
+    ok(subprocess.run([sys.executable, *shlex.split(resume)[1:]], cwd=ROOT, env=env, capture_output=True, text=True))
+    assert_bitwise_equal(weights(out), weights(reference[1]))
+
+
+def test_sigterm_to_both_processes_of_a_2_process_run(env, data, tmp_path):
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file",
+               "accelerate_configs/2gpu.yaml", "recipes/cifar_cnn.py", "--data", str(data), "--output_dir", str(out), *RUN]
+    process = subprocess.Popen(command, cwd=ROOT, env=dict(env, ACCELERATE_USE_CPU="true"), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: any(r.get("step", 0) >= 3 for r in safe_rows(out)), process)
+    workers = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()
+    assert len(workers) == 2
+    for pid in workers:  # what SLURM does: every training process gets the signal
+        os.kill(int(pid), signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 0, stderr
+    stopped = int(stdout.split("at step ")[1].split(",")[0])
+    assert (out / "checkpoints" / f"step_{stopped}").is_dir()
+    assert sorted(p.name for p in (out / "checkpoints" / f"step_{stopped}").glob("random_states_*")) == [
+        "random_states_0.pkl", "random_states_1.pkl"]
+
+
+# ------------------------------------------------------------------ weights files of every layout
+@pytest.fixture(scope="module")
+def trained(reference):
+    return reference[1]
+
+
+def layouts(run: Path, folder: Path) -> dict[str, Path]:
+    state = weights(run)
+    files = {}
+
+    def save(name, obj):
+        files[name] = folder / name
+        torch.save(obj, files[name])
+
+    save("plain.pt", state)
+    save("ddp_module_prefix.pt", {f"module.{k}": v for k, v in state.items()})
+    save("compiled_orig_mod_prefix.pth", {f"_orig_mod.{k}": v for k, v in state.items()})
+    save("wrapped_model.pt", {"model": state, "epoch": 3, "optimizer": {"state": {}, "param_groups": []}})
+    save("wrapped_state_dict.pt", {"state_dict": {f"module.{k}": v for k, v in state.items()}, "epoch": 3})
+    save("wrapped_model_state_dict.pt", {"model_state_dict": state, "epoch": 3, "optimizer_state_dict": {}})
+    files["weights.safetensors"] = folder / "weights.safetensors"
+    save_file(state, files["weights.safetensors"])
+    files["accelerate_checkpoint_folder"] = run / "checkpoints" / "step_20"
+    # A file written on a GPU: every storage is tagged cuda:0, and plain torch.load fails on a CPU machine.
+    files["saved_on_cuda.pt"] = folder / "saved_on_cuda.pt"
+    with mock.patch("torch.serialization.location_tag", lambda storage: "cuda:0"):
+        torch.save(state, files["saved_on_cuda.pt"])
+    return files
+
+
+def test_every_weights_layout_loads_to_the_same_weights(trained, tmp_path):
+    expected = weights(trained)
+    files = layouts(trained, tmp_path)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA"):
+            torch.load(files["saved_on_cuda.pt"], weights_only=True)  # the file really is a GPU file
+    for name, path in files.items():
+        model = make_model(10)
+        load_weights(model, path)
+        assert_bitwise_equal(model.state_dict(), expected), name
+
+
+@pytest.mark.parametrize("layout", ["saved_on_cuda.pt", "accelerate_checkpoint_folder"])
+def test_eval_only_gives_the_same_accuracy_from_any_layout(env, data, trained, tmp_path, layout):
+    path = layouts(trained, tmp_path)[layout]
+    result = ok(launch(env, "cifar_cnn", "--data", str(data), "--eval_only", "--weights", str(path), config=None))
+    assert f'"eval_acc": {read_json(trained / "summary.json")["eval_acc"]}' in result.stdout
+
+
+def one_line(result):
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def test_a_malicious_pickle_is_refused_before_it_runs(env, data, tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))  # unpickling it would create a file
+
+    evil = tmp_path / "evil.pt"
+    torch.save({"0.weight": Payload()}, evil)
+    line = one_line(launch(env, "cifar_cnn", "--data", str(data), "--eval_only", "--weights", str(evil), config=None))
+    assert "could run code: refused" in line and "io.open" in line  # open() pickles as io.open
+    assert not marker.exists()
+
+
+def test_a_whole_model_pickle_is_refused_with_the_two_lines_that_convert_it(env, data, tmp_path):
+    path = tmp_path / "whole_model.pt"
+    torch.save(make_model(10), path)
+    line = one_line(launch(env, "cifar_cnn", "--data", str(data), "--eval_only", "--weights", str(path), config=None))
+    assert "torch.load(path, weights_only=False)" in line and "torch.save(model.state_dict()" in line
+
+
+def test_weights_of_another_model_name_the_first_mismatch(tmp_path):
+    path = tmp_path / "other.safetensors"
+    state = make_model(10).state_dict()
+    state["0.weight"] = torch.zeros(16, 3, 5, 5)
+    save_file(state, path)
+    with pytest.raises(RecipeError, match=r"'0.weight' is \(16, 3, 5, 5\) in the file, \(32, 3, 5, 5\) in the model"):
+        load_weights(make_model(10), path)
+
+
+def test_a_truncated_weights_file_is_one_clear_line(env, data, trained, tmp_path):
+    path = tmp_path / "truncated.safetensors"
+    path.write_bytes((trained / "model.safetensors").read_bytes()[:1000])
+    line = one_line(launch(env, "cifar_cnn", "--data", str(data), "--eval_only", "--weights", str(path), config=None))
+    assert "cannot be read" in line
+

@@ -1,0 +1,117 @@
+"""recipes/deep_mlp_ckpt.py: checkpointing changes memory and time, never the gradients."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from safetensors.torch import load_file
+from torch.utils.checkpoint import checkpoint
+
+from conftest import launch, ok, read_json, read_jsonl
+from tiny_data import save_to_disk_dataset
+
+from recipes.deep_mlp_ckpt import DeepMLP, saved_bytes
+
+
+def gradients(model: DeepMLP, x, labels, seed=0) -> dict:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)  # the same dropout masks in every mode
+    F.cross_entropy(model(x), labels).backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def batch():
+    torch.manual_seed(0)
+    return torch.randn(4, 1000), torch.randint(100, (4,))
+
+
+MODES = [("sequential", k) for k in (1, 2, 8, 9, 72)] + [("blocks", k) for k in (1, 5, 8, 72)]
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+@pytest.mark.parametrize("mode, segments", MODES)
+def test_every_mode_gives_the_gradients_of_no_checkpointing(batch, mode, segments, dropout):
+    torch.manual_seed(1)
+    model = DeepMLP(100, dropout=dropout)
+    reference = gradients(model, *batch)
+    model.ckpt, model.segments, model.preserve_rng_state = mode, segments, True
+    checkpointed = gradients(model, *batch)
+    assert reference.keys() == checkpointed.keys()
+    worst = max((reference[k] - checkpointed[k]).abs().max().item() for k in reference)
+    assert worst <= 1e-6, f"{mode} x {segments}, dropout {dropout}: max |grad difference| {worst:.3g}"
+    assert all(g.abs().sum() > 0 for g in checkpointed.values())  # every layer, the first one too, gets gradients
+
+
+def test_without_preserve_rng_state_dropout_gradients_go_wrong(batch):
+    torch.manual_seed(1)
+    model = DeepMLP(100, dropout=0.2)
+    reference = gradients(model, *batch)
+    model.ckpt, model.segments, model.preserve_rng_state = "sequential", 8, False
+    wrong = gradients(model, *batch)  # recomputation draws new dropout masks
+    assert max((reference[k] - wrong[k]).abs().max().item() for k in reference) > 1e-3
+
+
+def test_the_reentrant_trap_the_seed_hit(batch):
+    """use_reentrant=True with an input that needs no grad: the segment's parameters get none."""
+    torch.manual_seed(1)
+    model = DeepMLP(100)
+    x, labels = batch
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PyTorch warns: "None of the inputs have requires_grad=True"
+        hidden = checkpoint(model.layers[:8], x, use_reentrant=True)
+    F.cross_entropy(model.layers[8:](hidden), labels).backward()
+    assert model.layers[0][0].weight.grad is None  # silently untrained
+    assert model.layers[8][0].weight.grad is not None
+
+
+def test_saved_activations_fall_from_one_segment_towards_sqrt_n(batch):
+    torch.manual_seed(1)
+    model = DeepMLP(100)
+    x = torch.randn(64, 1000)
+    held = {}
+    for segments in (1, 2, 3, 4, 6, 8):
+        model.ckpt, model.segments = "sequential", segments
+        held[segments] = saved_bytes(model, x, model)
+    model.ckpt = "none"
+    none = saved_bytes(model, x, model)
+    assert held[1] == none  # checkpoint_sequential never checkpoints its last segment: 1 segment = none
+    values = list(held.values())
+    assert all(a > b for a, b in zip(values, values[1:])), held
+    assert held[8] <= 0.25 * none, (held[8], none)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return save_to_disk_dataset(tmp_path_factory.mktemp("mlp") / "data", sizes={"train": 64, "test": 20})
+
+
+@pytest.mark.parametrize("config, use_cpu", [("cpu", False), ("2gpu", True)])
+def test_trains_under_cpu_and_two_process_configs(env, data, tmp_path, config, use_cpu):
+    out = tmp_path / "run"
+    ok(launch(env, "deep_mlp_ckpt", "--data", str(data), "--ckpt", "sequential", "--segments", "8", "--dropout", "0.1",
+              "--batch_size", "8", "--max_steps", "4", "--log_every", "2", "--tracker", "none", "--output_dir", str(out),
+              config=config, use_cpu=use_cpu))
+    summary = read_json(out / "summary.json")
+    assert summary["steps"] == 4 and summary["world_size"] == (2 if use_cpu else 1)
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "train_loss" in r] == [2, 4]
+    assert set(load_file(out / "model.safetensors")) == set(DeepMLP(10).state_dict())
+
+
+def test_sweep_writes_markdown_csv_and_png(env, tmp_path):
+    out = tmp_path / "sweep"
+    result = ok(launch(env, "deep_mlp_ckpt", "--sweep", "--sweep_batch", "32", "--sweep_repeats", "1", "--tracker", "none", "--output_dir", str(out)))
+    assert "~ sqrt(72)" in result.stdout
+    table = (out / "sweep.md").read_text()
+    assert table.count("~ sqrt(72)") == 2  # at --sweep_batch and at the seed's 16
+    rows = (out / "sweep.csv").read_text().splitlines()
+    assert len(rows) == 1 + 2 * 13
+    eight = next(r for r in rows[1:] if r.startswith("32,8,"))
+    saved_x = float(eight.split(",")[rows[0].split(",").index("saved_x")])
+    assert saved_x <= 0.25
+    with Image.open(out / "sweep.png") as image:
+        assert image.format == "PNG"

@@ -1,0 +1,262 @@
+"""The troubleshooting matrix (docs/troubleshooting.md): every mistake gets one line, a non-zero
+exit and no loss of what is already on disk. Each test runs the real recipe in a subprocess."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, launch, ok, read_jsonl
+from tiny_data import image_splits, save_to_disk_dataset, text_dataset
+
+RECIPES = ["cifar_cnn", "resnet18_fmnist", "deep_mlp_ckpt"]
+SHORT = ("--batch_size", "8", "--max_steps", "4", "--log_every", "1", "--tracker", "none")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return save_to_disk_dataset(tmp_path_factory.mktemp("err") / "data", sizes={"train": 64, "test": 20})
+
+
+def one_line(result, *needles, status=1) -> str:
+    """`python recipes/...`: exactly one line on stderr, no traceback, the expected exit status."""
+    assert result.returncode == status, (result.returncode, result.stderr[-2000:])
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def snapshot(folder: Path) -> dict:
+    """Hash of every file under `folder`: what must survive a failed run."""
+    return {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# ------------------------------------------------------------------ flags and configs
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_unknown_flag(env, recipe):
+    one_line(launch(env, recipe, "--bogus", "1", config=None), "unrecognized arguments: --bogus", status=2)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("--batch_size", "0"), "--batch_size must be > 0, got 0"),
+    (("--lr", "-0.1"), "--lr must be > 0, got -0.1"),
+    (("--grad_accum", "0"), "--grad_accum must be > 0, got 0"),
+    (("--epochs", "many"), "argument --epochs: invalid int value: 'many'"),
+    (("--tracker", "mlflow"), "argument --tracker: invalid choice: 'mlflow'"),
+    (("--eval_only",), "--eval_only needs --weights PATH"),
+])
+def test_flag_of_the_wrong_type_or_out_of_range(env, args, needle):
+    one_line(launch(env, "resnet18_fmnist", *args, config=None), needle, status=2)
+
+
+@pytest.mark.parametrize("segments, needle", [("0", "--segments must be > 0, got 0"),
+                                              ("73", "--segments must be at most 72, one per layer; got 73")])
+def test_segments_out_of_range(env, segments, needle):
+    one_line(launch(env, "deep_mlp_ckpt", "--segments", segments, config=None), needle, status=2)
+
+
+def test_config_file_missing(env, tmp_path):
+    # accelerate reads the config before the recipe starts: the message is accelerate's own.
+    result = launch(env, "cifar_cnn", "--synthetic", "--output_dir", str(tmp_path / "run"), config="does_not_exist")
+    assert result.returncode != 0 and "does_not_exist.yaml` does not exist" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_config_yaml_invalid(env, tmp_path):
+    bad = ROOT / "accelerate_configs" / "test_invalid_tmp.yaml"
+    bad.write_text("distributed_type: NO\nnum_processes: [1\n")
+    try:
+        result = launch(env, "cifar_cnn", "--synthetic", "--output_dir", str(tmp_path / "run"), config="test_invalid_tmp")
+    finally:
+        bad.unlink()
+    assert result.returncode != 0 and "yaml" in result.stderr.lower()
+    assert not (tmp_path / "run").exists()
+
+
+def test_fp16_on_a_cpu(env, data, tmp_path):
+    result = launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(tmp_path / "run"), config="fp16")
+    assert result.returncode == 1
+    assert result.stderr.count("error: fp16 mixed precision needs a GPU") == 1 and "bf16.yaml" in result.stderr
+    assert 'recipes/cifar_cnn.py", line' not in result.stderr  # the recipe itself raised no traceback
+    assert not (tmp_path / "run").exists()
+
+
+def test_more_processes_than_gpus_on_a_cpu_machine(env, data, tmp_path):
+    # 2gpu.yaml without GPUs and without ACCELERATE_USE_CPU: accelerate 1.x would start two runs.
+    result = launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(tmp_path / "run"), config="2gpu")
+    assert result.returncode != 0
+    assert result.stderr.count("error: 2 processes were launched but no GPUs were found") == 1
+    assert "ACCELERATE_USE_CPU=true" in result.stderr and 'recipes/cifar_cnn.py", line' not in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_more_processes_per_machine_than_gpus(monkeypatch):
+    from shared.errors import RecipeError, check_launch
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(RecipeError, match="starts 8 processes on this machine but it has 2 GPU"):
+        check_launch()
+
+
+# ------------------------------------------------------------------ data
+def test_hub_dataset_unreachable(env):
+    # HF_HUB_OFFLINE answers like a machine without network, minus 20 s of retries.
+    one_line(launch(dict(env, HF_HUB_OFFLINE="1"), "cifar_cnn", "--data", "someone/not-cached", "--tracker", "none",
+                    config=None), "the Hugging Face hub could not provide it", "--data PATH", "--synthetic")
+
+
+def test_local_data_path_missing(env, tmp_path):
+    one_line(launch(env, "cifar_cnn", "--data", str(tmp_path / "nope"), "--tracker", "none", config=None),
+             "no such folder", "--synthetic")
+
+
+def test_dataset_without_an_image_column(env, tmp_path):
+    one_line(launch(env, "cifar_cnn", "--data", str(text_dataset(tmp_path / "text")), "--tracker", "none", config=None),
+             "no image column", "text (Value)")
+
+
+def test_dataset_without_a_label_column(env, tmp_path):
+    splits = image_splits().remove_columns("label")
+    splits.save_to_disk(str(tmp_path / "unlabelled"))
+    one_line(launch(env, "cifar_cnn", "--data", str(tmp_path / "unlabelled"), "--tracker", "none", config=None),
+             "no label column")
+
+
+def test_images_of_the_wrong_size(env, tmp_path):
+    one_line(launch(env, "cifar_cnn", "--data", str(save_to_disk_dataset(tmp_path / "d", shape=(3, 28, 28))),
+                    "--tracker", "none", config=None), "28x28", "expects 32x32")
+
+
+def test_images_of_the_wrong_channel_count(env, tmp_path):
+    one_line(launch(env, "resnet18_fmnist", "--data", str(save_to_disk_dataset(tmp_path / "d", shape=(3, 28, 28))),
+                    "--tracker", "none", config=None), "colour images", "expects 1 channel")
+
+
+def test_labels_outside_the_class_range(env, tmp_path):
+    splits = image_splits()
+    splits["train"] = splits["train"].map(lambda example, i: {"label": -1 if i == 5 else example["label"]}, with_indices=True)
+    splits.save_to_disk(str(tmp_path / "d"))
+    one_line(launch(env, "cifar_cnn", "--data", str(tmp_path / "d"), "--tracker", "none", config=None),
+             "labels outside 0..9", "(e.g. -1)")
+
+
+def test_empty_split(env, tmp_path):
+    # datasets itself refuses to load an empty split from parquet; its reason is passed on.
+    folder = tmp_path / "d"
+    folder.mkdir()
+    splits = image_splits()
+    splits["train"].to_parquet(str(folder / "train.parquet"))
+    splits["test"].select([]).to_parquet(str(folder / "test.parquet"))
+    one_line(launch(env, "cifar_cnn", "--data", str(folder), "--tracker", "none", config=None),
+             "could not read a dataset", '"test" corresponds to no data', "with examples in every split")
+
+
+def test_empty_split_that_loads():
+    # A dataset that does load with an empty split (from the hub, or built in memory).
+    from shared.data import pick_splits
+    from shared.errors import RecipeError
+
+    splits = image_splits()
+    splits["test"] = splits["test"].select([])
+    with pytest.raises(RecipeError, match="the 'test' split of hub/x is empty"):
+        pick_splits(splits, "hub/x")
+
+
+# ------------------------------------------------------------------ outputs and checkpoints
+def test_output_dir_not_writable(env, data, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    one_line(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(blocker / "run"), *SHORT, config=None),
+             "cannot write to", "--output_dir")
+    assert blocker.read_text() == "not a folder"
+
+
+@pytest.fixture(scope="module")
+def finished(env, data, tmp_path_factory):
+    run = tmp_path_factory.mktemp("finished") / "run"
+    ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(run), *SHORT, "--checkpoint_every", "2",
+              config=None))
+    return run
+
+
+def test_output_dir_already_holding_a_run(env, data, finished):
+    before = snapshot(finished)
+    one_line(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(finished), *SHORT, config=None),
+             "already holds a run", "--resume latest", "--overwrite")
+    assert snapshot(finished) == before
+
+
+def test_corrupt_truncated_checkpoint(env, data, finished, tmp_path):
+    broken = tmp_path / "run"
+    shutil.copytree(finished, broken)
+    optimizer = broken / "checkpoints" / "step_2" / "optimizer.bin"
+    optimizer.write_bytes(optimizer.read_bytes()[:500])
+    before = snapshot(broken)
+    one_line(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(broken), *SHORT,
+                    "--resume", str(optimizer.parent), config=None), "optimizer.bin is corrupt", "another checkpoint")
+    assert snapshot(broken) == before
+
+
+def test_checkpoint_from_another_recipe(env, data, finished, tmp_path):
+    one_line(launch(env, "deep_mlp_ckpt", "--data", str(data), "--output_dir", str(tmp_path / "run"), *SHORT,
+                    "--resume", str(finished / "checkpoints" / "step_4"), config=None),
+             "cannot be loaded into this run", "Missing key(s) in state_dict")
+
+
+def test_resume_without_a_checkpoint(env, data, tmp_path):
+    one_line(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(tmp_path / "new"), *SHORT,
+                    "--resume", "latest", config=None), "has no checkpoints")
+
+
+def test_loss_becomes_nan_keeps_the_last_good_checkpoint(env, data, tmp_path):
+    run = tmp_path / "run"
+    line = one_line(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(run), "--lr", "1e12",
+                           "--batch_size", "8", "--max_steps", "20", "--log_every", "1", "--checkpoint_every", "1",
+                           "--tracker", "none", config=None), "by step", "lower --lr")
+    stopped = int(line.split("by step ")[1].split(":")[0].split(" ")[0])
+    checkpoints = sorted((run / "checkpoints").glob("step_*"), key=lambda p: int(p.name[5:]))
+    assert checkpoints and int(checkpoints[-1].name[5:]) < stopped
+    for checkpoint in checkpoints:
+        assert all(torch.isfinite(t).all() for t in load_file(checkpoint / "model.safetensors").values())
+    assert not (run / "model.safetensors").exists()
+
+
+def test_disk_full_during_a_checkpoint_save(env, data, tmp_path):
+    run = tmp_path / "run"
+    faulty = dict(env, PYTHONPATH=str(ROOT / "tests" / "faults"), FAULT_DISK_FULL_AT_STEP="6")
+    line = one_line(launch(faulty, "cifar_cnn", "--data", str(data), "--output_dir", str(run), "--batch_size", "8",
+                           "--max_steps", "10", "--checkpoint_every", "2", "--tracker", "none", config=None),
+                    "saving the checkpoint of step 6 failed (No space left on device)", "step_4", "--resume latest")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_4"], line
+    ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(run), "--batch_size", "8", "--max_steps", "10",
+              "--checkpoint_every", "2", "--tracker", "none", "--resume", "latest", config=None))
+    assert (run / "model.safetensors").exists()
+
+
+def test_wandb_unreachable_falls_back_to_offline(env, data, tmp_path):
+    run = tmp_path / "run"
+    online_but_unreachable = dict(env, WANDB_API_KEY="a" * 40, WANDB_BASE_URL="http://127.0.0.1:9", WANDB_INIT_TIMEOUT="5")
+    result = ok(launch(online_but_unreachable, "cifar_cnn", "--data", str(data), "--output_dir", str(run),
+                       "--batch_size", "8", "--max_steps", "4", config=None))
+    assert "warning: wandb could not start online" in result.stderr and "logging offline instead" in result.stderr
+    assert len(list((run / "wandb").glob("offline-run-*"))) == 1
+    assert (run / "model.safetensors").exists()
+
+
+# ------------------------------------------------------------------ several processes
+def test_an_error_in_a_two_process_run_stops_both_promptly_printed_once(env, tmp_path):
+    started = time.monotonic()
+    result = launch(env, "cifar_cnn", "--data", str(tmp_path / "missing"), "--tracker", "none",
+                    "--output_dir", str(tmp_path / "run"), config="2gpu", use_cpu=True)
+    assert result.returncode != 0 and time.monotonic() - started < 90
+    assert result.stderr.count("no such folder") == 1
+    assert 'recipes/cifar_cnn.py", line' not in result.stderr and "[rank1]" not in result.stderr

@@ -1,0 +1,184 @@
+"""Run tracking: wandb offline, TensorBoard, pictures, progress output and the runs table."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from conftest import ROOT, launch, ok, read_json, read_jsonl
+from tiny_data import save_to_disk_dataset
+
+SHORT = ("--batch_size", "8", "--max_steps", "6", "--log_every", "2")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return save_to_disk_dataset(tmp_path_factory.mktemp("tr") / "data", sizes={"train": 64, "test": 20})
+
+
+def wandb_records(run_file: Path):
+    """The records of an offline run's .wandb file: a LevelDB-style log of wandb protobuf Records."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = run_file.read_bytes()
+    assert data[:4] == b":W&B", "not a wandb transaction log"
+    position, pending = 7, b""  # after the file header: ident, magic, version
+    while position + 7 <= len(data):
+        room = 32768 - position % 32768  # records never straddle a 32 KiB block header
+        if room < 7:
+            position += room
+            continue
+        _checksum, length, kind = struct.unpack("<IHB", data[position:position + 7])
+        position += 7
+        pending += data[position:position + length]
+        position += length
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            yield record
+            pending = b""
+
+
+def wandb_summary_and_history(run_dir: Path) -> tuple[dict, list[dict]]:
+    offline_runs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    summary, history = {}, []
+    for offline_run in offline_runs:
+        for record in wandb_records(next(offline_run.glob("run-*.wandb"))):
+            kind = record.WhichOneof("record_type")
+            if kind == "summary":
+                summary.update({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.summary.update})
+            elif kind == "history":
+                history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item})
+    return summary, history
+
+
+@pytest.fixture(scope="module")
+def wandb_run(env, data, tmp_path_factory):
+    """A run with the default tracker and no API key: wandb offline."""
+    out = tmp_path_factory.mktemp("wandb") / "run"
+    result = ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out), *SHORT, "--checkpoint_every", "2"))
+    return out, result.stdout
+
+
+def test_offline_wandb_run_holds_the_summary_and_every_point(wandb_run):
+    out, stdout = wandb_run
+    offline_runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(offline_runs) == 1
+    assert f"wandb sync {offline_runs[0]}" in stdout  # how to upload it later
+    summary, history = wandb_summary_and_history(out)
+    expected = read_json(out / "summary.json")
+    for key, value in expected.items():
+        assert summary[key] == pytest.approx(value) if isinstance(value, float) else summary[key] == value, key
+    logged = [row for row in history if "train_loss" in row]
+    metrics = [row for row in read_jsonl(out / "metrics.jsonl") if "train_loss" in row]
+    assert [row["step"] for row in logged] == [row["step"] for row in metrics] == [2, 4, 6]
+    assert [row["train_loss"] for row in logged] == pytest.approx([row["train_loss"] for row in metrics])
+    logged_keys = {key.split("/")[0] for row in history for key in row}  # images log as name/_type, name/filenames, ...
+    assert {"confusion_matrix", "misclassified"} <= logged_keys
+    images = {path.name.split("_")[0] for path in offline_runs[0].glob("files/media/images/*.png")}
+    assert images == {"confusion", "misclassified"}
+
+
+def test_a_resumed_run_continues_the_same_wandb_run(env, data, wandb_run, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(wandb_run[0], out)
+    checkpoint = out / "checkpoints" / "step_4"
+    ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out), *SHORT, "--resume", str(checkpoint)))
+    offline_runs = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(offline_runs) == 2
+    run_ids = {path.name.rsplit("-", 1)[1] for path in offline_runs}
+    assert run_ids == {read_json(out / "config.json")["run_id"]}  # one wandb run, continued
+    _, history = wandb_summary_and_history(out)
+    steps = [row["step"] for row in history if "train_loss" in row]
+    assert steps == [2, 4, 6, 6]  # the resumed part logs step 6 again; nothing is dropped or reordered
+    assert [row["step"] for row in read_jsonl(out / "metrics.jsonl") if "train_loss" in row] == [2, 4, 6]
+
+
+def test_tensorboard_scalars_match_metrics_jsonl(env, data, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out), *SHORT, "--tracker", "tensorboard"))
+    event_files = list((out / "tensorboard").glob("events.out.tfevents.*"))  # add_hparams adds a sub-run folder too
+    assert len(event_files) == 1 and list((out / "tensorboard").glob("*/events.out.tfevents.*"))
+    events = EventAccumulator(str(event_files[0].parent), size_guidance={"scalars": 0, "images": 0}).Reload()
+    rows = read_jsonl(out / "metrics.jsonl")
+    for key in ("train_loss", "lr", "samples_per_s", "eval_loss", "eval_acc"):
+        expected = [(row["step"], row[key]) for row in rows if key in row]
+        logged = [(event.step, event.value) for event in events.Scalars(key)]
+        assert [step for step, _ in logged] == [step for step, _ in expected], key
+        assert [value for _, value in logged] == pytest.approx([value for _, value in expected], rel=1e-6), key
+    assert {"confusion_matrix", "misclassified"} <= set(events.Tags()["images"])
+    assert not (out / "wandb").exists()
+
+
+def test_pictures_are_valid_images_and_two_processes_write_each_file_once(env, data, tmp_path):
+    out = tmp_path / "run"
+    ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out), *SHORT, config="2gpu", use_cpu=True))
+    for name, min_size in (("curves.png", (600, 300)), ("confusion_matrix.png", (400, 400)), ("misclassified.png", (800, 150))):
+        with Image.open(out / name) as image:
+            image.verify()
+        with Image.open(out / name) as image:
+            assert image.format == "PNG" and all(a >= b for a, b in zip(image.size, min_size)), (name, image.size)
+            assert sum(1 for count in image.convert("L").histogram() if count) > 10, f"{name} is blank"
+    rows = read_jsonl(out / "metrics.jsonl")
+    train_steps = [row["step"] for row in rows if "train_loss" in row]
+    assert train_steps == [2, 4, 6]  # logged once, not once per process
+    assert len(list((out / "wandb").glob("offline-run-*"))) == 1
+    summary = read_json(out / "summary.json")
+    assert summary["world_size"] == 2 and summary["eval_samples"] == 20
+
+
+def test_runs_table_lists_every_run(env, data, wandb_run, tmp_path):
+    folder = tmp_path / "runs"
+    shutil.copytree(wandb_run[0], folder / "a")
+    ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(folder / "b"), *SHORT, "--tracker", "none",
+              "--lr", "0.01"))
+    markdown = tmp_path / "RUNS.md"
+    result = subprocess.run([sys.executable, "-m", "shared.runs", str(folder), "--markdown", str(markdown)],
+                            cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith("| a ") or line.startswith("| b ")]
+    assert len(lines) == 2 and all("cifar_cnn" in line for line in lines)
+    assert "final_acc" in result.stdout and markdown.read_text().count("| cifar_cnn |") == 2
+    empty = subprocess.run([sys.executable, "-m", "shared.runs", str(tmp_path / "nothing")], cwd=ROOT,
+                           capture_output=True, text=True)
+    assert empty.returncode == 1 and "no finished runs" in empty.stderr
+
+
+def test_progress_bar_on_a_terminal_and_quiet_lines_in_a_pipe(env, data, tmp_path):
+    import fcntl
+    import pty
+    import termios
+
+    args = [sys.executable, "recipes/cifar_cnn.py", "--data", str(data), *SHORT, "--tracker", "none"]
+    piped = ok(subprocess.run([*args, "--output_dir", str(tmp_path / "piped")], cwd=ROOT, env=env,
+                              capture_output=True, text=True))
+    assert "\r" not in piped.stderr + piped.stdout and "step 6/6" in piped.stdout
+
+    leader, follower = pty.openpty()
+    # A new pseudo-terminal is 0 columns wide, and tqdm trims its bar to the width: give it a real size.
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    process = subprocess.Popen([*args, "--output_dir", str(tmp_path / "tty")], cwd=ROOT, env=env,
+                               stdin=follower, stdout=follower, stderr=follower)
+    os.close(follower)
+    output = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the terminal closed: the run is over
+            break
+        if not chunk:
+            break
+        output += chunk
+    assert process.wait(timeout=300) == 0
+    text = output.decode(errors="replace")
+    assert "epoch 1/" in text and "loss=" in text and "acc=" in text and "samples_per_s=" in text
