@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, launch, ok, read_jsonl
+from conftest import ROOT, launch, ok
 from tiny_data import image_splits, save_to_disk_dataset, text_dataset
 
 RECIPES = ["cifar_cnn", "resnet18_fmnist", "deep_mlp_ckpt"]
