@@ -27,15 +27,17 @@ def env(tmp_path_factory) -> dict:
 
 def launch(env: dict, recipe: str, *args: str, config: str | None = "cpu", use_cpu: bool = False,
            timeout: int = 600) -> subprocess.CompletedProcess:
-    """`accelerate launch --config_file accelerate_configs/<config>.yaml recipes/<recipe>.py args`;
+    """`accelerate launch --config_file accelerate_configs/<config>.yaml recipes/<recipe>.py args`
+    (or `--config_file <config>` when it is a path to a .yaml file);
     `config=None` runs `python recipes/<recipe>.py args` instead."""
     script = f"recipes/{recipe}.py"
     if config is None:
         command = [sys.executable, script, *args]
     else:
         # Exactly what the `accelerate launch` command runs, with this interpreter.
+        config_file = config if config.endswith(".yaml") else f"accelerate_configs/{config}.yaml"
         command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file",
-                   f"accelerate_configs/{config}.yaml", script, *args]
+                   config_file, script, *args]
     run_env = dict(env, ACCELERATE_USE_CPU="true") if use_cpu else env
     return subprocess.run(command, cwd=ROOT, env=run_env, capture_output=True, text=True, timeout=timeout)
 

@@ -71,12 +71,9 @@ def test_config_file_missing(env, tmp_path):
 
 
 def test_config_yaml_invalid(env, tmp_path):
-    bad = ROOT / "accelerate_configs" / "test_invalid_tmp.yaml"
+    bad = tmp_path / "invalid.yaml"
     bad.write_text("distributed_type: NO\nnum_processes: [1\n")
-    try:
-        result = launch(env, "cifar_cnn", "--synthetic", "--output_dir", str(tmp_path / "run"), config="test_invalid_tmp")
-    finally:
-        bad.unlink()
+    result = launch(env, "cifar_cnn", "--synthetic", "--output_dir", str(tmp_path / "run"), config=str(bad))
     assert result.returncode != 0 and "yaml" in result.stderr.lower()
     assert not (tmp_path / "run").exists()
 
