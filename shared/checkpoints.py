@@ -233,3 +233,7 @@ def evaluate_weights(cfg, make_model, load_test_set, evaluate) -> None:
     model, loader = accelerator.prepare(model, loader)
     metrics, _ = evaluate(model, loader, accelerator)
     accelerator.print(json.dumps({"weights": cfg.weights, **metrics}))
+    # Leave together and take the process group down before exiting: a process that left alone
+    # could abort while gloo tore down ("terminate called without an active exception").
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
