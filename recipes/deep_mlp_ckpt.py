@@ -48,7 +48,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it
 from shared.augment import normalize  # noqa: E402
 from shared.batch_size import largest_batch_size  # noqa: E402
-from shared.checkpoints import (Progress, StopSignal, evaluate_weights, find_checkpoint, resume_command,  # noqa: E402
+from shared.checkpoints import (Progress, StopSignal, checkpoint_or_stop, evaluate_weights, find_checkpoint,  # noqa: E402
                                 resume_from, save_checkpoint, save_weights)
 from shared.config import RunConfig, parse_config  # noqa: E402
 from shared.data import load_image_data, whole_batch  # noqa: E402
@@ -341,14 +341,7 @@ def train(cfg: Config) -> None:
                 accelerator.log(point, step=progress.step)
                 bar.set_postfix(loss=f"{point['train_loss']:.3f}", acc=f"{point['train_acc']:.3f}",
                                 samples_per_s=f"{point['samples_per_s']:.0f}")
-            save_now = cfg.checkpoint_every > 0 and progress.step % cfg.checkpoint_every == 0
-            stopping = stop.requested(synced=log_now or save_now)
-            if save_now or stopping:
-                with window.paused():
-                    save_checkpoint(accelerator, model, run_dir, progress.step, cfg.keep_checkpoints)
-            if stopping:
-                accelerator.print(f"stopped by {stop.received or 'a signal to another process'} at step {progress.step}, "
-                                  f"checkpoint saved; continue with:\n  {resume_command(run_dir)}")
+            if checkpoint_or_stop(accelerator, model, run_dir, progress.step, cfg, stop, window, synced=log_now):
                 accelerator.end_training()
                 return
             if progress.step == total_steps:

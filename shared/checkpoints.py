@@ -124,6 +124,22 @@ def save_checkpoint(accelerator, model, run_dir: Path, step: int, keep: int) -> 
     return final
 
 
+def checkpoint_or_stop(accelerator, model, run_dir: Path, step: int, cfg, stop: StopSignal, window, synced: bool) -> bool:
+    """After each optimizer step: checkpoint every --checkpoint_every steps, and when a stop was asked
+    (SIGTERM, Ctrl-C), checkpoint this step and print the command that continues the run.
+
+    Returns True when the run must stop. `synced`: the step already waited for the device (a log point)."""
+    save_now = cfg.checkpoint_every > 0 and step % cfg.checkpoint_every == 0
+    stopping = stop.requested(synced=synced or save_now)
+    if save_now or stopping:
+        with window.paused():  # saving is not training time
+            save_checkpoint(accelerator, model, run_dir, step, cfg.keep_checkpoints)
+    if stopping:
+        accelerator.print(f"stopped by {stop.received or 'a signal to another process'} at step {step}, "
+                          f"checkpoint saved; continue with:\n  {resume_command(run_dir)}")
+    return stopping
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """Complete checkpoints of a run, oldest first."""
     folder = Path(run_dir) / "checkpoints"
