@@ -1,6 +1,6 @@
 """Where the training time goes, for each recipe, in one process and one run:
 
-  (a) model only:  forward, backward and optimizer step on batches already in device memory (the limit)
+  (a) model only:  forward, backward, gradient clipping and optimizer step on batches already in device memory
   (b) recipe:      the recipe's own `train()`: its data pipeline, accelerate loop, logging
   (c) seed-style:  torchvision per-image transforms (PIL -> RandomCrop/Flip -> ToTensor -> Normalize)
                    in a DataLoader with 2 worker processes, as the seed posts did, then the same step
@@ -120,6 +120,7 @@ def bench_recipe(name: str, args, data: Path, device: torch.device) -> dict:
         with autocast():
             loss = F.cross_entropy(model(inputs), labels)
         loss.backward()  # no loss.item() per step: that would wait for the device
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)  # as the recipe does
         optimizer.step()
         optimizer.zero_grad()
 

@@ -61,6 +61,7 @@ class Config(RunConfig):
     sync_bn: bool = False  # BatchNorm statistics over the global batch, not each process's share (GPUs)
     momentum: float = 0.9  # SGD Nesterov momentum
     weight_decay: float = 5e-4  # L2 penalty on conv and linear weights (not on biases)
+    max_grad_norm: float = 1.0  # clip the gradient's global L2 norm to this before each step; inf: only measure it
     augment: bool = True  # random crop (2 px padding) and horizontal flip, on the device
 
 
@@ -102,7 +103,7 @@ class Residual(nn.Module):
 def make_model(num_classes: int) -> nn.Sequential:
     # d2l's ResNet-18 with a 3x3 stride-1 stem and no max-pool: 28 x 28 images are small enough.
     return nn.Sequential(
-        nn.Conv2d(1, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),  # 28 x 28
+        nn.Conv2d(IMAGE_SHAPE[0], 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),  # 28 x 28
         Residual(64, 64), Residual(64, 64),
         Residual(64, 128, stride=2), Residual(128, 128),  # -> 14 x 14
         Residual(128, 256, stride=2), Residual(256, 256),  # -> 7 x 7
@@ -199,6 +200,7 @@ def train(cfg: Config) -> None:
     if len(train_loader) == 0 or total_steps == 0:  # drop_last leaves no batch when the data is smaller than one
         raise RecipeError(f"{len(train_set)} training images make no full step of {global_batch_size}: lower --batch_size or --grad_accum")
     epochs = math.ceil(total_steps * cfg.grad_accum / len(train_loader))
+    log_every = cfg.log_every or max(1, total_steps // 100)  # about 100 points on each curve
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=total_steps, pct_start=0.2,
                                                     anneal_strategy="linear", cycle_momentum=False)
     scheduler = accelerator.prepare(scheduler)
@@ -237,6 +239,10 @@ def train(cfg: Config) -> None:
                 logits = model(inputs)
                 loss = F.cross_entropy(logits, labels)
                 accelerator.backward(loss)  # scaled by 1/grad_accum, so accumulated gradients are a mean
+                if accelerator.sync_gradients:  # the gradient is complete: accumulated, averaged over processes
+                    # Early steps at the peak rate moved the weights faster than BatchNorm's running
+                    # statistics could follow (test loss 102 at the peak); the clip bounds each step.
+                    window.add_grad_norm(accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
                 optimizer.step()  # does nothing until the last batch of the accumulation
                 optimizer.zero_grad()
             progress.batches_seen += 1
@@ -246,7 +252,7 @@ def train(cfg: Config) -> None:
             lr = scheduler.get_last_lr()[0]  # the rate this step used
             scheduler.step()
             progress.step += 1
-            log_now = progress.step % cfg.log_every == 0 or progress.step == total_steps
+            log_now = progress.step % log_every == 0 or progress.step == total_steps
             if log_now:
                 epoch = progress.epoch + progress.batches_seen / len(train_loader)
                 point = {"epoch": epoch, "lr": lr, **window.flush(progress.step)}

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 
 def normalize(images: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
     """uint8 pixels -> float32 (x / 255 - mean) / std, per channel."""
+    if len(mean) != images.shape[1] or len(std) != images.shape[1]:  # broadcasting would silently add channels
+        raise ValueError(f"{len(mean)} means and stds for images of {images.shape[1]} channel(s): give one per channel")
     mean_t, std_t = _channel_stats(mean, std, images.device)
     return (images.float() / 255 - mean_t) / std_t
 

@@ -96,8 +96,9 @@ def resume_command(run_dir: Path) -> str:
 def save_checkpoint(accelerator, model, run_dir: Path, step: int, keep: int) -> Path:
     """Save the full training state to checkpoints/step_<step>; keep the newest `keep`.
 
-    Weights that are no longer finite are never saved: the newest checkpoint stays a good one."""
-    if not all(torch.isfinite(p).all() for p in model.parameters()):
+    Weights that are no longer finite are never saved: the newest checkpoint stays a good one. Buffers
+    count too: BatchNorm's running statistics turn inf while the parameters are still finite."""
+    if not all(torch.isfinite(t).all() for t in model.state_dict().values()):
         good = list_checkpoints(run_dir)
         raise RecipeError(f"the weights became NaN or inf by step {step} (lower --lr): nothing saved; "
                           f"the newest good checkpoint is {good[-1] if good else 'none (none was saved yet)'}")
@@ -230,7 +231,8 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
     if missing or mismatched:
         detail = (f"first missing key {missing[0]!r}" if missing else
                   f"{mismatched[0]!r} is {tuple(state[mismatched[0]].shape)} in the file, {tuple(expected[mismatched[0]].shape)} in the model")
-        raise RecipeError(f"--weights {path} does not fit this model ({detail}): pass weights written by this recipe")
+        raise RecipeError(f"--weights {path} does not fit this model ({detail}): pass weights written by this recipe, "
+                          "with the model flags they were trained with (see config.json beside them)")
     model.load_state_dict({k: state[k] for k in expected})
 
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 # Checked for every recipe that has the field; a recipe adds its own rules in __post_init__.
-POSITIVE = ("epochs", "batch_size", "lr", "grad_accum", "max_steps", "log_every", "keep_checkpoints", "segments",
-            "sweep_batch", "sweep_repeats")
+POSITIVE = ("epochs", "batch_size", "lr", "grad_accum", "max_steps", "log_every", "keep_checkpoints", "max_grad_norm",
+            "segments", "sweep_batch", "sweep_repeats")
 NON_NEGATIVE = ("seed", "checkpoint_every", "weight_decay", "momentum", "label_smoothing")
 
 
@@ -37,7 +37,7 @@ class RunConfig:
     seed: int = 0  # seeds Python, NumPy and torch, and fixes the shuffling order
     output_dir: str | None = None  # run folder; default runs/<recipe>-<YYYYmmdd-HHMMSS>
     overwrite: bool = False  # allow a new run in a folder that already holds one
-    log_every: int = 50  # optimizer steps between train_loss / lr / samples_per_s points
+    log_every: int | None = None  # optimizer steps between train_loss / lr / grad_norm points; default: ~100 a run
     checkpoint_every: int = 0  # optimizer steps between full-state checkpoints (0: only at the end)
     keep_checkpoints: int = 3  # newest full-state checkpoints kept on disk
     resume: str | None = None  # `latest` or a checkpoints/step_<N> folder to continue from

@@ -8,7 +8,9 @@
   - `synthetic=True`                   -> generated patterns + noise, same shapes (never a fallback)
 
 Images are decoded once into one uint8 tensor (N, C, H, W) and cached on disk, keyed by the
-dataset's fingerprint, so the second run starts in seconds. A DataLoader then takes whole batches
+dataset's fingerprint, so the second run starts in seconds. Images of another size or colour mode
+than the recipe's are converted as they are decoded (one printed line says so): colour <-> grayscale,
+and the shorter side resized with antialiasing, then centre-cropped. A DataLoader then takes whole batches
 by indexing that tensor (`__getitems__`) instead of decoding and stacking image by image.
 """
 
@@ -23,12 +25,15 @@ import datasets
 import numpy as np
 import torch
 import torch.nn.functional as F
+import torchvision.transforms.v2.functional as TF
+from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from shared.errors import RecipeError, first_line
+from shared.errors import RecipeError, first_line, is_main_process
 
-GRAYSCALE_MODES = {"1", "L", "LA", "I", "I;16", "F"}
+GRAYSCALE_MODES = {"1", "L", "LA"}
+WIDE_MODES = {"I", "I;16", "I;16B", "I;16L", "I;16N", "F"}  # 16/32-bit and float pixels
 CACHE_DIR = Path(datasets.config.HF_DATASETS_CACHE) / "decoded"  # beside the datasets' own cache
 
 
@@ -70,6 +75,7 @@ def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: b
     splits = open_dataset(source)
     train, test = pick_splits(splits, source)
     image_column, label_column, classes = find_columns(train, source)
+    check_conversion(train[0][image_column], source, image_shape)
     return tuple(
         decode_split(split, name, source, image_column, label_column, classes, image_shape)
         for name, split in (("train", train), ("test", test))
@@ -149,35 +155,54 @@ def find_columns(split: datasets.Dataset, source: str) -> tuple[str, str, list[s
 def decode_split(split, name, source, image_column, label_column, classes, image_shape) -> ImageTensors:
     """Decode every image once into uint8 (N, C, H, W); cached on disk by the split's fingerprint."""
     channels, height, width = image_shape
-    cache = CACHE_DIR / f"{split._fingerprint}-{channels}x{height}x{width}.safetensors"
+    cache = CACHE_DIR / f"{split._fingerprint}-{name}-{channels}x{height}x{width}.safetensors"
     if cache.exists():
         return ImageTensors(*_read_cache(cache, name), name=name)
 
-    first_mode = split[0][image_column].mode
-    if (first_mode in GRAYSCALE_MODES) != (channels == 1):
-        found = "grayscale" if first_mode in GRAYSCALE_MODES else "colour"
-        raise RecipeError(f"{source} has {found} images (PIL mode {first_mode}), this recipe expects {channels} channel(s): "
-                          "use a dataset of the kind the recipe was written for, or change IMAGE_SHAPE and the model")
-    # Decode to one PIL mode, so a stray RGBA or CMYK image converts instead of failing the stack.
+    # Decode to one PIL mode: grayscale <-> colour, and a stray RGBA or CMYK image converts instead of failing.
     split = split.cast_column(image_column, datasets.Image(mode="L" if channels == 1 else "RGB"))
-    images = torch.empty(len(split), height, width, channels, dtype=torch.uint8)
+    images = torch.empty(len(split), channels, height, width, dtype=torch.uint8)
     labels = torch.empty(len(split), dtype=torch.int64)
     for start in range(0, len(split), 1000):
         batch = split.with_format("numpy")[start:start + 1000]
         pixels = batch[image_column]
-        if not (isinstance(pixels, np.ndarray) and pixels.dtype == np.uint8 and pixels.shape[1:3] == (height, width)):
-            sizes = sorted({f"{image.shape[1]}x{image.shape[0]}" for image in pixels})
-            raise RecipeError(f"{source} '{name}' has images of size {', '.join(sizes)} (width x height), this recipe expects "
-                              f"{width}x{height}: resize them when building the dataset, or change IMAGE_SHAPE and the model")
-        images[start:start + len(pixels)] = torch.from_numpy(pixels.reshape(len(pixels), height, width, channels))
+        if isinstance(pixels, np.ndarray) and pixels.dtype == np.uint8 and pixels.shape[1:3] == (height, width):
+            chunk = torch.from_numpy(pixels.reshape(len(pixels), height, width, channels)).permute(0, 3, 1, 2)
+        else:  # other sizes, or several sizes: one image at a time
+            chunk = torch.stack([fit(torch.from_numpy(np.array(p)).reshape(*p.shape[:2], channels).permute(2, 0, 1),
+                                     height, width) for p in pixels])
+        images[start:start + len(pixels)] = chunk
         labels[start:start + len(pixels)] = torch.from_numpy(batch[label_column].astype(np.int64))
     bad = labels[(labels < 0) | (labels >= len(classes))]
     if len(bad):
         raise RecipeError(f"{source} '{name}' has labels outside 0..{len(classes) - 1} (e.g. {bad[0].item()}) for its "
                           f"{len(classes)} classes: fix the '{label_column}' column or its ClassLabel names")
-    images = images.permute(0, 3, 1, 2).contiguous()
     _write_cache(cache, {name: (images, labels)}, classes, source)
     return ImageTensors(images, labels, classes, name)
+
+
+def check_conversion(first: Image.Image, source: str, image_shape: tuple[int, int, int]) -> None:
+    """Say how images unlike the recipe's are converted, from the first one; refuse pixels that 8 bits cannot hold."""
+    channels, height, width = image_shape
+    if first.mode in WIDE_MODES:
+        raise RecipeError(f"{source} has {first.mode} images (16-bit, 32-bit or float pixels): converting them to "
+                          "8 bits would clip or guess a range; scale them to 8-bit L or RGB when building the dataset")
+    changes = []
+    if (first.mode in GRAYSCALE_MODES) != (channels == 1):
+        changes.append("grayscale -> colour" if channels == 3 else "colour -> grayscale")
+    if (first.height, first.width) != (height, width):
+        changes.append(f"{first.width}x{first.height} -> {width}x{height} (shorter side resized with antialiasing, "
+                       "then centre-cropped)")
+    if changes and is_main_process():
+        print(f"{source}: converting the images to this recipe's {channels}x{height}x{width} input: "
+              + "; ".join(changes), flush=True)
+
+
+def fit(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """uint8 (C, h, w) of any size -> (C, height, width): shorter side resized with antialiasing, centre crop."""
+    if image.shape[1:] != (height, width):
+        image = TF.center_crop(TF.resize(image, [max(height, width)], antialias=True), [height, width])
+    return image
 
 
 def _read_cache(path: Path, split: str) -> tuple[torch.Tensor, torch.Tensor, list[str]]:

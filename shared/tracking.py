@@ -6,7 +6,7 @@ files that stay readable without any service:
     config.json     the resolved configuration               (accelerator.init_trackers)
     metrics.jsonl   one JSON object per accelerator.log call  (accelerator.log)
     summary.json    the last value of every logged key, like wandb's run summary
-    curves.png      loss and accuracy against step            (both at accelerator.end_training)
+    curves.png      loss, accuracy and gradient norm against step (both at accelerator.end_training)
 """
 
 from __future__ import annotations
@@ -158,9 +158,9 @@ def run_config(cfg, accelerator, **extra) -> dict:
 
 
 class TrainWindow:
-    """What happened since the last log point: mean training loss and samples per second.
+    """What happened since the last log point: mean training loss, accuracy, gradient norm and samples per second.
 
-    Losses are summed on the device, so a step never waits for the GPU; `flush()` synchronizes
+    Losses and gradient norms are summed on the device, so a step never waits for the GPU; `flush()` synchronizes
     once per log point. Time spent inside `paused()` (evaluation, checkpoints) is left out.
     """
 
@@ -168,6 +168,8 @@ class TrainWindow:
         self.accelerator = accelerator
         self.loss_sum, self.batches = torch.zeros((), device=accelerator.device), 0
         self.correct = torch.zeros((), device=accelerator.device, dtype=torch.long)
+        self.grad_norm_sum = torch.zeros((), device=accelerator.device)
+        self.grad_norm_steps = torch.zeros((), device=accelerator.device, dtype=torch.long)
         self.samples = self.total_samples = 0
         self.seconds = self.total_seconds = 0.0
         self.started = time.perf_counter()
@@ -178,10 +180,18 @@ class TrainWindow:
         self.batches += 1
         self.samples += len(labels) * self.accelerator.num_processes
 
+    def add_grad_norm(self, grad_norm: torch.Tensor) -> None:
+        """The gradient norm of one optimizer step, before clipping (the same on every process). An infinite
+        one (a step the fp16 gradient scaler skips) is left out of the mean."""
+        finite = torch.isfinite(grad_norm)
+        self.grad_norm_sum += torch.where(finite, grad_norm.detach(), 0.0)
+        self.grad_norm_steps += finite
+
     def flush(self, step: int) -> dict:
-        """{"train_loss", "train_acc", "samples_per_s"} over the window and all processes; starts a new window."""
+        """train_loss, train_acc, grad_norm and samples_per_s over the window and all processes; starts a new one."""
         train_loss = (self.accelerator.reduce(self.loss_sum, "mean") / max(self.batches, 1)).item()
         train_acc = self.accelerator.reduce(self.correct, "sum").item() / max(self.samples, 1)
+        grad_norm = (self.grad_norm_sum / self.grad_norm_steps.clamp(min=1)).item()
         if not math.isfinite(train_loss):
             raise RecipeError(f"the training loss became {train_loss} by step {step}: lower --lr; "
                               "checkpoints already on disk hold finite weights")
@@ -190,8 +200,10 @@ class TrainWindow:
         self.total_samples, self.total_seconds = self.total_samples + self.samples, self.total_seconds + self.seconds
         self.loss_sum.zero_()
         self.correct.zero_()
+        self.grad_norm_sum.zero_()
+        self.grad_norm_steps.zero_()
         self.batches, self.samples, self.seconds = 0, 0, 0.0
-        return {"train_loss": train_loss, "train_acc": train_acc, "samples_per_s": rate}
+        return {"train_loss": train_loss, "train_acc": train_acc, "grad_norm": grad_norm, "samples_per_s": rate}
 
     @contextmanager
     def paused(self):
@@ -298,22 +310,25 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def plot_curves(rows: list[dict], path: Path, title: str) -> None:
-    """Loss (train and eval) and eval accuracy against optimizer step."""
+    """Loss (train and eval), accuracy (train and eval) and the gradient norm against optimizer step."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
 
-    fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(10, 4))
-    for key, ax in (("train_loss", loss_ax), ("eval_loss", loss_ax), ("eval_acc", acc_ax)):
+    fig, (loss_ax, acc_ax, norm_ax) = plt.subplots(1, 3, figsize=(15, 4))
+    for key, ax in (("train_loss", loss_ax), ("eval_loss", loss_ax), ("train_acc", acc_ax), ("eval_acc", acc_ax),
+                    ("grad_norm", norm_ax)):
         points = [(row["step"], row[key]) for row in rows if key in row and row.get("step") is not None]
         if points:
             ax.plot(*zip(*points), marker="o" if key.startswith("eval") else None, markersize=3, label=key)
     loss_ax.set(xlabel="optimizer step", ylabel="cross-entropy loss")
-    acc_ax.set(xlabel="optimizer step", ylabel="test accuracy", ylim=(0, 1))
-    for ax in (loss_ax, acc_ax):
+    acc_ax.set(xlabel="optimizer step", ylabel="accuracy", ylim=(0, 1))
+    norm_ax.set(xlabel="optimizer step", ylabel="gradient L2 norm, before clipping")
+    for ax in (loss_ax, acc_ax, norm_ax):
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.lines:
+            ax.legend()
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -35,6 +35,7 @@ def check_run_files(run_dir, *, world_size, steps, test_size, batch_size=8, mixe
     assert [r["step"] for r in train_rows] == list(range(2, steps + 1, 2))  # each point once, even with 2 processes
     for row in train_rows:
         assert row["train_loss"] > 0 and row["lr"] >= 0 and row["samples_per_s"] > 0 and row["epoch"] > 0
+        assert row["grad_norm"] > 0 and 0 <= row["train_acc"] <= 1
     assert eval_rows and eval_rows[-1]["step"] == steps
     assert eval_rows[-1]["eval_samples"] == test_size  # every test image counted exactly once
     assert 0 <= eval_rows[-1]["eval_acc"] <= 1

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from PIL import Image
 
 from conftest import ROOT, launch, ok, read_json, read_jsonl
@@ -182,3 +183,21 @@ def test_progress_bar_on_a_terminal_and_quiet_lines_in_a_pipe(env, data, tmp_pat
     assert process.wait(timeout=300) == 0
     text = output.decode(errors="replace")
     assert "epoch 1/" in text and "loss=" in text and "acc=" in text and "samples_per_s=" in text
+
+
+def test_logged_gradient_norm_is_the_mean_of_the_finite_steps():
+    # Under fp16 the gradient scaler skips steps whose gradients overflowed; their infinite norm
+    # would turn the logged mean into Infinity, so it is left out.
+    from accelerate import Accelerator
+
+    from shared.tracking import TrainWindow
+
+    window = TrainWindow(Accelerator(cpu=True))
+    window.add(torch.tensor(0.5), torch.eye(2), torch.tensor([0, 0]))
+    for norm in (2.0, float("inf"), 4.0):
+        window.add_grad_norm(torch.tensor(norm))
+    point = window.flush(step=3)
+    assert point["grad_norm"] == 3.0 and point["train_loss"] == 0.5 and point["train_acc"] == 0.5
+    window.add(torch.tensor(0.5), torch.eye(2), torch.tensor([0, 1]))
+    window.add_grad_norm(torch.tensor(1.0))
+    assert window.flush(step=4)["grad_norm"] == 1.0  # a new window starts from zero

@@ -1,16 +1,21 @@
 """Tiny image datasets written in the formats users bring: save_to_disk, parquet, imagefolder.
 
-Images are random, with a per-class brightness so that a label means something, and the
-datasets are small enough that a recipe runs through them in seconds.
+Most are random images, with a per-class brightness so that a label means something, small enough
+that a recipe runs through them in seconds. `real_photos` and `real_digits` are small versions of
+the real-image sets of benchmarks/real_images.py.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import datasets
 import numpy as np
 from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import real_images  # noqa: E402  (benchmarks/ is not a package)
 
 CLASSES = [f"class_{i}" for i in range(10)]
 
@@ -60,3 +65,17 @@ def text_dataset(path: Path) -> Path:
     datasets.DatasetDict(train=datasets.Dataset.from_dict({"text": ["a", "b"], "label": [0, 1]}),
                          test=datasets.Dataset.from_dict({"text": ["c"], "label": [1]})).save_to_disk(str(path))
     return path
+
+
+def real_photos(path: Path, train_per_class: int, test_per_class: int, size: int = 32, classes: int = 10,
+                layout: str = "save_to_disk") -> Path:
+    """Crops of real photographs in CIFAR-10's format (benchmarks/real_images.py), the first `classes` of them."""
+    splits = real_images.photos(10, train_per_class, test_per_class, size=size)
+    if classes < 10:
+        splits = splits.filter(lambda label: label < classes, input_columns="label")
+    return real_images.write(splits, path, layout)
+
+
+def real_digits(path: Path, limit: int) -> Path:
+    """`limit` of scikit-learn's handwritten digits in Fashion-MNIST's format, a fifth of them for testing."""
+    return real_images.write(real_images.digits(test_size=limit // 5, limit=limit), path, "save_to_disk")

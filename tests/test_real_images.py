@@ -1,0 +1,144 @@
+"""The recipes on small sets of real photographs and handwritten digits (built by
+benchmarks/real_images.py from images that ship inside pip packages), and the conversions that let a
+copied recipe read the user's own images: other sizes, grayscale into colour and colour into grayscale."""
+
+from __future__ import annotations
+
+import math
+
+import datasets
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT, launch, ok, read_json, read_jsonl
+from PIL import Image
+from safetensors.torch import load_file
+from tiny_data import real_digits, real_photos
+
+QUICK = ("--max_steps", "3", "--batch_size", "16", "--tracker", "none")
+
+
+@pytest.fixture(scope="module")
+def photos10(tmp_path_factory):
+    """CIFAR-10's format: 1,500 training and 300 test crops of 10 photographs."""
+    return real_photos(tmp_path_factory.mktemp("real") / "photos10", train_per_class=150, test_per_class=30)
+
+
+def test_cifar_cnn_defaults_train_through_the_learning_rate_peak(env, photos10, tmp_path):
+    # With the earlier defaults (no clipping, no BatchNorm) this run fell to 0.08 at step 33, after
+    # the one-cycle peak at step 22, and ended at 0.54; on 5,000 photos it stayed at chance.
+    out = tmp_path / "run"
+    ok(launch(env, "cifar_cnn", "--data", str(photos10), "--epochs", "10", "--tracker", "none",
+              "--output_dir", str(out)))
+    rows = read_jsonl(out / "metrics.jsonl")
+    train = [row for row in rows if "train_loss" in row]
+    accuracies = [row["eval_acc"] for row in rows if "eval_acc" in row]
+    peak = max(train, key=lambda row: row["lr"])["step"]
+    assert train[-1]["step"] == 110 and peak < 30  # 11 steps an epoch, the peak at 20% of the run
+    assert all(math.isfinite(row["train_loss"]) and math.isfinite(row["grad_norm"]) for row in train)
+    assert max(row["grad_norm"] for row in train) > 1.0  # the clip at 1.0 was needed at some step
+    assert len(train) == 110  # default --log_every: about 100 points a run (here every step)
+    assert min(accuracies[1:]) >= 0.3 and accuracies[-1] >= 0.7, accuracies  # chance is 0.1
+
+
+def test_grayscale_digits_into_the_colour_recipe(env, tmp_path):
+    digits = real_digits(tmp_path / "digits", limit=200)
+    out = tmp_path / "run"
+    result = ok(launch(env, "cifar_cnn", "--data", str(digits), *QUICK, "--output_dir", str(out)))
+    assert "converting the images to this recipe's 3x32x32 input: grayscale -> colour; 28x28 -> 32x32" in result.stdout
+    assert read_json(out / "summary.json")["steps"] == 3
+
+
+def test_colour_photos_into_the_grayscale_recipe(env, photos10, tmp_path):
+    out = tmp_path / "run"
+    result = ok(launch(env, "resnet18_fmnist", "--data", str(photos10), "--max_steps", "2", "--batch_size", "8",
+                       "--tracker", "none", "--output_dir", str(out)))
+    assert "converting the images to this recipe's 1x28x28 input: colour -> grayscale; 32x32 -> 28x28" in result.stdout
+    assert read_json(out / "summary.json")["steps"] == 2
+
+
+def test_seven_classes_of_40px_photos_in_an_imagefolder(env, tmp_path):
+    from recipes.cifar_cnn import make_model
+
+    folder = real_photos(tmp_path / "mine", train_per_class=8, test_per_class=2, size=40, classes=7,
+                         layout="imagefolder")
+    assert len(list((folder / "train").iterdir())) == 7
+    out = tmp_path / "run"
+    result = ok(launch(env, "cifar_cnn", "--data", str(folder), *QUICK, "--output_dir", str(out)))
+    assert "converting the images to this recipe's 3x32x32 input: 40x40 -> 32x32" in result.stdout
+    make_model(7).load_state_dict(load_file(out / "model.safetensors"))  # 7 outputs: the class count of the data
+
+
+def test_conversion_keeps_the_content(tmp_path, monkeypatch):
+    """Decoded pixels, checked against what PIL and torchvision compute: colour -> gray uses ITU-R 601
+    luma, sizes are resized on the shorter side with antialiasing and centre-cropped, sizes may mix."""
+    import torchvision.transforms.v2.functional as TF
+
+    from shared import data
+
+    monkeypatch.setattr(data, "CACHE_DIR", tmp_path / "cache")
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(0, 256, shape, dtype=np.uint8) for shape in ((40, 40, 3), (30, 50, 3), (32, 32, 3))]
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])})
+    images = [Image.fromarray(a) for a in arrays]
+    split = datasets.Dataset.from_dict({"image": images, "label": [0, 1, 0]}, features=features)
+    datasets.DatasetDict(train=split, test=split).save_to_disk(str(tmp_path / "d"))
+
+    colour, _ = data.load_image_data(str(tmp_path / "d"), (3, 32, 32))
+    gray, _ = data.load_image_data(str(tmp_path / "d"), (1, 28, 28))
+    assert colour.images.shape == (3, 3, 32, 32) and gray.images.shape == (3, 1, 28, 28)
+    for i, array in enumerate(arrays):
+        pixels = torch.from_numpy(array).permute(2, 0, 1)
+        expected = TF.center_crop(TF.resize(pixels, [32], antialias=True), [32, 32])
+        assert torch.equal(colour.images[i], expected)
+        luma = torch.from_numpy(np.array(Image.fromarray(array).convert("L")))[None]
+        assert torch.equal(gray.images[i], TF.center_crop(TF.resize(luma, [28], antialias=True), [28, 28]))
+    assert torch.equal(colour.images[2], torch.from_numpy(arrays[2]).permute(2, 0, 1))  # the right size: untouched
+
+
+@pytest.mark.parametrize("recipe, shape", [("cifar_cnn", (3, 40, 40)), ("cifar_cnn", (1, 64, 48)),
+                                           ("resnet18_fmnist", (3, 32, 32)), ("deep_mlp_ckpt", (1, 28, 28))])
+def test_changing_image_shape_alone_changes_the_model_input(monkeypatch, recipe, shape):
+    # A copied recipe adapts to another input size or channel count by editing IMAGE_SHAPE (and MEAN, STD).
+    import importlib
+
+    module = importlib.import_module(f"recipes.{recipe}")
+    monkeypatch.setattr(module, "IMAGE_SHAPE", shape)
+    monkeypatch.setattr(module, "MEAN", (0.5,) * shape[0])
+    monkeypatch.setattr(module, "STD", (0.25,) * shape[0])
+    if recipe == "deep_mlp_ckpt":
+        module.projection.cache_clear()
+    model = module.make_model(7).eval()
+    images = torch.randint(0, 256, (2, *shape), dtype=torch.uint8)
+    inputs = module.preprocess(images) if recipe == "deep_mlp_ckpt" else module.preprocess(images, augment=True)
+    with torch.no_grad():
+        assert model(inputs).shape == (2, 7)
+    if recipe == "deep_mlp_ckpt":
+        module.projection.cache_clear()
+
+
+def test_normalize_refuses_statistics_for_another_channel_count():
+    from shared.augment import normalize
+
+    with pytest.raises(ValueError, match="3 means and stds for images of 1 channel"):
+        normalize(torch.zeros(2, 1, 8, 8, dtype=torch.uint8), (0.5, 0.5, 0.5), (0.2, 0.2, 0.2))
+
+
+def test_benchmark_sets_are_reproducible_and_split_by_tile(tmp_path):
+    """Same seed, same pixels; one test tile per row and column of each photograph; the CIFAR formats."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import real_images
+
+    a, b = real_images.photos(10, 3, 1), real_images.photos(10, 3, 1)
+    assert [np.asarray(x).tobytes() for x in a["train"]["img"]] == [np.asarray(x).tobytes() for x in b["train"]["img"]]
+    assert a["train"].features["label"].names[0] == "astronaut" and len(a["test"]) == 10
+    tiles = [(r, c) for r in range(real_images.GRID) for c in range(real_images.GRID)]
+    test_tiles = {tile for tile in tiles if real_images.is_test_tile(*tile)}
+    assert len({r for r, _ in test_tiles}) == len({c for _, c in test_tiles}) == len(test_tiles) == real_images.GRID
+    hundred = real_images.photos(100, 1, 1)
+    assert hundred["train"].features["fine_label"].num_classes == 100
+    assert hundred["train"].features["coarse_label"].num_classes == 20
+    digits = real_images.digits(test_size=10, limit=30)
+    assert np.asarray(digits["train"][0]["image"]).shape == (28, 28) and len(digits["test"]) == 10
