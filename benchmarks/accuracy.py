@@ -1,0 +1,163 @@
+"""Final test accuracy over several seeds, per recipe and data set, beside the seed posts' own loops.
+
+Each run launches the real recipe (`accelerate launch --config_file ... recipes/<recipe>.py`) with its
+defaults, except `--data`, `--epochs` and `--seed` (and `--lr` for the sweep), and reads what it wrote
+(summary.json). Each seed also runs the seed post's loop (benchmarks/seed_loops.py) on the same data
+for the same epochs, right after, so that drift in the machine's speed hits both alike.
+
+    python benchmarks/accuracy.py                                  # real-image sets, 3 seeds (CPU: ~1.5 h)
+    python benchmarks/accuracy.py --lr_multipliers 0.5 1 2         # the learning-rate sweep (CPU: ~3 h)
+    python benchmarks/accuracy.py --cases cifar_cnn/photos10/2gpu  # one case: the signature command's setup
+    python benchmarks/accuracy.py --hub --config 1gpu --no_seed_loops   # real CIFAR-10/100, Fashion-MNIST (GPU)
+
+Cases (recipe / data / accelerate config): the data sets are built by benchmarks/real_images.py, with
+epoch counts sized to a 2-core CPU; `--hub` runs the recipes' own hub datasets for their default epochs.
+Reports final accuracy (the last evaluation, not the best) as mean +- std, min and max, and seconds
+per epoch (training plus that epoch's evaluation). Writes benchmarks/results/accuracy-<device>.md, drawn
+from every run recorded in accuracy-<device>.jsonl beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from real_images import build  # noqa: E402
+
+# name -> (recipe, real-image set or hub id, accelerate config, epochs)
+CASES = {
+    "cifar_cnn/photos10/cpu": ("cifar_cnn", "photos10", "cpu", 20),
+    "cifar_cnn/photos10/2gpu": ("cifar_cnn", "photos10", "2gpu", 20),  # the signature command: 2 processes
+    "resnet18_fmnist/digits/cpu": ("resnet18_fmnist", "digits", "cpu", 10),
+    "resnet18_fmnist/photos10_small/cpu": ("resnet18_fmnist", "photos10_small", "cpu", 5),  # grayscale 28 x 28
+    "deep_mlp_ckpt/photos100/cpu": ("deep_mlp_ckpt", "photos100", "cpu", 5),
+}
+MULTI_PROCESS = ("2gpu", "multigpu_bf16", "multinode")
+HUB = {"cifar_cnn": "uoft-cs/cifar10", "resnet18_fmnist": "zalando-datasets/fashion_mnist",
+       "deep_mlp_ckpt": "uoft-cs/cifar100"}
+
+
+def default_of(recipe: str, field: str):
+    """A Config default, read from the recipe's source (importing it would start nothing, but costs seconds)."""
+    tree = ast.parse((ROOT / "recipes" / f"{recipe}.py").read_text())
+    config = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Config")
+    return next(ast.literal_eval(node.value) for node in config.body
+                if isinstance(node, ast.AnnAssign) and node.target.id == field)
+
+
+def run_recipe(recipe: str, data: str, config: str, epochs: int, seed: int, lr: float, out: Path) -> dict:
+    env = dict(os.environ)
+    if config in ("2gpu", "multigpu_bf16") and not torch.cuda.is_available():
+        env["ACCELERATE_USE_CPU"] = "true"  # 2 CPU processes over gloo
+    command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file",
+               f"accelerate_configs/{config}.yaml", f"recipes/{recipe}.py", "--data", data, "--epochs", str(epochs),
+               "--seed", str(seed), "--lr", repr(lr), "--tracker", "none", "--output_dir", str(out)]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    if result.returncode != 0:  # e.g. the NaN guard: one line on stderr
+        error = next((line for line in result.stderr.splitlines() if line.startswith("error:")), result.stderr[-300:])
+        return {"eval_acc": None, "error": error.strip()}
+    summary = json.loads((out / "summary.json").read_text())
+    return {"eval_acc": summary["eval_acc"], "best_eval_acc": summary["best_eval_acc"],
+            "s_per_epoch": summary["wall_s"] / summary["epochs"]}
+
+
+def run_seed_loop(recipe: str, data: str, epochs: int, seed: int, relu: bool = False) -> dict:
+    command = [sys.executable, "benchmarks/seed_loops.py", recipe, "--data", data, "--epochs", str(epochs),
+               "--seed", str(seed)] + (["--relu"] if relu else [])
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def stats(rows: list[dict]) -> str:
+    """One table row's cells: final accuracy mean +- std, min, max, runs that stopped, seconds per epoch."""
+    finals = [r["eval_acc"] for r in rows if r["eval_acc"] is not None]
+    failed = len(rows) - len(finals)
+    if not finals:
+        return f"- | - | - | {failed} of {len(rows)} | - |"
+    std = statistics.stdev(finals) if len(finals) > 1 else 0.0
+    seconds = statistics.median(r["s_per_epoch"] for r in rows if r["eval_acc"] is not None)
+    return (f"{statistics.mean(finals):.3f} +- {std:.3f} | {min(finals):.3f} | {max(finals):.3f} | "
+            f"{failed} of {len(rows)} | {seconds:.1f} |")
+
+
+def table(records: list[dict]) -> str:
+    """One row per case, loop and learning rate, over all seeds recorded for it (the latest run of each seed)."""
+    groups: dict[tuple, dict[int, dict]] = {}
+    for r in records:
+        groups.setdefault((r["case"], r["config"], r["data"], r["epochs"], r["loop"], r["lr"]), {})[r["seed"]] = r
+    lines = ["| recipe on data, config | loop | lr | epochs | seeds | final test accuracy (mean +- std) | min | max "
+             "| stopped | s/epoch |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for (case, config, data, epochs, loop, lr), by_seed in groups.items():
+        recipe = case.split("/")[0]
+        lr_cell = "-" if lr is None else f"{lr:g} (x{by_seed[min(by_seed)]['multiplier']:g})"
+        lines.append(f"| {recipe} on {data}, {config}.yaml | {loop} | {lr_cell} | {epochs} | {len(by_seed)} | "
+                     + stats(list(by_seed.values())))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="the seeds to run per case")
+    parser.add_argument("--lr_multipliers", type=float, nargs="+", default=[1.0], help="x the recipe's default --lr")
+    parser.add_argument("--no_seed_loops", action="store_true", help="only the recipes")
+    parser.add_argument("--hub", action="store_true", help="the recipes' hub datasets and default epochs")
+    parser.add_argument("--config", default=None, help="accelerate config for every case (default: the case's own)")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="folder for the results")
+    args = parser.parse_args()
+
+    # Every run is kept as one JSON line, and the table is drawn from all of them: a sweep of hours can be
+    # stopped and continued (e.g. with the missing --seeds). Delete the .jsonl file to start afresh.
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"accuracy-{'cuda' if torch.cuda.is_available() else 'cpu'}{'-hub' if args.hub else ''}"
+    log = out / f"{stem}.jsonl"
+    work = Path(tempfile.mkdtemp(prefix="accuracy-"))
+
+    def record(**fields) -> None:
+        print(json.dumps(fields), flush=True)
+        with log.open("a") as f:
+            f.write(json.dumps(fields) + "\n")
+
+    for case in args.cases:
+        recipe, data_name, config, epochs = CASES[case]
+        config = args.config or config
+        data = HUB[recipe] if args.hub else str(build(data_name))
+        epochs = default_of(recipe, "epochs") if args.hub else epochs
+        base_lr = default_of(recipe, "lr")
+        where = dict(case=case, config=config, data=data if args.hub else f"{data_name} (real images)", epochs=epochs)
+        for seed in args.seeds:
+            for m in args.lr_multipliers:
+                run_dir = work / str(len(list(work.iterdir())))
+                result = run_recipe(recipe, data, config, epochs, seed, base_lr * m, run_dir)
+                record(**where, loop="recipe", lr=base_lr * m, multiplier=m, seed=seed, **result)
+            if not args.no_seed_loops and config not in MULTI_PROCESS:  # the seed loops run one process
+                for loop in ["seed loop", "seed + ReLU loop"] if recipe == "cifar_cnn" else ["seed loop"]:
+                    result = run_seed_loop(recipe, data, epochs, seed, relu="ReLU" in loop)
+                    record(**where, loop=loop, lr=None, multiplier=None, seed=seed,
+                           eval_acc=result["eval_acc"], s_per_epoch=result["s_per_epoch"])
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else \
+        f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores"
+    text = (table([json.loads(line) for line in log.read_text().splitlines()])
+            + f"\n\n{device}; torch {torch.__version__}. Runs recorded in {log.name}; "
+              f"latest command: python benchmarks/accuracy.py {' '.join(sys.argv[1:])}\n")
+    print("\n" + text)
+    (out / f"{stem}.md").write_text(text)
+    print(f"wrote {out / f'{stem}.md'}")
+
+
+if __name__ == "__main__":
+    main()
