@@ -4,11 +4,11 @@ Each row launches the real recipe (`accelerate launch ...`) for the same number 
 same data and reports its seconds per epoch and final test accuracy from the run's summary.json.
 On a machine without GPUs the 2-process rows run as 2 CPU processes (ACCELERATE_USE_CPU=true).
 
-    python benchmarks/one_vs_two_processes.py                      # CPU: a 4k/1k synthetic subset
-    python benchmarks/one_vs_two_processes.py --train_size 60000   # GPU: Fashion-MNIST-sized
+    python benchmarks/one_vs_two_processes.py                      # CPU: real handwritten digits, ~15 min
+    python benchmarks/one_vs_two_processes.py --data zalando-datasets/fashion_mnist --epochs 30   # GPU
 
-The data is the recipe's synthetic stand-in (FMNIST shapes, 10 classes), written once as a
-`save_to_disk` folder, so every row reads the same images.
+The default data is the real-image `digits` set of benchmarks/real_images.py (Fashion-MNIST's format,
+1,500 training and 297 test images), so every row reads the same real images.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from real_images import build  # noqa: E402
+
 from shared.data import make_synthetic  # noqa: E402
 
 ROWS = [  # label, processes, batch per process, --lr_scaling
@@ -38,7 +41,7 @@ ROWS = [  # label, processes, batch per process, --lr_scaling
 
 
 def write_dataset(folder: Path, train_size: int, test_size: int, shape=(1, 28, 28), num_classes: int = 10) -> Path:
-    """The synthetic stand-in written as a `save_to_disk` folder, so every run reads the same images."""
+    """The synthetic stand-in written as a `save_to_disk` folder (benchmarks/throughput.py reads it)."""
     if folder.exists():
         return folder
     splits = {}
@@ -52,14 +55,13 @@ def write_dataset(folder: Path, train_size: int, test_size: int, shape=(1, 28, 2
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--train_size", type=int, default=4000, help="training images")
-    parser.add_argument("--test_size", type=int, default=1000, help="test images")
-    parser.add_argument("--epochs", type=int, default=3, help="epochs per row")
+    parser.add_argument("--data", default=None, help="--data for every row (default: the real-image digits set)")
+    parser.add_argument("--epochs", type=int, default=5, help="epochs per row")
     parser.add_argument("--out", default="runs/one_vs_two_processes", help="folder for the runs and the table")
     args = parser.parse_args()
 
     out = Path(args.out)
-    data = write_dataset(out / f"data-{args.train_size}-{args.test_size}", args.train_size, args.test_size)
+    data = args.data or build("digits")
     gpus = torch.cuda.device_count()
     env = dict(os.environ) if gpus >= 2 else dict(os.environ, ACCELERATE_USE_CPU="true")
     lines = ["| setup | global batch | effective LR | steps | s/epoch (training) | samples/s | test accuracy |",
@@ -69,17 +71,17 @@ def main() -> None:
         run = out / label.replace(" ", "_").replace(",", "").replace("(", "").replace(")", "")
         command = ["accelerate", "launch", "--config_file", f"accelerate_configs/{config}.yaml", "recipes/resnet18_fmnist.py",
                    "--data", str(data), "--epochs", str(args.epochs), "--batch_size", str(batch), "--lr_scaling", scaling,
-                   "--tracker", "none", "--log_every", "10", "--output_dir", str(run), "--overwrite"]
+                   "--tracker", "none", "--output_dir", str(run), "--overwrite"]
         print("+", " ".join(command), flush=True)
         subprocess.run(command, cwd=ROOT, env=env, check=True)
         summary = json.loads((run / "summary.json").read_text())
         config_json = json.loads((run / "config.json").read_text())
-        seconds_per_epoch = args.train_size / summary["samples_per_s"]
+        seconds_per_epoch = config_json["train_size"] / summary["samples_per_s"]
         lines.append(f"| {label} | {config_json['global_batch_size']} | {config_json['effective_lr']:.3g} | {summary['steps']} "
                      f"| {seconds_per_epoch:.1f} | {summary['samples_per_s']:.1f} | {summary['eval_acc']:.3f} |")
     device = torch.cuda.get_device_name() if gpus else f"CPU ({os.cpu_count()} cores)"
-    table = "\n".join(lines) + (f"\n\n{device}; {args.epochs} epochs of {args.train_size} synthetic training images, "
-                                f"test accuracy on {args.test_size}; torch {torch.__version__}.\n")
+    table = "\n".join(lines) + (f"\n\n{device}; {args.epochs} epochs of {config_json['train_size']} training images "
+                                f"of {data}, test accuracy on {config_json['test_size']}; torch {torch.__version__}.\n")
     (out / "table.md").write_text(table)
     print(table)
 
