@@ -20,16 +20,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import datasets
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from real_images import build  # noqa: E402
-
-from shared.data import make_synthetic  # noqa: E402
 
 ROWS = [  # label, processes, batch per process, --lr_scaling
     ("1 process, batch 128", 1, 128, "sqrt"),
@@ -38,19 +33,6 @@ ROWS = [  # label, processes, batch per process, --lr_scaling
     ("2 processes x 128, linear LR scaling", 2, 128, "linear"),
     ("2 processes x 64 (global batch 128)", 2, 64, "sqrt"),
 ]
-
-
-def write_dataset(folder: Path, train_size: int, test_size: int, shape=(1, 28, 28), num_classes: int = 10) -> Path:
-    """The synthetic stand-in written as a `save_to_disk` folder (benchmarks/throughput.py reads it)."""
-    if folder.exists():
-        return folder
-    splits = {}
-    for name, split in zip(("train", "test"), make_synthetic(shape, train_size, test_size, num_classes)):
-        images = [(image[0] if shape[0] == 1 else image.permute(1, 2, 0)).numpy().astype(np.uint8) for image in split.images]
-        features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=split.classes)})
-        splits[name] = datasets.Dataset.from_dict({"image": images, "label": split.labels.tolist()}, features=features)
-    datasets.DatasetDict(splits).save_to_disk(str(folder))
-    return folder
 
 
 def main() -> None:

@@ -35,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import datasets
+import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
@@ -44,8 +46,7 @@ from torchvision import transforms
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from one_vs_two_processes import write_dataset  # noqa: E402
-from shared.data import whole_batch  # noqa: E402
+from shared.data import make_synthetic, whole_batch  # noqa: E402
 from shared.measure import synchronize  # noqa: E402
 
 # recipe -> CPU batch size, image shape, classes, the seed-style per-image augmentation.
@@ -54,6 +55,19 @@ RECIPES = {
     "resnet18_fmnist": (64, (1, 28, 28), 10, [transforms.RandomCrop(28, padding=2), transforms.RandomHorizontalFlip()]),
     "deep_mlp_ckpt": (128, (3, 32, 32), 100, []),  # no augmentation in the recipe
 }
+
+
+def write_dataset(folder: Path, train_size: int, test_size: int, shape=(1, 28, 28), num_classes: int = 10) -> Path:
+    """The synthetic stand-in written once as a `save_to_disk` folder, so every variant reads the same images."""
+    if folder.exists():
+        return folder
+    splits = {}
+    for name, split in zip(("train", "test"), make_synthetic(shape, train_size, test_size, num_classes)):
+        images = [(image[0] if shape[0] == 1 else image.permute(1, 2, 0)).numpy().astype(np.uint8) for image in split.images]
+        features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=split.classes)})
+        splits[name] = datasets.Dataset.from_dict({"image": images, "label": split.labels.tolist()}, features=features)
+    datasets.DatasetDict(splits).save_to_disk(str(folder))
+    return folder
 
 
 class SeedStyleImages(Dataset):

@@ -10,10 +10,10 @@ import datasets
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, launch, ok, read_json, read_jsonl
+from conftest import launch, ok, read_json, read_jsonl
 from PIL import Image
 from safetensors.torch import load_file
-from tiny_data import real_digits, real_photos
+from tiny_data import real_digits, real_images, real_photos
 
 QUICK = ("--max_steps", "3", "--batch_size", "16", "--tracker", "none")
 
@@ -126,11 +126,6 @@ def test_normalize_refuses_statistics_for_another_channel_count():
 
 def test_benchmark_sets_are_reproducible_and_split_by_tile(tmp_path):
     """Same seed, same pixels; one test tile per row and column of each photograph; the CIFAR formats."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import real_images
-
     a, b = real_images.photos(10, 3, 1), real_images.photos(10, 3, 1)
     assert [np.asarray(x).tobytes() for x in a["train"]["img"]] == [np.asarray(x).tobytes() for x in b["train"]["img"]]
     assert a["train"].features["label"].names[0] == "astronaut" and len(a["test"]) == 10
