@@ -42,7 +42,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate import Accelerator
 from accelerate.utils import GradientAccumulationPlugin, set_seed
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
@@ -53,13 +53,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ wit
 from shared.augment import normalize  # noqa: E402
 from shared.batch_size import largest_batch_size  # noqa: E402
 from shared.checkpoints import (Progress, StopSignal, checkpoint_or_stop, evaluate_weights, find_checkpoint,  # noqa: E402
-                                resume_from, save_checkpoint, save_weights)
+                                report_resume, resume_from, save_checkpoint, save_weights)
 from shared.config import RunConfig, parse_config  # noqa: E402
-from shared.data import load_image_data, whole_batch  # noqa: E402
+from shared.data import EpochOrder, load_image_data, whole_batch  # noqa: E402
 from shared.errors import RecipeError, check_launch, one_line_errors  # noqa: E402
 from shared.measure import median_step_ms, memory_breakdown  # noqa: E402
 from shared.report import markdown_table, write_report  # noqa: E402
 from shared.pictures import save_pictures  # noqa: E402
+from shared.schedule import SCHEDULE_RULE, one_cycle_lr  # noqa: E402
 from shared.tracking import TrainWindow, make_run_dir, run_config, run_summary, trackers  # noqa: E402
 
 RECIPE = "deep_mlp_ckpt"
@@ -266,8 +267,6 @@ def train(cfg: Config) -> None:
         # Every optimizer step averages exactly grad_accum batches, also across an epoch's end
         # (by default accelerate steps early at the end of the data, with too small a gradient).
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.grad_accum, sync_with_dataloader=False),
-        step_scheduler_with_optimizer=False,  # stepped below, exactly once per optimizer step
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=cfg.seed),  # order = f(seed, epoch)
         project_dir=run_dir,
         log_with=trackers(cfg, run_dir, RECIPE),  # wandb / tensorboard + config.json, metrics.jsonl, summary.json, ...
     )
@@ -279,9 +278,11 @@ def train(cfg: Config) -> None:
     if cfg.auto_batch_size:  # halve --batch_size until one training step fits in memory, on every process
         cfg.batch_size = largest_batch_size(accelerator, cfg.batch_size, train_set, lambda: make_model(len(train_set.classes), cfg),
                                             lambda model: make_optimizer(model, cfg), preprocess)
-    # Own generators: every new DataLoader iterator draws a seed, and drawing it from the global RNG
-    # would shift the augmentation's random numbers after a mid-epoch resume (no longer bitwise exact).
-    train_loader = DataLoader(train_set, cfg.batch_size, shuffle=True, drop_last=True, collate_fn=whole_batch,
+    # Each epoch's order is a function of (seed, epoch), resumable at any sample (see EpochOrder). Own generators:
+    # every new DataLoader iterator draws a seed, and drawing it from the global RNG would shift the augmentation's
+    # random numbers after a mid-epoch resume (no longer bitwise exact).
+    order = EpochOrder(len(train_set), cfg.seed)
+    train_loader = DataLoader(train_set, cfg.batch_size, sampler=order, drop_last=True, collate_fn=whole_batch,
                               generator=torch.Generator())
     test_loader = DataLoader(test_set, 2 * cfg.batch_size, collate_fn=whole_batch, generator=torch.Generator())
 
@@ -292,21 +293,30 @@ def train(cfg: Config) -> None:
     optimizer = make_optimizer(model, cfg)
     model, optimizer, train_loader, test_loader = accelerator.prepare(model, optimizer, train_loader, test_loader)
 
-    # After prepare, len(train_loader) counts this process's batches: its share of the epoch.
-    total_steps = cfg.max_steps or cfg.epochs * len(train_loader) // cfg.grad_accum
-    if len(train_loader) == 0 or total_steps == 0:  # drop_last leaves no batch when the data is smaller than one
-        raise RecipeError(f"{len(train_set)} training images make no full step of {global_batch_size}: lower --batch_size or --grad_accum")
-    epochs = math.ceil(total_steps * cfg.grad_accum / len(train_loader))
-    log_every = cfg.log_every or max(1, total_steps // 100)  # about 100 points on each curve
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=cfg.lr, total_steps=total_steps, pct_start=0.2,
-                                                    anneal_strategy="linear", cycle_momentum=False)
-    scheduler = accelerator.prepare(scheduler)
+    # After prepare, len(train_loader) counts this process's batches: its share of an epoch.
+    epoch_batches = len(train_loader)
+    epoch_samples = epoch_batches * cfg.batch_size * accelerator.num_processes  # less a remainder short of a batch
     progress = Progress()
     accelerator.register_for_checkpointing(progress)  # saved and restored with every checkpoint
     if cfg.resume:
-        resume_from(accelerator, find_checkpoint(run_dir, cfg.resume, RECIPE))
-        if progress.step >= total_steps:
-            raise RecipeError(f"{run_dir} already finished its {total_steps} steps: raise --max_steps or --epochs to train on")
+        checkpoint = find_checkpoint(run_dir, cfg.resume, RECIPE)
+        resume_from(accelerator, checkpoint, progress, cfg.seed)
+    order.set_position(progress.epoch, progress.samples_seen)
+    # Optimizer steps to the end of --epochs from where the run stands: the rest of this epoch, then whole ones
+    # (counted this way, a resume on another number of processes still ends after --epochs).
+    batches_left = len(train_loader) + (cfg.epochs - progress.epoch - 1) * epoch_batches
+    total_steps = cfg.max_steps or progress.step + batches_left // cfg.grad_accum
+    if total_steps == 0:  # drop_last leaves no batch when the data is smaller than one
+        raise RecipeError(f"{len(train_set)} training images make no full step of {global_batch_size}: "
+                          "lower --batch_size or --grad_accum")
+    if progress.step > total_steps:
+        raise RecipeError(f"--resume {checkpoint} is at step {progress.step}, past the {total_steps} steps asked for: "
+                          "raise --max_steps or --epochs, or resume from an earlier checkpoint")
+    if progress.step == total_steps:
+        raise RecipeError(f"{run_dir} already finished its {total_steps} steps: "
+                          "raise --max_steps or --epochs to train on")
+    epochs = cfg.epochs if cfg.max_steps is None else math.ceil(total_steps * cfg.grad_accum / epoch_batches)
+    log_every = cfg.log_every or max(1, total_steps // 100)  # about 100 points on each curve
 
     data_name = "SYNTHETIC data" if cfg.synthetic else cfg.data
     accelerator.print(f"{RECIPE}: {data_name}, {len(train_set)} train / {len(test_set)} test images | "
@@ -314,7 +324,10 @@ def train(cfg: Config) -> None:
                       f"global batch {global_batch_size}, {total_steps} steps ({epochs} epochs) | {run_dir}")
     config = run_config(cfg, accelerator, recipe=RECIPE, data=data_name, global_batch_size=global_batch_size,
                         total_steps=total_steps, train_size=len(train_set), test_size=len(test_set),
-                        resumed_step=progress.step if cfg.resume else None)
+                        lr_schedule=SCHEDULE_RULE, resumed_step=progress.step if cfg.resume else None,
+                        resumed_from=str(checkpoint) if cfg.resume else None)
+    if cfg.resume:
+        report_resume(checkpoint, config, progress)  # what changed since the checkpoint, and what that changes
     accelerator.init_trackers(RECIPE, config=config)
 
     start, window = time.perf_counter(), TrainWindow(accelerator)
@@ -322,12 +335,12 @@ def train(cfg: Config) -> None:
     show_bar = accelerator.is_local_main_process and sys.stderr.isatty()
     while progress.step < total_steps:
         model.train()
-        train_loader.set_epoch(progress.epoch)  # the shuffle is a function of (seed, epoch), so resume is exact
-        batches = train_loader
-        if progress.batches_seen:  # resuming mid-epoch: same permutation, minus the batches already trained on
-            batches = accelerator.skip_first_batches(train_loader, progress.batches_seen)
-        bar = tqdm(batches, desc=f"epoch {progress.epoch + 1}/{epochs}", disable=not show_bar, leave=False)
+        order.set_position(progress.epoch, progress.samples_seen)  # this epoch's order, from the first unseen sample
+        bar = tqdm(train_loader, desc=f"epoch {progress.epoch + 1}/{epochs}", disable=not show_bar, leave=False)
         for images, labels in bar:
+            lr = one_cycle_lr(progress.step, total_steps, cfg.lr)  # a function of the step: see shared/schedule.py
+            for group in optimizer.param_groups:
+                group["lr"] = lr
             with accelerator.accumulate(model):  # DDP syncs gradients only on the last batch of each accumulation
                 logits = model(preprocess(images))
                 loss = F.cross_entropy(logits, labels)
@@ -338,16 +351,14 @@ def train(cfg: Config) -> None:
                     window.add_grad_norm(accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
                 optimizer.step()  # does nothing until the last batch of the accumulation
                 optimizer.zero_grad()
-            progress.batches_seen += 1
+            progress.samples_seen += len(labels) * accelerator.num_processes
             window.add(loss, logits, labels)  # summed on the device: no loss.item() (a GPU sync) every step
             if not accelerator.sync_gradients:
                 continue
-            lr = scheduler.get_last_lr()[0]  # the rate this step used
-            scheduler.step()
             progress.step += 1
             log_now = progress.step % log_every == 0 or progress.step == total_steps
             if log_now:
-                epoch = progress.epoch + progress.batches_seen / len(train_loader)
+                epoch = progress.epoch + progress.samples_seen / epoch_samples
                 point = {"epoch": epoch, "lr": lr, **window.flush(progress.step)}
                 accelerator.log(point, step=progress.step)
                 bar.set_postfix(loss=f"{point['train_loss']:.3f}", acc=f"{point['train_acc']:.3f}",
@@ -357,8 +368,8 @@ def train(cfg: Config) -> None:
                 return
             if progress.step == total_steps:
                 break
-        if progress.batches_seen == len(train_loader):
-            progress.epoch, progress.batches_seen = progress.epoch + 1, 0
+        if len(train_set) - progress.samples_seen < cfg.batch_size * accelerator.num_processes:  # no full batch left
+            progress.epoch, progress.samples_seen = progress.epoch + 1, 0
         with window.paused():
             metrics, predictions = evaluate(model, test_loader, accelerator)
         progress.best_eval_acc = max(progress.best_eval_acc, metrics["eval_acc"])
@@ -367,7 +378,8 @@ def train(cfg: Config) -> None:
 
     save_checkpoint(accelerator, model, run_dir, progress.step, cfg.keep_checkpoints)  # no-op if this step is saved
     wall_s = time.perf_counter() - start
-    summary = run_summary(accelerator, progress, window, wall_s, progress.epoch + progress.batches_seen / len(train_loader), data_name)
+    epochs_done = progress.epoch + progress.samples_seen / epoch_samples
+    summary = run_summary(accelerator, progress, window, wall_s, epochs_done, data_name)
     save_weights(accelerator, model, run_dir / "model.safetensors", {"recipe": RECIPE, **metrics, **summary})
     save_pictures(accelerator, run_dir, test_set, predictions, progress.step)  # confusion matrix, misclassified images
     accelerator.log(summary, step=progress.step)

@@ -1,9 +1,10 @@
 """Full-state checkpoints, resuming from them, and loading weights files of any common layout.
 
-A checkpoint is `accelerator.save_state` (model, optimizer, scheduler, grad scaler, every
-process's RNG state, and the registered `Progress`) in `checkpoints/step_<N>/`. It is written
-under a temporary name and renamed when complete, so a run killed mid-save leaves the previous
-checkpoint as the newest one on disk.
+A checkpoint is `accelerator.save_state` (model, optimizer, grad scaler, every process's RNG
+state, and the registered `Progress`) in `checkpoints/step_<N>/`. It is written under a temporary
+name and renamed when complete, so a run killed mid-save leaves the previous checkpoint as the
+newest one on disk. The learning rate is a function of the step (shared/schedule.py): no scheduler
+state, so a run can be resumed with another length.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import sys
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.utils import load as accelerate_load  # torch.load(weights_only=True) + NumPy RNG types
+from accelerate.utils import set_seed
 from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 
@@ -37,13 +39,16 @@ class Progress:
     def __init__(self):
         self.step = 0  # optimizer steps taken
         self.epoch = 0  # epochs completed
-        self.batches_seen = 0  # batches of the current epoch consumed (all micro-batches)
+        self.samples_seen = 0  # samples of this epoch's order trained on, by all processes together
         self.best_eval_acc = 0.0
 
     def state_dict(self) -> dict:
         return dict(vars(self))
 
     def load_state_dict(self, state: dict) -> None:
+        if "samples_seen" not in state:
+            raise ValueError("this checkpoint counts its place in the epoch in batches, as the recipes did before "
+                             "they counted samples; resume it with the version of the recipe that wrote it")
         vars(self).update(state)
 
 
@@ -167,8 +172,9 @@ def find_checkpoint(run_dir: Path | None, resume: str, recipe: str) -> Path:
     return checkpoints[-1]
 
 
-def resume_from(accelerator, checkpoint: Path) -> None:
-    """accelerator.load_state, after checking that no file in the checkpoint can run code."""
+def resume_from(accelerator, checkpoint: Path, progress: Progress, seed: int) -> None:
+    """accelerator.load_state, after checking that no file in the checkpoint can run code; `progress` is
+    restored with it. On another number of processes than the checkpoint's, every process is re-seeded."""
     for pickled in sorted(checkpoint.glob("*.pkl")) + sorted(checkpoint.glob("*.bin")):
         try:
             # accelerate loads registered objects with weights_only=False: refuse anything that a
@@ -186,6 +192,60 @@ def resume_from(accelerator, checkpoint: Path) -> None:
         raise RecipeError(f"--resume {checkpoint} cannot be loaded into this run ({type(error).__name__}: "
                           f"{detail[:200]}): resume with the recipe and flags that wrote it, "
                           "or from another checkpoint") from None
+    # Checkpoints fall between optimizer steps. The micro-batch counter saved with them would, under another
+    # --grad_accum, end the first accumulation early (10 batches saved, --grad_accum 4: a step after 2).
+    accelerator.step = 0
+    saved_processes = len(list(checkpoint.glob("random_states_*.pkl")))
+    if saved_processes != accelerator.num_processes:
+        # Each process restores random_states_<its rank>.pkl; accelerate skips a missing one silently, and
+        # 1 -> 2 would leave the new process replaying the start of the run (accelerate #784). Instead every
+        # process gets a new seed from (--seed, step, rank): reproducible, and distinct per process.
+        set_seed(seed + progress.step, device_specific=True)
+        accelerator.print(f"the checkpoint was written by {saved_processes} process(es), this run has "
+                          f"{accelerator.num_processes}: their random states do not map onto each other, so every "
+                          f"process is re-seeded from (--seed, step {progress.step}, rank). Augmentation and dropout "
+                          "draws differ from a run never stopped: bitwise equality holds only on the same world size")
+
+
+# What decides the order of the samples: with one changed, the rest of an epoch is not the samples not yet used.
+DATA_ORDER_KEYS = ("data", "synthetic", "train_size", "seed")
+# What only cuts the same order into other batches.
+BATCHING_KEYS = ("world_size", "batch_size", "grad_accum")
+NOT_SETTINGS = ("resume", "resumed_step", "resumed_from", "run_id", "overwrite", "output_dir", "versions")
+
+
+def report_resume(checkpoint: Path, config: dict, progress: Progress) -> None:
+    """Print where a resumed run continues, what changed since its checkpoint (the config.json beside it),
+    and what each change does: to the sample order, to bitwise exactness, to the learning-rate schedule."""
+    if not PartialState().is_main_process:
+        return
+    epoch, left = progress.epoch + 1, config["train_size"] - progress.samples_seen
+    print(f"resuming from {checkpoint}: step {progress.step}, epoch {epoch} after {progress.samples_seen} of its "
+          f"{config['train_size']} samples")
+    previous = Path(checkpoint).parents[1] / "config.json"
+    if not previous.exists():
+        print(f"no config.json beside {checkpoint}: what changed since it cannot be listed")
+        return
+    before = json.loads(previous.read_text())
+    changed = [key for key in config if key not in NOT_SETTINGS and before.get(key) != config[key]]
+    if not changed:
+        print("same configuration: the run continues exactly, to the same weights as a run never stopped")
+        return
+    print("changed since the checkpoint: "
+          + ", ".join(f"{key} {before.get(key)!r} -> {config[key]!r}" for key in changed))
+    order = [key for key in changed if key in DATA_ORDER_KEYS]
+    if order:
+        print(f"the sample order is NOT a run's never stopped ({', '.join(order)} changed): the rest of epoch {epoch} "
+              "follows another order, so some of its samples are trained on twice and others not at all")
+    elif any(key in BATCHING_KEYS for key in changed):
+        print(f"the sample order continues exactly: the rest of epoch {epoch} is the {left} samples not yet trained "
+              f"on, in global batches of {config['global_batch_size']} (a remainder smaller than one is dropped, "
+              "as at the end of every epoch)")
+    else:
+        print("the sample order continues exactly")
+    if "total_steps" in changed:
+        print(f"length {before.get('total_steps')} -> {config['total_steps']} steps, learning rate: "
+              f"{config.get('lr_schedule', 'rebuilt for the new length')}")
 
 
 def save_weights(accelerator, model, path: Path, metadata: dict) -> None:

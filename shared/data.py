@@ -60,6 +60,29 @@ class ImageTensors(torch.utils.data.Dataset):
         return self.images[indices], self.labels[indices]
 
 
+class EpochOrder(torch.utils.data.Sampler):
+    """The training order: each epoch a permutation of the whole set that depends only on (seed, epoch),
+    served from sample `start` on.
+
+    The position inside an epoch is kept in samples, not batches, so a run can resume mid-epoch on
+    another number of processes or with another batch size: what is left of the epoch is exactly the
+    samples not yet trained on, cut into the new batches. (accelerate's seedable sampler gives the same
+    permutations, but its resume skips batches of the old size: accelerate #784.)"""
+
+    def __init__(self, size: int, seed: int):
+        self.size, self.seed, self.epoch, self.start = size, seed, 0, 0
+
+    def set_position(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, min(start, self.size)  # past the end: a smaller --data after a resume
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)  # as accelerate's SeedableRandomSampler
+        return iter(torch.randperm(self.size, generator=generator)[self.start:].tolist())
+
+    def __len__(self):
+        return self.size - self.start
+
+
 def whole_batch(batch):
     """collate_fn for ImageTensors: `__getitems__` already returns the stacked batch."""
     return batch

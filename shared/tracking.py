@@ -252,8 +252,6 @@ class RunFiles(GeneralTracker):
 
     def store_init_configuration(self, values: dict):
         resumed_step = values.get("resumed_step")
-        if resumed_step is not None and (self.run_dir / "config.json").exists():
-            describe_changes(json.loads((self.run_dir / "config.json").read_text()), values, resumed_step)
         write_json(self.run_dir / "config.json", {**values, "run_id": self.run_id})
         if resumed_step is None:
             self.metrics.unlink(missing_ok=True)
@@ -274,27 +272,6 @@ class RunFiles(GeneralTracker):
         offline_runs = sorted((self.run_dir / "wandb").glob("offline-run-*"))
         if offline_runs:
             print(f"wandb ran offline; upload the run with: wandb sync {offline_runs[-1]}")
-
-
-# What decides which images each optimizer step sees: same values, same batches after a resume.
-DATA_ORDER_KEYS = ("data", "synthetic", "train_size", "seed", "batch_size", "world_size", "grad_accum")
-NOT_SETTINGS = ("resume", "resumed_step", "run_id", "overwrite", "versions")
-
-
-def describe_changes(before: dict, after: dict, step: int) -> None:
-    """Print what a resumed run changed since its checkpoint, and whether the data order stays exact."""
-    changed = [key for key in after if key not in NOT_SETTINGS and before.get(key) != after[key]]
-    if not changed:
-        print(f"resuming at step {step} with the same configuration: the data order continues exactly")
-        return
-    print(f"resuming at step {step}; changed since the checkpoint: "
-          + ", ".join(f"{key} {before.get(key)!r} -> {after[key]!r}" for key in changed))
-    breaking = [key for key in changed if key in DATA_ORDER_KEYS]
-    if breaking:
-        print(f"the data order is NOT the same as an uninterrupted run ({', '.join(breaking)} changed): batches "
-              "after the checkpoint differ, and a mid-epoch position is only approximate")
-    else:
-        print("the data order continues exactly")
 
 
 def write_json(path: Path, values: dict) -> None:

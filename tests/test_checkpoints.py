@@ -65,7 +65,9 @@ def test_resume_from_a_checkpoint_is_bitwise_exact(env, data, reference, tmp_pat
     checkpoint = reference[processes] / "checkpoints" / f"step_{step}"
     out = tmp_path / "resumed"
     kwargs = {"config": "2gpu", "use_cpu": True} if processes == 2 else {}
-    ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out), *RUN, "--resume", str(checkpoint), **kwargs))
+    result = ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out), *RUN,
+                       "--resume", str(checkpoint), **kwargs))
+    assert "same configuration: the run continues exactly, to the same weights as a run never stopped" in result.stdout
     assert_bitwise_equal(weights(out), weights(reference[processes]))
     steps = [row["step"] for row in read_jsonl(out / "metrics.jsonl") if "train_loss" in row]
     assert steps == list(range(step + 1, 21))  # continued where the checkpoint stopped, each step once

@@ -56,7 +56,7 @@ def check_run_files(run_dir, *, world_size, steps, test_size, batch_size=8, mixe
     assert set(weights) == set(model.state_dict())  # no `module.` or `_orig_mod.` prefixes
     model.load_state_dict(weights)
     checkpoint = run_dir / "checkpoints" / f"step_{steps}"
-    assert (checkpoint / "optimizer.bin").exists() and (checkpoint / "scheduler.bin").exists()
+    assert (checkpoint / "optimizer.bin").exists() and (checkpoint / "custom_checkpoint_0.pkl").exists()  # + Progress
     assert sorted(p.name for p in checkpoint.glob("random_states_*.pkl")) == [f"random_states_{i}.pkl" for i in range(world_size)]
     assert torch.equal(load_file(checkpoint / "model.safetensors")["0.weight"], weights["0.weight"])
     assert not list(run_dir.glob("checkpoints/partial_*"))

@@ -217,6 +217,27 @@ def test_checkpoint_from_another_recipe(env, data, finished, tmp_path):
              "cannot be loaded into this run", "Missing key(s) in state_dict")
 
 
+def test_resume_asking_for_fewer_steps_than_done(env, data, finished):
+    before = snapshot(finished)
+    args = ("--data", str(data), "--output_dir", str(finished), *SHORT, "--resume", "latest")
+    one_line(launch(env, "cifar_cnn", *args, "--max_steps", "3", config=None),
+             "step_4 is at step 4, past the 3 steps asked for", "raise --max_steps or --epochs")
+    one_line(launch(env, "cifar_cnn", *args, config=None), "already finished its 4 steps", "raise --max_steps")
+    assert snapshot(finished) == before
+
+
+def test_checkpoint_that_counts_batches(env, data, finished, tmp_path):
+    """A checkpoint of the recipes before they kept the epoch's position in samples."""
+    old = tmp_path / "run"
+    shutil.copytree(finished, old)
+    progress = old / "checkpoints" / "step_2" / "custom_checkpoint_0.pkl"
+    state = torch.load(progress, weights_only=True)
+    state["batches_seen"] = state.pop("samples_seen") // 8
+    torch.save(state, progress)
+    one_line(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(old), *SHORT,
+                    "--resume", str(progress.parent), config=None), "counts its place in the epoch in batches")
+
+
 def test_resume_without_a_checkpoint(env, data, tmp_path):
     one_line(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(tmp_path / "new"), *SHORT,
                     "--resume", "latest", config=None), "has no checkpoints")

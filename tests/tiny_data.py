@@ -17,7 +17,7 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import real_images  # noqa: E402  (benchmarks/ is not a package)
 
-CLASSES = [f"class_{i}" for i in range(10)]
+CLASSES = [f"class_{i}" for i in range(100)]
 
 
 def image_splits(sizes=None, shape=(3, 32, 32), num_classes=10, seed=0, image_column="img") -> datasets.DatasetDict:
@@ -32,7 +32,7 @@ def image_splits(sizes=None, shape=(3, 32, 32), num_classes=10, seed=0, image_co
         labels = np.arange(size) % num_classes
         images = []
         for label in labels:
-            pixels = rng.integers(0, 128, (height, width, channels), dtype=np.uint8) + np.uint8(12 * label)
+            pixels = rng.integers(0, 128, (height, width, channels), dtype=np.uint8) + np.uint8(12 * label % 128)
             images.append(Image.fromarray(pixels[..., 0] if channels == 1 else pixels))
         splits[split] = datasets.Dataset.from_dict({image_column: images, "label": labels.tolist()}, features=features)
     return datasets.DatasetDict(splits)

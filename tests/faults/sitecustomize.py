@@ -5,6 +5,8 @@ FAULT_DISK_FULL_AT_STEP=N, every file written into the checkpoint of step N fail
 exactly as the save would on a full disk; everything else writes normally.
 With FAULT_OOM_ABOVE_BATCH=N (and FAULT_OOM_RANK=R: only on that process), a loss over more than
 N samples in training raises the error PyTorch's CPU allocator raises when memory runs out.
+With RECORD_TRAINING_LABELS=DIR, every training loss appends its batch's labels as one line to
+DIR/rank<R>.txt: with a dataset whose labels are all different, the samples each process trained on.
 """
 
 import errno
@@ -41,3 +43,18 @@ if _oom_above:
         return cross_entropy_or_oom
 
     torch.nn.functional.cross_entropy = _cross_entropy_or_oom(torch.nn.functional.cross_entropy)
+
+_record_dir = os.environ.get("RECORD_TRAINING_LABELS")
+if _record_dir:
+    import torch
+    import torch.nn.functional
+
+    def _recording(cross_entropy):
+        def cross_entropy_and_record(input, target, *args, **kwargs):
+            if torch.is_grad_enabled():  # training, not evaluation
+                with open(os.path.join(_record_dir, f"rank{os.environ.get('RANK', '0')}.txt"), "a") as f:
+                    f.write(" ".join(map(str, target.tolist())) + "\n")
+            return cross_entropy(input, target, *args, **kwargs)
+        return cross_entropy_and_record
+
+    torch.nn.functional.cross_entropy = _recording(torch.nn.functional.cross_entropy)

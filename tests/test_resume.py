@@ -1,0 +1,145 @@
+"""Resumes that bend: another length, another number of processes, other settings.
+
+A run of 64 training images, batch 8, every label different (64 classes), so the labels each process
+trains on say which samples it used. 1 process: 8 steps an epoch; 2 processes: 4.
+  A  1 process, 12 steps: ends in the middle of epoch 2 (32 of its 64 samples)
+  B  A resumed on 2 processes with --max_steps 20: the length and the world size change at once
+  C  B's checkpoint of step 16 (the middle of epoch 3) resumed on 1 process
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, launch, ok, read_json, read_jsonl
+from tiny_data import save_to_disk_dataset
+
+from shared.checkpoints import Progress, report_resume
+from shared.schedule import SCHEDULE_RULE, one_cycle_lr
+
+SHAPES = {"cifar_cnn": (3, 32, 32), "resnet18_fmnist": (1, 28, 28), "deep_mlp_ckpt": (3, 32, 32)}
+RUN = ("--batch_size", "8", "--log_every", "1", "--checkpoint_every", "4", "--seed", "3", "--tracker", "none")
+
+
+@pytest.fixture(scope="module")
+def labelled(tmp_path_factory):
+    """Per image shape: 64 training images, each its own class; 16 test images."""
+    folder = tmp_path_factory.mktemp("labelled")
+    return {shape: save_to_disk_dataset(folder / "x".join(map(str, shape)), sizes={"train": 64, "test": 16},
+                                        shape=shape, num_classes=64) for shape in set(SHAPES.values())}
+
+
+def recorded(env: dict, folder: Path) -> dict:
+    """An environment in which every training loss records its labels into folder/rank<R>.txt."""
+    folder.mkdir(parents=True)
+    return dict(env, PYTHONPATH=str(ROOT / "tests" / "faults"), RECORD_TRAINING_LABELS=str(folder))
+
+
+def batches(folder: Path, rank: int) -> list[list[int]]:
+    return [[int(x) for x in line.split()] for line in (folder / f"rank{rank}.txt").read_text().splitlines()]
+
+
+def order(seed: int, epoch: int) -> list[int]:
+    """The samples of an epoch in training order: a permutation that depends only on (seed, epoch)."""
+    return torch.randperm(64, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+
+
+def lrs(run: Path) -> dict[int, float]:
+    return {row["step"]: row["lr"] for row in read_jsonl(run / "metrics.jsonl") if "lr" in row}
+
+
+def test_the_schedule_is_torchs_one_cycle_as_a_function_of_the_step():
+    """Bitwise torch's OneCycleLR (pct_start 0.2, linear), which the recipes' measured numbers were run with."""
+    for total_steps in [1, 2, 3, 4, *range(6, 120), 1000]:
+        optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.05)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.05, total_steps=total_steps, pct_start=0.2,
+                                                       anneal_strategy="linear", cycle_momentum=False)
+        for step in range(total_steps):
+            assert one_cycle_lr(step, total_steps, 0.05) == schedule.get_last_lr()[0], (step, total_steps)
+            optimizer.step()
+            schedule.step()
+    # 5 steps, where OneCycleLR divides by zero: the peak first, then down to the end.
+    assert [one_cycle_lr(step, 5, 1.0) for step in range(5)] == pytest.approx([1.0, 0.75, 0.5, 0.25, 4e-6], abs=1e-5)
+
+
+@pytest.mark.parametrize("recipe", list(SHAPES))
+def test_longer_and_on_another_number_of_processes(env, labelled, tmp_path, recipe):
+    data = str(labelled[SHAPES[recipe]])
+    run, labels = tmp_path / "run", tmp_path / "labels"
+    ok(launch(recorded(env, labels / "A"), recipe, "--data", data, "--output_dir", str(run), *RUN, "--max_steps", "12"))
+    peak_a = read_json(run / "config.json").get("effective_lr", 2e-3 if recipe == "deep_mlp_ckpt" else 0.05)
+
+    # B: 1 -> 2 processes, 12 -> 20 steps, from the end of a finished run
+    b = ok(launch(recorded(env, labels / "B"), recipe, "--data", data, "--output_dir", str(run), *RUN,
+                  "--max_steps", "20", "--resume", "latest", config="2gpu", use_cpu=True)).stdout
+    config = read_json(run / "config.json")
+    assert config["world_size"] == 2 and config["total_steps"] == 20 and config["resumed_step"] == 12
+    assert config["lr_schedule"] == SCHEDULE_RULE
+    assert f"resuming from {run / 'checkpoints' / 'step_12'}: step 12, epoch 2 after 32 of its 64 samples" in b
+    for change in ("max_steps 12 -> 20", "total_steps 12 -> 20", "world_size 1 -> 2", "global_batch_size 8 -> 16"):
+        assert change in b.split("changed since the checkpoint: ")[1].splitlines()[0]
+    assert ("the sample order continues exactly: the rest of epoch 2 is the 32 samples not yet trained on, "
+            "in global batches of 16") in b
+    assert "written by 1 process(es), this run has 2" in b and "bitwise equality holds only on the same world size" in b
+    assert f"length 12 -> 20 steps, learning rate: {SCHEDULE_RULE}" in b
+    peak_b = config.get("effective_lr", peak_a)
+    if recipe == "resnet18_fmnist":  # --lr_scaling sqrt follows the global batch: 8 -> 16
+        assert peak_b == pytest.approx(peak_a * 2 ** 0.5) and "effective_lr" in b
+    rates = lrs(run)
+    assert list(rates) == list(range(1, 21))  # A's 12 points kept, B's 8 appended, each step once
+    assert [rates[s] for s in range(1, 13)] == [one_cycle_lr(s - 1, 12, peak_a) for s in range(1, 13)]
+    # After the resume, every step uses the rate of a 20-step run, and the last one ends the schedule.
+    assert [rates[s] for s in range(13, 21)] == [one_cycle_lr(s - 1, 20, peak_b) for s in range(13, 21)]
+    assert rates[20] == pytest.approx(peak_b / 25 / 1e4, rel=1e-12)
+
+    a0, b0, b1 = batches(labels / "A", 0), batches(labels / "B", 0), batches(labels / "B", 1)
+    assert len(a0) == 12 and len(b0) == len(b1) == 8 and all(len(x) == 8 for x in a0 + b0 + b1)
+    # Epoch 2, interrupted: A's last 4 batches, then B's first 2 rounds (rank 0 then rank 1 in each).
+    epoch_2 = sum(a0[8:], []) + b0[0] + b1[0] + b0[1] + b1[1]
+    assert sorted(epoch_2) == list(range(64))  # every sample exactly once
+    assert epoch_2 == order(3, 1)  # and in the order of a run never stopped
+    assert sum(a0[:8], []) == order(3, 0)
+    assert sum((b0[i] + b1[i] for i in range(2, 6)), []) == order(3, 2)  # epoch 3 on 2 processes
+
+    # C: B's checkpoint in the middle of epoch 3 (2 of its 4 rounds done), resumed on 1 process
+    c_run = tmp_path / "c"
+    c = ok(launch(recorded(env, labels / "C"), recipe, "--data", data, "--output_dir", str(c_run), *RUN,
+                  "--max_steps", "20", "--resume", str(run / "checkpoints" / "step_16"))).stdout
+    assert "step 16, epoch 3 after 32 of its 64 samples" in c and "world_size 2 -> 1" in c
+    assert "the rest of epoch 3 is the 32 samples not yet trained on, in global batches of 8" in c
+    assert "written by 2 process(es), this run has 1" in c and "length" not in c
+    c0 = batches(labels / "C", 0)
+    assert len(c0) == 4
+    epoch_3 = b0[2] + b1[2] + b0[3] + b1[3] + sum(c0, [])
+    assert sorted(epoch_3) == list(range(64)) and epoch_3 == order(3, 2)
+    assert read_json(c_run / "summary.json")["epochs"] == pytest.approx(3.0)
+    peak_c = read_json(c_run / "config.json").get("effective_lr", peak_a)
+    assert [lrs(c_run)[s] for s in range(17, 21)] == [one_cycle_lr(s - 1, 20, peak_c) for s in range(17, 21)]
+
+
+def test_a_changed_seed_says_the_order_is_not_exact_and_a_changed_grad_accum_keeps_whole_steps(env, labelled, tmp_path):
+    data, run = str(labelled[(3, 32, 32)]), tmp_path / "run"
+    ok(launch(env, "cifar_cnn", "--data", data, "--output_dir", str(run), *RUN, "--max_steps", "3", config=None))
+    out = ok(launch(env, "cifar_cnn", "--data", data, "--output_dir", str(run), *RUN, "--max_steps", "5", "--seed", "4",
+                    "--grad_accum", "2", "--resume", "latest", config=None)).stdout
+    assert "seed 3 -> 4" in out and "grad_accum 1 -> 2" in out
+    assert ("the sample order is NOT a run's never stopped (seed changed): the rest of epoch 1 follows another order, "
+            "so some of its samples are trained on twice and others not at all") in out
+    # 3 steps of 8 samples, then steps of 2 batches: the first step after the resume is whole too (the micro-batch
+    # counter saved with the checkpoint, 3, would have ended it after 1 batch).
+    epochs = {row["step"]: row["epoch"] for row in read_jsonl(run / "metrics.jsonl") if "lr" in row}
+    assert epochs == {1: 8 / 64, 2: 16 / 64, 3: 24 / 64, 4: 40 / 64, 5: 56 / 64}
+
+
+
+def test_a_checkpoint_without_its_config_json_still_resumes_and_says_so(tmp_path, capsys):
+    checkpoint = tmp_path / "copied" / "step_16"  # copied out of its run folder: no ../../config.json
+    checkpoint.mkdir(parents=True)
+    progress = Progress()
+    progress.step, progress.epoch, progress.samples_seen = 16, 2, 32
+    report_resume(checkpoint, {"train_size": 64, "total_steps": 20}, progress)
+    assert capsys.readouterr().out.splitlines() == [
+        f"resuming from {checkpoint}: step 16, epoch 3 after 32 of its 64 samples",
+        f"no config.json beside {checkpoint}: what changed since it cannot be listed"]
