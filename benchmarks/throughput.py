@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from shared.data import make_synthetic, whole_batch  # noqa: E402
-from shared.measure import synchronize  # noqa: E402
+from tools.measure import synchronize  # noqa: E402
 
 # recipe -> CPU batch size, image shape, classes, the seed-style per-image augmentation.
 RECIPES = {

@@ -3,7 +3,7 @@
 Backward needs the activations of forward. Checkpointing keeps only the inputs of each segment and
 recomputes the rest during backward: memory for time. With n layers in k segments, the activations
 held fall from n layers' worth to about k inputs + n/k layers, smallest near k = sqrt(n).
-`--sweep` measures it for every k instead of claiming it.
+deep_mlp_sweep.py, beside this file, measures it for every k instead of claiming it.
 
 The seed's network: Linear 1000->1000, 70 x Linear 1000->1000, Linear 1000->100, Adam lr 0.002,
 betas (0.5, 0.999). Each of the 71 hidden layers adds gate * ReLU(LayerNorm(Linear(x))) to its input
@@ -20,16 +20,16 @@ Results (update only from real runs; the command that produced each number is gi
                    scikit-learn and matplotlib, as 32x32 crops (5,000 train / 1,000 test, built by
                    benchmarks/real_images.py). 2-core CPU, float32; table in benchmarks/BENCHMARKS.md:
                      python benchmarks/accuracy.py --lr_multipliers 0.5 1 2 --cases deep_mlp_ckpt/photos100/cpu
-  --sweep, CPU     8 segments hold 0.15x the activations of no checkpointing (125 of 836 MB at batch
-                   1024) for 1.36x the step time; 12 and 18 segments hold the least (0.13x).
-                   `python recipes/deep_mlp_ckpt.py --sweep --sweep_repeats 5 --tracker none` (2-core CPU,
-                   float32, 8 min 36 s).
+  sweep, CPU       8 segments hold 0.15x the activations of no checkpointing (125 of 836 MB at batch
+                   1024) for 1.36x the step time; 12 and 18 segments hold the least (0.13x). 2-core CPU,
+                   float32, 8 min 36 s, measured as `python recipes/deep_mlp_ckpt.py --sweep --sweep_repeats 5`,
+                   now `python recipes/deep_mlp_sweep.py --repeats 5`.
 
 Run it (from the repository root):
   accelerate launch --config_file accelerate_configs/1gpu.yaml recipes/deep_mlp_ckpt.py --ckpt sequential --segments 8
-  python recipes/deep_mlp_ckpt.py --sweep          # memory and step time for every segment count
+  python recipes/deep_mlp_sweep.py                 # memory and step time for every segment count
   python recipes/deep_mlp_ckpt.py --synthetic --max_steps 200      # offline smoke run, no download
-Outputs land in runs/deep_mlp_ckpt-<time>/ (the sweep adds sweep.md, sweep.csv and sweep.png).
+Outputs land in runs/deep_mlp_ckpt-<time>/; the sweep's in runs/deep_mlp_sweep-<time>/.
 """
 
 import functools
@@ -57,8 +57,6 @@ from shared.checkpoints import (Progress, StopSignal, checkpoint_or_stop, evalua
 from shared.config import RunConfig, parse_config  # noqa: E402
 from shared.data import EpochOrder, load_image_data, whole_batch  # noqa: E402
 from shared.errors import RecipeError, check_launch, one_line_errors  # noqa: E402
-from shared.measure import median_step_ms, memory_breakdown  # noqa: E402
-from shared.report import markdown_table, write_report  # noqa: E402
 from shared.pictures import save_pictures  # noqa: E402
 from shared.schedule import SCHEDULE_RULE, one_cycle_lr  # noqa: E402
 from shared.tracking import TrainWindow, make_run_dir, run_config, run_summary, trackers  # noqa: E402
@@ -79,9 +77,6 @@ class Config(RunConfig):
     ckpt: Literal["none", "sequential", "blocks"] = "none"  # checkpoint_sequential, or checkpoint() per block of layers
     segments: int = 8  # checkpointed segments; about sqrt(72) = 8.5 holds the least
     preserve_rng_state: bool = True  # replay dropout's masks when recomputing; off is faster, and wrong with dropout
-    sweep: bool = False  # measure memory and step time for every segment count (sweep.md/.csv/.png), no training
-    sweep_batch: int = 1024  # samples per step in the sweep: large enough for activations to matter
-    sweep_repeats: int = 3  # timed steps per sweep row, after one warm-up step; the median is reported
 
     def __post_init__(self):
         super().__post_init__()
@@ -166,79 +161,6 @@ def make_model(num_classes: int, cfg=None) -> DeepMLP:
 
 def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
     return torch.optim.Adam(model.parameters(), lr=cfg.lr, betas=(0.5, 0.999))  # the seed's optimizer
-
-
-# ----------------------------------------------------------------------------- measuring
-SWEEP_SEGMENTS = (None, 1, 2, 3, 4, 6, 8, 9, 12, 18, 24, 36, 72)  # None: no checkpointing; the rest divide 72
-
-
-def saved_bytes(fn, x: torch.Tensor, model: nn.Module) -> int:
-    """Bytes that autograd keeps for backward while `fn(x)` runs forward, parameters excluded.
-
-    Counted with saved_tensors_hooks, so it works on any device. Inside a checkpointed segment
-    nothing is kept; the segment's input is, and it is counted."""
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:  # a storage saved by several ops counts once
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        output = fn(x)
-    output.float().sum().backward()  # runs backward, which frees what was saved
-    return sum(saved.values())
-
-
-def measure(model: DeepMLP, optimizer, x, labels, segments: int | None, mode: str, repeats: int) -> dict:
-    """One sweep row: memory held for backward, the segment rebuilt during backward, step time."""
-    model.ckpt, model.segments = ("none", 1) if segments is None else (mode, segments)
-    held = saved_bytes(model, x, model)
-    recomputed = 0  # one segment's activations, rebuilt during backward (sequential never rebuilds its last)
-    if segments is not None and (mode == "blocks" or segments > 1):
-        size = len(model.layers) // segments if mode == "sequential" else math.ceil(len(model.layers) / segments)
-        recomputed = saved_bytes(model.layers[:size], x, model)
-
-    def step():
-        optimizer.zero_grad(set_to_none=False)  # gradients stay allocated: a fixed part of the breakdown
-        F.cross_entropy(model(x), labels).backward()
-        optimizer.step()
-
-    row = {"segments": "none" if segments is None else segments, "saved_MB": held / 2**20,
-           "recomputed_MB": recomputed / 2**20, "step_ms": median_step_ms(step, x.device, repeats)}
-    return row | memory_breakdown(step, model, optimizer, x.device)  # on CUDA: where the peak goes
-
-
-def sweep(cfg: Config) -> None:
-    """--sweep: every segment count at --sweep_batch and at the seed's 16; writes sweep.md/.csv/.png."""
-    check_launch()
-    run_dir = make_run_dir(cfg, RECIPE)
-    accelerator = Accelerator()
-    if accelerator.num_processes > 1:
-        raise RecipeError("--sweep measures a single process: launch it with cpu.yaml, 1gpu.yaml or bf16.yaml")
-    set_seed(cfg.seed)
-    model = make_model(100, cfg).to(accelerator.device)
-    optimizer = make_optimizer(model, cfg)
-    mode = "blocks" if cfg.ckpt == "blocks" else "sequential"
-    with accelerator.autocast():  # the precision the config asks for, as in training
-        rows = []
-        for batch in (cfg.sweep_batch, 16):
-            x = torch.randn(batch, WIDTH, device=accelerator.device)
-            labels = torch.randint(100, (batch,), device=accelerator.device)
-            batch_rows = [{"batch": batch, **measure(model, optimizer, x, labels, k, mode, cfg.sweep_repeats)} for k in SWEEP_SEGMENTS]
-            for row in batch_rows:  # ratios to no checkpointing, measured in this same run
-                row["saved_x"] = row["saved_MB"] / batch_rows[0]["saved_MB"]
-                row["time_x"] = row["step_ms"] / batch_rows[0]["step_ms"]
-                row["note"] = "~ sqrt(72)" if row["segments"] == 8 else ""
-            accelerator.print(markdown_table(batch_rows))
-            rows += batch_rows
-    title = (f"# Gradient checkpointing sweep, {mode} mode: {accelerator.device.type}, "
-             f"{accelerator.mixed_precision} precision, torch {torch.__version__}")
-    write_report(rows, run_dir / "sweep", title, x="segments", ys=["saved_x", "time_x"], group="batch",
-                 mark=math.sqrt(len(model.layers)), log_x=True)
-    accelerator.print(f"wrote {run_dir}/sweep.md, sweep.csv and sweep.png")
 
 
 @torch.no_grad()  # no autograd graph: evaluation needs no gradients, and would hold every activation
@@ -393,7 +315,7 @@ def main() -> None:
         if cfg.eval_only:  # --eval_only --weights PATH: test metrics of a weights file, as one JSON line
             evaluate_weights(cfg, lambda n: make_model(n, cfg), lambda: load_data(cfg)[1], evaluate)
         else:
-            sweep(cfg) if cfg.sweep else train(cfg)
+            train(cfg)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ Each module has one job:
     pictures     confusion matrix and misclassified images at the end of a run
     checkpoints  full-state checkpoints, resume, preemption, portable weights loading
     errors       one-line errors and launch checks
-    runs         `python -m shared.runs runs/`: a table comparing finished runs
-    measure      step timing and the CUDA memory breakdown, for sweeps and benchmarks
-    report       markdown + CSV + PNG tables, for sweeps and benchmarks
+
+What only sweeps, benchmarks and the runs table use is in tools/, outside the recipes' import path.
 """

@@ -15,7 +15,8 @@ from conftest import launch, ok, read_json, read_jsonl
 from tiny_data import save_to_disk_dataset
 
 import shared.data
-from recipes.deep_mlp_ckpt import Config, DeepMLP, make_model, make_optimizer, preprocess, saved_bytes
+from recipes.deep_mlp_ckpt import Config, DeepMLP, make_model, make_optimizer, preprocess
+from recipes.deep_mlp_sweep import saved_bytes
 
 
 def opened(model: DeepMLP) -> DeepMLP:
@@ -134,10 +135,10 @@ def test_trains_under_cpu_and_two_process_configs(env, data, tmp_path, config, u
 
 def test_sweep_writes_markdown_csv_and_png(env, tmp_path):
     out = tmp_path / "sweep"
-    result = ok(launch(env, "deep_mlp_ckpt", "--sweep", "--sweep_batch", "32", "--sweep_repeats", "1", "--tracker", "none", "--output_dir", str(out)))
+    result = ok(launch(env, "deep_mlp_sweep", "--batch", "32", "--repeats", "1", "--output_dir", str(out)))
     assert "~ sqrt(72)" in result.stdout
     table = (out / "sweep.md").read_text()
-    assert table.count("~ sqrt(72)") == 2  # at --sweep_batch and at the seed's 16
+    assert table.count("~ sqrt(72)") == 2  # at --batch and at the seed's 16
     rows = (out / "sweep.csv").read_text().splitlines()
     assert len(rows) == 1 + 2 * 13
     eight = next(r for r in rows[1:] if r.startswith("32,8,"))

@@ -144,13 +144,13 @@ def test_runs_table_lists_every_run(env, data, wandb_run, tmp_path):
     ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(folder / "b"), *SHORT, "--tracker", "none",
               "--lr", "0.01"))
     markdown = tmp_path / "RUNS.md"
-    result = subprocess.run([sys.executable, "-m", "shared.runs", str(folder), "--markdown", str(markdown)],
+    result = subprocess.run([sys.executable, "-m", "tools.runs", str(folder), "--markdown", str(markdown)],
                             cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     lines = [line for line in result.stdout.splitlines() if line.startswith("| a ") or line.startswith("| b ")]
     assert len(lines) == 2 and all("cifar_cnn" in line for line in lines)
     assert "final_acc" in result.stdout and markdown.read_text().count("| cifar_cnn |") == 2
-    empty = subprocess.run([sys.executable, "-m", "shared.runs", str(tmp_path / "nothing")], cwd=ROOT,
+    empty = subprocess.run([sys.executable, "-m", "tools.runs", str(tmp_path / "nothing")], cwd=ROOT,
                            capture_output=True, text=True)
     assert empty.returncode == 1 and "no finished runs" in empty.stderr
 

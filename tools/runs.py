@@ -1,7 +1,7 @@
 """Compare runs: one row per run folder, from its summary.json and config.json.
 
-    python -m shared.runs runs/                      # print the table
-    python -m shared.runs runs/ --markdown RUNS.md   # and write it as markdown, e.g. for a README
+    python -m tools.runs runs/                      # print the table
+    python -m tools.runs runs/ --markdown RUNS.md   # and write it as markdown, e.g. for a README
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from shared.report import markdown_table
+from tools.report import markdown_table
 
 COLUMNS = ["run", "recipe", "data", "launch", "world_size", "precision", "global_batch", "epochs", "final_acc",
            "best_acc", "samples_per_s", "wall_s"]

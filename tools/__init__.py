@@ -1,0 +1,6 @@
+"""What the sweeps, the benchmarks and the runs table use, and no recipe's training needs.
+
+    measure  step timing and the CUDA memory breakdown
+    report   markdown + CSV + PNG tables
+    runs     `python -m tools.runs runs/`: a table comparing finished runs
+"""
