@@ -34,7 +34,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from real_images import build  # noqa: E402
+from real_images import build
 
 # name -> (recipe, real-image set or hub id, accelerate config, epochs)
 CASES = {

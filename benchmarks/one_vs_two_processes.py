@@ -24,7 +24,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from real_images import build  # noqa: E402
+from real_images import build
 
 ROWS = [  # label, processes, batch per process, --lr_scaling
     ("1 process, batch 128", 1, 128, "sqrt"),
@@ -51,15 +51,17 @@ def main() -> None:
     for label, processes, batch, scaling in ROWS:
         config = ("1gpu" if gpus else "cpu") if processes == 1 else "2gpu"
         run = out / label.replace(" ", "_").replace(",", "").replace("(", "").replace(")", "")
-        command = ["accelerate", "launch", "--config_file", f"accelerate_configs/{config}.yaml", "recipes/resnet18_fmnist.py",
-                   "--data", str(data), "--epochs", str(args.epochs), "--batch_size", str(batch), "--lr_scaling", scaling,
+        command = ["accelerate", "launch", "--config_file", f"accelerate_configs/{config}.yaml",
+                   "recipes/resnet18_fmnist.py", "--data", str(data), "--epochs", str(args.epochs),
+                   "--batch_size", str(batch), "--lr_scaling", scaling,
                    "--tracker", "none", "--output_dir", str(run), "--overwrite"]
         print("+", " ".join(command), flush=True)
         subprocess.run(command, cwd=ROOT, env=env, check=True)
         summary = json.loads((run / "summary.json").read_text())
         config_json = json.loads((run / "config.json").read_text())
         seconds_per_epoch = config_json["train_size"] / summary["samples_per_s"]
-        lines.append(f"| {label} | {config_json['global_batch_size']} | {config_json['effective_lr']:.3g} | {summary['steps']} "
+        lines.append(f"| {label} | {config_json['global_batch_size']} | {config_json['effective_lr']:.3g} "
+                     f"| {summary['steps']} "
                      f"| {seconds_per_epoch:.1f} | {summary['samples_per_s']:.1f} | {summary['eval_acc']:.3f} |")
     device = torch.cuda.get_device_name() if gpus else f"CPU ({os.cpu_count()} cores)"
     table = "\n".join(lines) + (f"\n\n{device}; {args.epochs} epochs of {config_json['train_size']} training images "

@@ -31,9 +31,9 @@ from torchvision import transforms
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from throughput import SeedStyleImages  # noqa: E402
+from shared.data import load_image_data  # (the recipes' decoded images: the same pixels)
 
-from shared.data import load_image_data  # noqa: E402  (the recipes' decoded images: the same pixels)
+from throughput import SeedStyleImages
 
 
 def seed_cnn(num_classes: int, relu: bool) -> nn.Sequential:

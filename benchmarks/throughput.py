@@ -46,8 +46,8 @@ from torchvision import transforms
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from shared.data import make_synthetic, whole_batch  # noqa: E402
-from tools.measure import synchronize  # noqa: E402
+from shared.data import make_synthetic, whole_batch
+from tools.measure import synchronize
 
 # recipe -> CPU batch size, image shape, classes, the seed-style per-image augmentation.
 RECIPES = {
@@ -63,7 +63,8 @@ def write_dataset(folder: Path, train_size: int, test_size: int, shape=(1, 28, 2
         return folder
     splits = {}
     for name, split in zip(("train", "test"), make_synthetic(shape, train_size, test_size, num_classes)):
-        images = [(image[0] if shape[0] == 1 else image.permute(1, 2, 0)).numpy().astype(np.uint8) for image in split.images]
+        images = [(image[0] if shape[0] == 1 else image.permute(1, 2, 0)).numpy().astype(np.uint8)
+                  for image in split.images]
         features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=split.classes)})
         splits[name] = datasets.Dataset.from_dict({"image": images, "label": split.labels.tolist()}, features=features)
     datasets.DatasetDict(splits).save_to_disk(str(folder))
@@ -74,7 +75,8 @@ class SeedStyleImages(Dataset):
     """The seeds' pipeline: one PIL image at a time through torchvision transforms."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, transform):
-        self.images = images.permute(0, 2, 3, 1).squeeze(3).numpy() if images.shape[1] == 1 else images.permute(0, 2, 3, 1).numpy()
+        channels_last = images.permute(0, 2, 3, 1)
+        self.images = channels_last.squeeze(3).numpy() if images.shape[1] == 1 else channels_last.numpy()
         self.labels, self.transform = labels.tolist(), transform
 
     def __len__(self):
@@ -112,7 +114,8 @@ def bench_recipe(name: str, args, data: Path, device: torch.device) -> dict:
     recipe = importlib.import_module(f"recipes.{name}")
     cpu_batch, _, _, seed_augment = RECIPES[name]
     batch_size = args.batch_size or (cpu_batch if device.type == "cpu" else 512)
-    cfg = recipe.Config(data=str(data), batch_size=batch_size, max_steps=(1 + args.repeats) * args.window, log_every=args.window, tracker="none",
+    cfg = recipe.Config(data=str(data), batch_size=batch_size, max_steps=(1 + args.repeats) * args.window,
+                        log_every=args.window, tracker="none",
                         data_on_device=args.data_on_device, output_dir=tempfile.mkdtemp(prefix=f"bench-{name}-"))
     train_set, _ = recipe.load_data(cfg)
     if args.data_on_device:
@@ -147,7 +150,8 @@ def bench_recipe(name: str, args, data: Path, device: torch.device) -> dict:
         train_step(model_a, optimizer_a, *next(fixed))
 
     # (c) seed-style: per-image PIL transforms in 2 DataLoader workers, then the same step.
-    transform = transforms.Compose([*seed_augment, transforms.ToTensor(), transforms.Normalize(recipe.MEAN, recipe.STD)])
+    transform = transforms.Compose([*seed_augment, transforms.ToTensor(),
+                                    transforms.Normalize(recipe.MEAN, recipe.STD)])
     seed_set = SeedStyleImages(train_set.images.cpu(), train_set.labels.cpu(), transform)
     seed_batches = forever(DataLoader(seed_set, batch_size, shuffle=True, drop_last=True, num_workers=2,
                                       pin_memory=device.type == "cuda", persistent_workers=True))
@@ -156,7 +160,8 @@ def bench_recipe(name: str, args, data: Path, device: torch.device) -> dict:
 
     def seed_step():
         images, labels = next(seed_batches)
-        train_step(model_c, optimizer_c, finish(images.to(device, non_blocking=True)), labels.to(device, non_blocking=True))
+        train_step(model_c, optimizer_c, finish(images.to(device, non_blocking=True)),
+                   labels.to(device, non_blocking=True))
 
     # (d) the recipe's pipeline in a hand-written loop: uint8 batches by index, preprocessed on the device.
     model_d, optimizer_d = new_training()
@@ -165,7 +170,8 @@ def bench_recipe(name: str, args, data: Path, device: torch.device) -> dict:
 
     def plain_step():
         images, labels = next(plain_batches)
-        train_step(model_d, optimizer_d, preprocess(images.to(device, non_blocking=True)), labels.to(device, non_blocking=True))
+        train_step(model_d, optimizer_d, preprocess(images.to(device, non_blocking=True)),
+                   labels.to(device, non_blocking=True))
         scheduler.step()
 
     def windows(step, count: int) -> list[float]:
@@ -195,11 +201,13 @@ def cell(values: list[float]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
-    parser.add_argument("--batch_size", type=int, default=None, help="images per step (default: per recipe on CPU, 512 on GPU)")
+    parser.add_argument("--batch_size", type=int, default=None,
+                        help="images per step (default: per recipe on CPU, 512 on GPU)")
     parser.add_argument("--window", type=int, default=None, help="steps per timed window (default: 10 CPU, 50 GPU)")
     parser.add_argument("--repeats", type=int, default=5, help="timed windows, after one warm-up window")
     parser.add_argument("--mixed_precision", choices=["no", "bf16"], default="no")
-    parser.add_argument("--data_on_device", action="store_true", help="hold the uint8 dataset on the GPU, as the recipe flag")
+    parser.add_argument("--data_on_device", action="store_true",
+                        help="hold the uint8 dataset on the GPU, as the recipe flag")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="folder for the markdown table")
     args = parser.parse_args()
 
@@ -212,9 +220,11 @@ def main() -> None:
         data = write_dataset(data_root / f"{name}-{'x'.join(map(str, shape))}-{classes}", 10_000, 256, shape, classes)
         window = args.window if name == "cifar_cnn" or device.type != "cpu" else max(3, args.window // 3)
         results.append(bench_recipe(name, argparse.Namespace(**{**vars(args), "window": window}), data, device))
-        print(f"{name}: " + ", ".join(f"({k}) {v:,.0f}" for k, v in results[-1]["median"].items()) + " samples/s", flush=True)
+        print(f"{name}: " + ", ".join(f"({k}) {v:,.0f}" for k, v in results[-1]["median"].items()) + " samples/s",
+              flush=True)
 
-    hardware = torch.cuda.get_device_name(0) if device.type == "cuda" else f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores"
+    cpu = f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores"
+    hardware = torch.cuda.get_device_name(0) if device.type == "cuda" else cpu
     lines = ["| recipe | batch | (a) model only | (b) recipe | (c) seed-style | (d) plain loop | b/a | b/c | d/b |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in results:

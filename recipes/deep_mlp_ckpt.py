@@ -50,16 +50,25 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it
-from shared.augment import normalize  # noqa: E402
-from shared.batch_size import largest_batch_size  # noqa: E402
-from shared.checkpoints import (Progress, StopSignal, checkpoint_or_stop, evaluate_weights, find_checkpoint,  # noqa: E402
-                                report_resume, resume_from, save_checkpoint, save_weights)
-from shared.config import RunConfig, parse_config  # noqa: E402
-from shared.data import EpochOrder, load_image_data, whole_batch  # noqa: E402
-from shared.errors import RecipeError, check_launch, one_line_errors  # noqa: E402
-from shared.pictures import save_pictures  # noqa: E402
-from shared.schedule import SCHEDULE_RULE, one_cycle_lr  # noqa: E402
-from shared.tracking import TrainWindow, make_run_dir, run_config, run_summary, trackers  # noqa: E402
+from shared.augment import normalize
+from shared.batch_size import largest_batch_size
+from shared.checkpoints import (
+    Progress,
+    StopSignal,
+    checkpoint_or_stop,
+    evaluate_weights,
+    find_checkpoint,
+    report_resume,
+    resume_from,
+    save_checkpoint,
+    save_weights,
+)
+from shared.config import RunConfig, parse_config
+from shared.data import EpochOrder, load_image_data, whole_batch
+from shared.errors import RecipeError, check_launch, one_line_errors
+from shared.pictures import save_pictures
+from shared.schedule import SCHEDULE_RULE, one_cycle_lr
+from shared.tracking import TrainWindow, make_run_dir, run_config, run_summary, trackers
 
 RECIPE = "deep_mlp_ckpt"
 WIDTH, HIDDEN_LAYERS = 1000, 71  # + the 1000 -> classes output layer: 72 Linear layers
@@ -198,7 +207,8 @@ def train(cfg: Config) -> None:
     if cfg.data_on_device:  # one copy of the uint8 dataset now, instead of a host-to-GPU copy per batch
         train_set, test_set = train_set.to(accelerator.device), test_set.to(accelerator.device)
     if cfg.auto_batch_size:  # halve --batch_size until one training step fits in memory, on every process
-        cfg.batch_size = largest_batch_size(accelerator, cfg.batch_size, train_set, lambda: make_model(len(train_set.classes), cfg),
+        cfg.batch_size = largest_batch_size(accelerator, cfg.batch_size, train_set,
+                                            lambda: make_model(len(train_set.classes), cfg),
                                             lambda model: make_optimizer(model, cfg), preprocess)
     # Each epoch's order is a function of (seed, epoch), resumable at any sample (see EpochOrder). Own generators:
     # every new DataLoader iterator draws a seed, and drawing it from the global RNG would shift the augmentation's
@@ -242,7 +252,8 @@ def train(cfg: Config) -> None:
 
     data_name = "SYNTHETIC data" if cfg.synthetic else cfg.data
     accelerator.print(f"{RECIPE}: {data_name}, {len(train_set)} train / {len(test_set)} test images | "
-                      f"{accelerator.num_processes} process(es) on {accelerator.device}, precision {accelerator.mixed_precision} | "
+                      f"{accelerator.num_processes} process(es) on {accelerator.device}, "
+                      f"precision {accelerator.mixed_precision} | "
                       f"global batch {global_batch_size}, {total_steps} steps ({epochs} epochs) | {run_dir}")
     config = run_config(cfg, accelerator, recipe=RECIPE, data=data_name, global_batch_size=global_batch_size,
                         total_steps=total_steps, train_size=len(train_set), test_size=len(test_set),
@@ -296,7 +307,8 @@ def train(cfg: Config) -> None:
             metrics, predictions = evaluate(model, test_loader, accelerator)
         progress.best_eval_acc = max(progress.best_eval_acc, metrics["eval_acc"])
         accelerator.log(metrics, step=progress.step)
-        accelerator.print(f"step {progress.step}/{total_steps}  eval_loss {metrics['eval_loss']:.4f}  eval_acc {metrics['eval_acc']:.4f}")
+        accelerator.print(f"step {progress.step}/{total_steps}  eval_loss {metrics['eval_loss']:.4f}  "
+                          f"eval_acc {metrics['eval_acc']:.4f}")
 
     save_checkpoint(accelerator, model, run_dir, progress.step, cfg.keep_checkpoints)  # no-op if this step is saved
     wall_s = time.perf_counter() - start
@@ -306,7 +318,8 @@ def train(cfg: Config) -> None:
     save_pictures(accelerator, run_dir, test_set, predictions, progress.step)  # confusion matrix, misclassified images
     accelerator.log(summary, step=progress.step)
     accelerator.end_training()
-    accelerator.print(f"done: eval_acc {metrics['eval_acc']:.4f} after {progress.step} steps in {wall_s:.0f} s; files in {run_dir}")
+    accelerator.print(f"done: eval_acc {metrics['eval_acc']:.4f} after {progress.step} steps in {wall_s:.0f} s; "
+                      f"files in {run_dir}")
 
 
 def main() -> None:

@@ -26,12 +26,12 @@ from accelerate.utils import set_seed
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ and tools/ without installing them
-from recipes.deep_mlp_ckpt import WIDTH, DeepMLP, make_model, make_optimizer  # noqa: E402
-from recipes.deep_mlp_ckpt import Config as RecipeConfig  # noqa: E402
-from shared.config import parse_config  # noqa: E402
-from shared.errors import RecipeError, check_launch, one_line_errors  # noqa: E402
-from tools.measure import median_step_ms, memory_breakdown  # noqa: E402
-from tools.report import markdown_table, write_report  # noqa: E402
+from recipes.deep_mlp_ckpt import WIDTH, DeepMLP, make_model, make_optimizer
+from recipes.deep_mlp_ckpt import Config as RecipeConfig
+from shared.config import parse_config
+from shared.errors import RecipeError, check_launch, one_line_errors
+from tools.measure import median_step_ms, memory_breakdown
+from tools.report import markdown_table, write_report
 
 
 @dataclass

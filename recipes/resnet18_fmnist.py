@@ -42,16 +42,25 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it
-from shared.augment import normalize, random_crop, random_flip  # noqa: E402
-from shared.batch_size import largest_batch_size  # noqa: E402
-from shared.checkpoints import (Progress, StopSignal, checkpoint_or_stop, evaluate_weights, find_checkpoint,  # noqa: E402
-                                report_resume, resume_from, save_checkpoint, save_weights)
-from shared.config import RunConfig, parse_config  # noqa: E402
-from shared.data import EpochOrder, load_image_data, whole_batch  # noqa: E402
-from shared.errors import RecipeError, check_launch, one_line_errors  # noqa: E402
-from shared.pictures import save_pictures  # noqa: E402
-from shared.schedule import SCHEDULE_RULE, one_cycle_lr  # noqa: E402
-from shared.tracking import TrainWindow, make_run_dir, run_config, run_summary, trackers  # noqa: E402
+from shared.augment import normalize, random_crop, random_flip
+from shared.batch_size import largest_batch_size
+from shared.checkpoints import (
+    Progress,
+    StopSignal,
+    checkpoint_or_stop,
+    evaluate_weights,
+    find_checkpoint,
+    report_resume,
+    resume_from,
+    save_checkpoint,
+    save_weights,
+)
+from shared.config import RunConfig, parse_config
+from shared.data import EpochOrder, load_image_data, whole_batch
+from shared.errors import RecipeError, check_launch, one_line_errors
+from shared.pictures import save_pictures
+from shared.schedule import SCHEDULE_RULE, one_cycle_lr
+from shared.tracking import TrainWindow, make_run_dir, run_config, run_summary, trackers
 
 RECIPE = "resnet18_fmnist"
 REFERENCE_BATCH = 128  # the global batch size that --lr is given for
@@ -121,11 +130,12 @@ def make_model(num_classes: int) -> nn.Sequential:
 
 
 def make_optimizer(model: nn.Module, cfg: Config, lr: float) -> torch.optim.Optimizer:
-    # Weight decay on weight matrices and kernels only: decaying biases and BatchNorm's scales and shifts just limits what they can fit.
+    # Weight decay on weight matrices and kernels only: decaying biases and BatchNorm's scales and shifts
+    # just limits what they can fit.
     weights = [p for p in model.parameters() if p.ndim > 1]
     biases = [p for p in model.parameters() if p.ndim <= 1]
-    return torch.optim.SGD([{"params": weights, "weight_decay": cfg.weight_decay}, {"params": biases, "weight_decay": 0}],
-                           lr=lr, momentum=cfg.momentum, nesterov=True)
+    groups = [{"params": weights, "weight_decay": cfg.weight_decay}, {"params": biases, "weight_decay": 0}]
+    return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=True)
 
 
 def scaled_lr(cfg, global_batch_size: int) -> float:
@@ -171,8 +181,10 @@ def train(cfg: Config) -> None:
     if cfg.data_on_device:  # one copy of the uint8 dataset now, instead of a host-to-GPU copy per batch
         train_set, test_set = train_set.to(accelerator.device), test_set.to(accelerator.device)
     if cfg.auto_batch_size:  # halve --batch_size until one training step fits in memory, on every process
-        cfg.batch_size = largest_batch_size(accelerator, cfg.batch_size, train_set, lambda: make_model(len(train_set.classes)),
-                                            lambda model: make_optimizer(model, cfg, cfg.lr), lambda images: preprocess(images, cfg.augment))
+        cfg.batch_size = largest_batch_size(accelerator, cfg.batch_size, train_set,
+                                            lambda: make_model(len(train_set.classes)),
+                                            lambda model: make_optimizer(model, cfg, cfg.lr),
+                                            lambda images: preprocess(images, cfg.augment))
     # Each epoch's order is a function of (seed, epoch), resumable at any sample (see EpochOrder). Own generators:
     # every new DataLoader iterator draws a seed, and drawing it from the global RNG would shift the augmentation's
     # random numbers after a mid-epoch resume (no longer bitwise exact).
@@ -229,9 +241,11 @@ def train(cfg: Config) -> None:
 
     data_name = "SYNTHETIC data" if cfg.synthetic else cfg.data
     accelerator.print(f"{RECIPE}: {data_name}, {len(train_set)} train / {len(test_set)} test images | "
-                      f"{accelerator.num_processes} process(es) on {accelerator.device}, precision {accelerator.mixed_precision} | "
+                      f"{accelerator.num_processes} process(es) on {accelerator.device}, "
+                      f"precision {accelerator.mixed_precision} | "
                       f"global batch {global_batch_size}, {total_steps} steps ({epochs} epochs) | "
-                      f"lr {cfg.lr} for batch {REFERENCE_BATCH} -> {peak_lr:.4g} ({cfg.lr_scaling} scaling) | {run_dir}")
+                      f"lr {cfg.lr} for batch {REFERENCE_BATCH} -> {peak_lr:.4g} ({cfg.lr_scaling} scaling) | "
+                      f"{run_dir}")
     config = run_config(cfg, accelerator, recipe=RECIPE, data=data_name, global_batch_size=global_batch_size,
                         effective_lr=peak_lr, total_steps=total_steps, train_size=len(train_set),
                         test_size=len(test_set), lr_schedule=SCHEDULE_RULE,
@@ -288,7 +302,8 @@ def train(cfg: Config) -> None:
             metrics, predictions = evaluate(model, test_loader, accelerator)
         progress.best_eval_acc = max(progress.best_eval_acc, metrics["eval_acc"])
         accelerator.log(metrics, step=progress.step)
-        accelerator.print(f"step {progress.step}/{total_steps}  eval_loss {metrics['eval_loss']:.4f}  eval_acc {metrics['eval_acc']:.4f}")
+        accelerator.print(f"step {progress.step}/{total_steps}  eval_loss {metrics['eval_loss']:.4f}  "
+                          f"eval_acc {metrics['eval_acc']:.4f}")
 
     save_checkpoint(accelerator, model, run_dir, progress.step, cfg.keep_checkpoints)  # no-op if this step is saved
     wall_s = time.perf_counter() - start
@@ -298,7 +313,8 @@ def train(cfg: Config) -> None:
     save_pictures(accelerator, run_dir, test_set, predictions, progress.step)  # confusion matrix, misclassified images
     accelerator.log(summary, step=progress.step)
     accelerator.end_training()
-    accelerator.print(f"done: eval_acc {metrics['eval_acc']:.4f} after {progress.step} steps in {wall_s:.0f} s; files in {run_dir}")
+    accelerator.print(f"done: eval_acc {metrics['eval_acc']:.4f} after {progress.step} steps in {wall_s:.0f} s; "
+                      f"files in {run_dir}")
 
 
 def main() -> None:

@@ -119,8 +119,9 @@ def save_checkpoint(accelerator, model, run_dir: Path, step: int, keep: int) -> 
     except OSError as error:  # disk full, quota, permissions: keep what is on disk, say what happened
         shutil.rmtree(partial, ignore_errors=True)
         good = list_checkpoints(run_dir)
-        raise RecipeError(f"saving the checkpoint of step {step} failed ({error.strerror or error}): the newest complete "
-                          f"checkpoint is {good[-1] if good else 'none'}; free space, then continue with --resume latest") from None
+        raise RecipeError(f"saving the checkpoint of step {step} failed ({error.strerror or error}): the newest "
+                          f"complete checkpoint is {good[-1] if good else 'none'}; free space, then continue with "
+                          "--resume latest") from None
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         os.replace(partial, final)
@@ -130,7 +131,8 @@ def save_checkpoint(accelerator, model, run_dir: Path, step: int, keep: int) -> 
     return final
 
 
-def checkpoint_or_stop(accelerator, model, run_dir: Path, step: int, cfg, stop: StopSignal, window, synced: bool) -> bool:
+def checkpoint_or_stop(accelerator, model, run_dir: Path, step: int, cfg, stop: StopSignal, window,
+                       synced: bool) -> bool:
     """After each optimizer step: checkpoint every --checkpoint_every steps, and when a stop was asked
     (SIGTERM, Ctrl-C), checkpoint this step and print the command that continues the run.
 
@@ -163,7 +165,8 @@ def find_checkpoint(run_dir: Path | None, resume: str, recipe: str) -> Path:
     if run_dir is None:
         runs = sorted((p for p in Path("runs").glob(f"{recipe}-*") if list_checkpoints(p)), key=os.path.getmtime)
         if not runs:
-            raise RecipeError(f"--resume latest: no run of {recipe} with checkpoints under runs/: pass --output_dir of the run to continue")
+            raise RecipeError(f"--resume latest: no run of {recipe} with checkpoints under runs/: "
+                              "pass --output_dir of the run to continue")
         run_dir = runs[-1]
     checkpoints = list_checkpoints(run_dir)
     if not checkpoints:
@@ -253,7 +256,8 @@ def save_weights(accelerator, model, path: Path, metadata: dict) -> None:
     state = accelerator.get_state_dict(model)  # unwraps DDP; model.compile() adds no prefix
     if accelerator.is_main_process:
         partial = Path(path).with_suffix(".tmp")
-        save_file({k: v.contiguous() for k, v in state.items()}, partial, metadata={k: str(v) for k, v in metadata.items()})
+        save_file({k: v.contiguous() for k, v in state.items()}, partial,
+                  metadata={k: str(v) for k, v in metadata.items()})
         os.replace(partial, path)
 
 
@@ -265,7 +269,8 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
     if path.is_dir():
         path = path / "model.safetensors"
     if not path.exists():
-        raise RecipeError(f"--weights {path}: no such file: pass a model.safetensors, a .pt/.pth file or a checkpoint folder")
+        raise RecipeError(f"--weights {path}: no such file: pass a model.safetensors, a .pt/.pth file "
+                          "or a checkpoint folder")
     try:
         if path.suffix == ".safetensors":
             state = load_file(path)
@@ -280,7 +285,8 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
         ) from None
     except Exception as error:
         raise RecipeError(f"--weights {path} cannot be read ({type(error).__name__}: {first_line(error)}): "
-                          "it may be truncated or not a weights file; pass a model.safetensors or a .pt state dict") from None
+                          "it may be truncated or not a weights file; pass a model.safetensors or a .pt state dict"
+                          ) from None
     for key in ("model_state_dict", "state_dict", "model"):
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]
@@ -290,7 +296,8 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
     mismatched = [k for k in expected if k in state and state[k].shape != expected[k].shape]
     if missing or mismatched:
         detail = (f"first missing key {missing[0]!r}" if missing else
-                  f"{mismatched[0]!r} is {tuple(state[mismatched[0]].shape)} in the file, {tuple(expected[mismatched[0]].shape)} in the model")
+                  f"{mismatched[0]!r} is {tuple(state[mismatched[0]].shape)} in the file, "
+                  f"{tuple(expected[mismatched[0]].shape)} in the model")
         raise RecipeError(f"--weights {path} does not fit this model ({detail}): pass weights written by this recipe, "
                           "with the model flags they were trained with (see config.json beside them)")
     model.load_state_dict({k: state[k] for k in expected})

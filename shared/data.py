@@ -141,7 +141,8 @@ def open_dataset(source: str) -> datasets.DatasetDict:
 
 def pick_splits(splits: datasets.DatasetDict, source: str):
     if "train" not in splits:
-        raise RecipeError(f"{source} has no 'train' split (splits: {', '.join(splits) or 'none'}): name the training split 'train'")
+        raise RecipeError(f"{source} has no 'train' split (splits: {', '.join(splits) or 'none'}): "
+                          "name the training split 'train'")
     train = splits["train"]
     test = splits.get("test", splits.get("validation"))
     if test is None:
@@ -161,7 +162,8 @@ def find_columns(split: datasets.Dataset, source: str) -> tuple[str, str, list[s
     columns = ", ".join(f"{name} ({type(feature).__name__})" for name, feature in features.items())
     image_column = next((n for n, f in features.items() if isinstance(f, datasets.Image)), None)
     if image_column is None:
-        raise RecipeError(f"{source} has no image column (columns: {columns}): the images need a datasets.Image feature, "
+        raise RecipeError(f"{source} has no image column (columns: {columns}): "
+                          "the images need a datasets.Image feature, "
                           "e.g. dataset.cast_column('image', datasets.Image())")
     label_column = next((n for n, f in features.items() if isinstance(f, datasets.ClassLabel)), None)
     if label_column is not None:
@@ -235,14 +237,16 @@ def _read_cache(path: Path, split: str) -> tuple[torch.Tensor, torch.Tensor, lis
 
 
 def _write_cache(path: Path, splits: dict, classes: list[str], source: str) -> None:
-    tensors = {f"{split}.{kind}": t for split, (images, labels) in splits.items() for kind, t in (("images", images), ("labels", labels))}
+    tensors = {f"{split}.{kind}": t for split, (images, labels) in splits.items()
+               for kind, t in (("images", images), ("labels", labels))}
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".tmp{os.getpid()}")
     save_file(tensors, partial, metadata={"source": source, "classes": json.dumps(classes)})
     os.replace(partial, path)  # a half-written cache file must never look complete
 
 
-def make_synthetic(image_shape, train_size: int, test_size: int, num_classes: int = 10) -> tuple[ImageTensors, ImageTensors]:
+def make_synthetic(image_shape, train_size: int, test_size: int,
+                   num_classes: int = 10) -> tuple[ImageTensors, ImageTensors]:
     """Learnable stand-in data: a smooth random pattern per class at low contrast, over a smooth
     distractor pattern that carries no class information, under pixel noise. A small CNN climbs
     from chance to roughly 75% test accuracy over its first few hundred steps.
@@ -270,7 +274,8 @@ def make_synthetic(image_shape, train_size: int, test_size: int, num_classes: in
             chunk = labels[start:start + 10_000]
             contrast = torch.randint(2, 5, (len(chunk), 1, 1, 1), generator=generator, dtype=torch.int16)
             distractor = distractors[torch.randint(len(distractors), (len(chunk),), generator=generator)]
-            noise = torch.randint(-80, 81, (len(chunk), channels, height, width), generator=generator, dtype=torch.int16)
+            noise = torch.randint(-80, 81, (len(chunk), channels, height, width), generator=generator,
+                                  dtype=torch.int16)
             pixels = 128 + patterns[chunk] * contrast // 16 + distractor // 2 + noise
             images[start:start + len(chunk)] = pixels.clamp_(0, 255).to(torch.uint8)
         tensors[split] = (images, labels)

@@ -50,7 +50,8 @@ def one_line_errors():
         if os.environ.get("WORLD_SIZE", "1") == "1" or not _raised_in_torch_distributed(error):
             raise
         if is_main_process():
-            print(f"error: another process of this run stopped ({first_line(error)[:160]})", file=sys.stderr, flush=True)
+            print(f"error: another process of this run stopped ({first_line(error)[:160]})", file=sys.stderr,
+                  flush=True)
         sys.exit(1)
 
 
@@ -62,9 +63,10 @@ def _raised_in_torch_distributed(error: BaseException) -> bool:
 def check_launch() -> None:
     """Stop launches that would run, but not as the user thinks."""
     per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if per_machine > 1 and not parse_flag_from_env("ACCELERATE_USE_CPU") and 0 < torch.cuda.device_count() < per_machine:
+    gpus = torch.cuda.device_count()
+    if per_machine > 1 and not parse_flag_from_env("ACCELERATE_USE_CPU") and 0 < gpus < per_machine:
         raise RecipeError(f"the config starts {per_machine} processes on this machine but it has "
-                          f"{torch.cuda.device_count()} GPU(s): use --num_processes {torch.cuda.device_count()} "
+                          f"{gpus} GPU(s): use --num_processes {gpus} "
                           "or a config that matches the machine")
     # The process group starts here; the Accelerator reuses it. Like the Accelerator, honour
     # ACCELERATE_USE_CPU (PartialState alone would ignore it).

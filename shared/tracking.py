@@ -57,7 +57,8 @@ def make_run_dir(cfg, recipe: str) -> Path:
             (run_dir / ".write_test").touch()
             (run_dir / ".write_test").unlink()
         except OSError as error:
-            raise RecipeError(f"cannot write to {run_dir} ({error.strerror}): pass --output_dir to a writable folder") from None
+            raise RecipeError(f"cannot write to {run_dir} ({error.strerror}): "
+                              "pass --output_dir to a writable folder") from None
         if cfg.overwrite and not cfg.resume:
             for name in RUN_FILES:  # only what a run writes; anything else in the folder stays
                 path = run_dir / name

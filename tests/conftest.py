@@ -43,7 +43,8 @@ def launch(env: dict, recipe: str, *args: str, config: str | None = "cpu", use_c
 
 
 def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert result.returncode == 0, f"exit {result.returncode}\n--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-5000:]}"
+    assert result.returncode == 0, (f"exit {result.returncode}\n--- stdout\n{result.stdout[-3000:]}\n"
+                                    f"--- stderr\n{result.stderr[-5000:]}")
     return result
 
 

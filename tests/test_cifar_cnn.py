@@ -41,7 +41,8 @@ def check_run_files(run_dir, *, world_size, steps, test_size, batch_size=8, mixe
     assert 0 <= eval_rows[-1]["eval_acc"] <= 1
 
     summary = read_json(run_dir / "summary.json")
-    for key in ("eval_acc", "eval_loss", "steps", "epochs", "wall_s", "samples_per_s", "peak_mem_mb", "world_size", "mixed_precision"):
+    for key in ("eval_acc", "eval_loss", "steps", "epochs", "wall_s", "samples_per_s", "peak_mem_mb", "world_size",
+                "mixed_precision"):
         assert key in summary, key
     assert summary["steps"] == steps and summary["world_size"] == world_size
     assert summary["eval_acc"] == eval_rows[-1]["eval_acc"]
@@ -57,7 +58,8 @@ def check_run_files(run_dir, *, world_size, steps, test_size, batch_size=8, mixe
     model.load_state_dict(weights)
     checkpoint = run_dir / "checkpoints" / f"step_{steps}"
     assert (checkpoint / "optimizer.bin").exists() and (checkpoint / "custom_checkpoint_0.pkl").exists()  # + Progress
-    assert sorted(p.name for p in checkpoint.glob("random_states_*.pkl")) == [f"random_states_{i}.pkl" for i in range(world_size)]
+    rng_files = sorted(p.name for p in checkpoint.glob("random_states_*.pkl"))
+    assert rng_files == [f"random_states_{i}.pkl" for i in range(world_size)]
     assert torch.equal(load_file(checkpoint / "model.safetensors")["0.weight"], weights["0.weight"])
     assert not list(run_dir.glob("checkpoints/partial_*"))
 
@@ -72,14 +74,16 @@ def disk_run(env, disk_data, tmp_path_factory):
 def test_cpu_yaml_on_a_save_to_disk_folder(env, disk_data, disk_run):
     check_run_files(disk_run, world_size=1, steps=6, test_size=20)
     # Decoded once, cached under the dataset's fingerprint for the next run.
-    cached = {p.name.split("-")[0] for p in (Path(env["HF_HOME"]) / "datasets" / "decoded").glob("*-3x32x32.safetensors")}
+    decoded = Path(env["HF_HOME"]) / "datasets" / "decoded"
+    cached = {p.name.split("-")[0] for p in decoded.glob("*-3x32x32.safetensors")}
     assert {datasets.load_from_disk(str(disk_data))[s]._fingerprint for s in ("train", "test")} <= cached
 
 
 def test_2gpu_yaml_as_two_cpu_processes_on_parquet(env, tmp_path):
     data = parquet_dataset(tmp_path / "parquet", sizes={"train": 64, "test": 21})  # 21: uneven over 2 processes
     out = tmp_path / "run"
-    result = ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out), *SHORT, config="2gpu", use_cpu=True))
+    result = ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out), *SHORT, config="2gpu",
+                       use_cpu=True))
     assert "2 process(es)" in result.stdout and "global batch 16" in result.stdout
     check_run_files(out, world_size=2, steps=6, test_size=21)
 
@@ -112,7 +116,8 @@ def test_synthetic_data_is_learnable_and_labelled(env, tmp_path):
 
 def test_eval_only_reproduces_the_final_accuracy(env, disk_data, disk_run):
     out = disk_run
-    result = ok(launch(env, "cifar_cnn", "--data", str(disk_data), "--eval_only", "--weights", str(out / "model.safetensors")))
+    result = ok(launch(env, "cifar_cnn", "--data", str(disk_data), "--eval_only", "--weights",
+                       str(out / "model.safetensors")))
     evaluation = json.loads(result.stdout.strip().splitlines()[-1])
     assert evaluation["eval_acc"] == read_json(out / "summary.json")["eval_acc"]
     assert evaluation["eval_samples"] == 20

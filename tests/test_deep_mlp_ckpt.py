@@ -11,12 +11,12 @@ from PIL import Image
 from safetensors.torch import load_file
 from torch.utils.checkpoint import checkpoint
 
-from conftest import launch, ok, read_json, read_jsonl
-from tiny_data import save_to_disk_dataset
-
 import shared.data
 from recipes.deep_mlp_ckpt import Config, DeepMLP, make_model, make_optimizer, preprocess
 from recipes.deep_mlp_sweep import saved_bytes
+
+from conftest import launch, ok, read_json, read_jsonl
+from tiny_data import save_to_disk_dataset
 
 
 def opened(model: DeepMLP) -> DeepMLP:
@@ -125,7 +125,8 @@ def data(tmp_path_factory):
 def test_trains_under_cpu_and_two_process_configs(env, data, tmp_path, config, use_cpu):
     out = tmp_path / "run"
     ok(launch(env, "deep_mlp_ckpt", "--data", str(data), "--ckpt", "sequential", "--segments", "8", "--dropout", "0.1",
-              "--batch_size", "8", "--max_steps", "4", "--log_every", "2", "--tracker", "none", "--output_dir", str(out),
+              "--batch_size", "8", "--max_steps", "4", "--log_every", "2", "--tracker", "none",
+              "--output_dir", str(out),
               config=config, use_cpu=use_cpu))
     summary = read_json(out / "summary.json")
     assert summary["steps"] == 4 and summary["world_size"] == (2 if use_cpu else 1)

@@ -148,7 +148,8 @@ def test_images_with_16_bit_pixels(env, tmp_path):
 
 def test_labels_outside_the_class_range(env, tmp_path):
     splits = image_splits()
-    splits["train"] = splits["train"].map(lambda example, i: {"label": -1 if i == 5 else example["label"]}, with_indices=True)
+    splits["train"] = splits["train"].map(lambda example, i: {"label": -1 if i == 5 else example["label"]},
+                                          with_indices=True)
     splits.save_to_disk(str(tmp_path / "d"))
     one_line(launch(env, "cifar_cnn", "--data", str(tmp_path / "d"), "--tracker", "none", config=None),
              "labels outside 0..9", "(e.g. -1)")
@@ -270,7 +271,8 @@ def test_disk_full_during_a_checkpoint_save(env, data, tmp_path):
 
 def test_wandb_unreachable_falls_back_to_offline(env, data, tmp_path):
     run = tmp_path / "run"
-    online_but_unreachable = dict(env, WANDB_API_KEY="a" * 40, WANDB_BASE_URL="http://127.0.0.1:9", WANDB_INIT_TIMEOUT="5")
+    online_but_unreachable = dict(env, WANDB_API_KEY="a" * 40, WANDB_BASE_URL="http://127.0.0.1:9",
+                                  WANDB_INIT_TIMEOUT="5")
     result = ok(launch(online_but_unreachable, "cifar_cnn", "--data", str(data), "--output_dir", str(run),
                        "--batch_size", "8", "--max_steps", "4", config=None))
     assert "warning: wandb could not start online" in result.stderr and "logging offline instead" in result.stderr

@@ -10,9 +10,10 @@ import datasets
 import numpy as np
 import pytest
 import torch
-from conftest import launch, ok, read_json, read_jsonl
 from PIL import Image
 from safetensors.torch import load_file
+
+from conftest import launch, ok, read_json, read_jsonl
 from tiny_data import real_digits, real_images, real_photos
 
 QUICK = ("--max_steps", "3", "--batch_size", "16", "--tracker", "none")

@@ -6,10 +6,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from recipes.resnet18_fmnist import Config, Residual, make_model, scaled_lr
+
 from conftest import launch, ok, read_json, read_jsonl
 from tiny_data import parquet_dataset
-
-from recipes.resnet18_fmnist import Config, Residual, make_model, scaled_lr
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,8 @@ def test_model_is_the_d2l_resnet18():
     assert not any(isinstance(m, torch.nn.MaxPool2d) for m in model.modules())
     blocks = [m for m in model if isinstance(m, Residual)]
     assert [b.body[3].out_channels for b in blocks] == [64, 64, 128, 128, 256, 256, 512, 512]
-    assert [isinstance(b.shortcut, torch.nn.Conv2d) for b in blocks] == [False, False, True, False, True, False, True, False]
+    projections = [isinstance(b.shortcut, torch.nn.Conv2d) for b in blocks]
+    assert projections == [False, False, True, False, True, False, True, False]
     assert sum(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules()) == 1 + 2 * 8
     assert model(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
 
@@ -49,7 +50,8 @@ def replay_one_cycle(peak_lr: float, total_steps: int) -> list[float]:
     ("2 processes", ("--batch_size", "8"), {"config": "2gpu", "use_cpu": True}, 16, 4),  # 2 batches each
     ("grad_accum 4", ("--batch_size", "4", "--grad_accum", "4"), {}, 16, 4),  # 8 batches = 2 steps per epoch
 ])
-def test_lr_schedule_ends_exactly_on_the_last_step(env, fmnist, tmp_path, name, args, launch_kwargs, global_batch, steps):
+def test_lr_schedule_ends_exactly_on_the_last_step(env, fmnist, tmp_path, name, args, launch_kwargs, global_batch,
+                                                   steps):
     out = tmp_path / "run"
     result = ok(launch(env, "resnet18_fmnist", "--data", str(fmnist), "--epochs", "2", "--log_every", "1",
                        "--tracker", "none", "--output_dir", str(out), *args, **launch_kwargs))
@@ -77,9 +79,11 @@ def test_lr_scaling_rules(rule, factor):
 
 
 def test_a_batch_bigger_than_the_data_is_one_line(env, fmnist):
-    result = launch(env, "resnet18_fmnist", "--data", str(fmnist), "--batch_size", "256", "--tracker", "none", config=None)
+    result = launch(env, "resnet18_fmnist", "--data", str(fmnist), "--batch_size", "256", "--tracker", "none",
+                    config=None)
     assert result.returncode == 1
-    assert result.stderr.strip() == "error: 32 training images make no full step of 256: lower --batch_size or --grad_accum"
+    assert result.stderr.strip() == ("error: 32 training images make no full step of 256: "
+                                     "lower --batch_size or --grad_accum")
 
 
 def test_sync_bn_is_refused_on_cpu_processes(env, fmnist, tmp_path):

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, launch, ok, read_json, read_jsonl
-from tiny_data import save_to_disk_dataset
 
 from shared.checkpoints import Progress, report_resume
 from shared.schedule import SCHEDULE_RULE, one_cycle_lr
+
+from conftest import ROOT, launch, ok, read_json, read_jsonl
+from tiny_data import save_to_disk_dataset
 
 SHAPES = {"cifar_cnn": (3, 32, 32), "resnet18_fmnist": (1, 28, 28), "deep_mlp_ckpt": (3, 32, 32)}
 RUN = ("--batch_size", "8", "--log_every", "1", "--checkpoint_every", "4", "--seed", "3", "--tracker", "none")

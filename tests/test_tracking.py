@@ -49,15 +49,18 @@ def wandb_records(run_file: Path):
 
 
 def wandb_summary_and_history(run_dir: Path) -> tuple[dict, list[dict]]:
+    def key(item):  # a plain key, or a nested one ("a/b")
+        return item.key or "/".join(item.nested_key)
+
     offline_runs = sorted((run_dir / "wandb").glob("offline-run-*"))
     summary, history = {}, []
     for offline_run in offline_runs:
         for record in wandb_records(next(offline_run.glob("run-*.wandb"))):
             kind = record.WhichOneof("record_type")
             if kind == "summary":
-                summary.update({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.summary.update})
+                summary.update({key(item): json.loads(item.value_json) for item in record.summary.update})
             elif kind == "history":
-                history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item})
+                history.append({key(item): json.loads(item.value_json) for item in record.history.item})
     return summary, history
 
 
@@ -65,7 +68,8 @@ def wandb_summary_and_history(run_dir: Path) -> tuple[dict, list[dict]]:
 def wandb_run(env, data, tmp_path_factory):
     """A run with the default tracker and no API key: wandb offline."""
     out = tmp_path_factory.mktemp("wandb") / "run"
-    result = ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out), *SHORT, "--checkpoint_every", "2"))
+    result = ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out), *SHORT, "--checkpoint_every",
+                       "2"))
     return out, result.stdout
 
 
@@ -124,7 +128,8 @@ def test_tensorboard_scalars_match_metrics_jsonl(env, data, tmp_path):
 def test_pictures_are_valid_images_and_two_processes_write_each_file_once(env, data, tmp_path):
     out = tmp_path / "run"
     ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out), *SHORT, config="2gpu", use_cpu=True))
-    for name, min_size in (("curves.png", (600, 300)), ("confusion_matrix.png", (400, 400)), ("misclassified.png", (800, 150))):
+    sizes = {"curves.png": (600, 300), "confusion_matrix.png": (400, 400), "misclassified.png": (800, 150)}
+    for name, min_size in sizes.items():
         with Image.open(out / name) as image:
             image.verify()
         with Image.open(out / name) as image:

@@ -26,7 +26,8 @@ def image_splits(sizes=None, shape=(3, 32, 32), num_classes=10, seed=0, image_co
     sizes = sizes or {"train": 64, "test": 20}
     rng = np.random.default_rng(seed)
     channels, height, width = shape
-    features = datasets.Features({image_column: datasets.Image(), "label": datasets.ClassLabel(names=CLASSES[:num_classes])})
+    features = datasets.Features({image_column: datasets.Image(),
+                                  "label": datasets.ClassLabel(names=CLASSES[:num_classes])})
     splits = {}
     for split, size in sizes.items():
         labels = np.arange(size) % num_classes

@@ -37,8 +37,9 @@ if _oom_above:
             rank = os.environ.get("FAULT_OOM_RANK")
             training = torch.is_grad_enabled()  # evaluation batches are left alone
             if training and len(target) > int(_oom_above) and rank in (None, os.environ.get("RANK", "0")):
-                raise RuntimeError(f"[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
-                                   f"you tried to allocate {len(target) * 2**30} bytes. Error code 12 (Cannot allocate memory)")
+                raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate "
+                                   f"memory: you tried to allocate {len(target) * 2**30} bytes. "
+                                   "Error code 12 (Cannot allocate memory)")
             return cross_entropy(input, target, *args, **kwargs)
         return cross_entropy_or_oom
 
