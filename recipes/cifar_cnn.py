@@ -75,6 +75,11 @@ class Config(RunConfig):
     batch_norm: bool = True  # BatchNorm in each conv block; off: the seed's plain network, per-sample arithmetic
     augment: bool = True  # random crop (4 px padding) and horizontal flip, on the device
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.momentum < 0 or self.weight_decay < 0:
+            raise ValueError(f"--momentum and --weight_decay must be >= 0, got {self.momentum} and {self.weight_decay}")
+
 
 # ----------------------------------------------------------------------------- data
 IMAGE_SHAPE = (3, 32, 32)  # channels, height, width
@@ -210,7 +215,7 @@ def train(cfg: Config) -> None:
                       f"{accelerator.num_processes} process(es) on {accelerator.device}, "
                       f"precision {accelerator.mixed_precision} | "
                       f"global batch {global_batch_size}, {total_steps} steps ({epochs} epochs) | {run_dir}")
-    config = run_config(cfg, accelerator, recipe=RECIPE, data=data_name, global_batch_size=global_batch_size,
+    config = run_config(cfg, accelerator, run_dir, recipe=RECIPE, data=data_name, global_batch_size=global_batch_size,
                         total_steps=total_steps, train_size=len(train_set), test_size=len(test_set),
                         lr_schedule=SCHEDULE_RULE, resumed_step=progress.step if cfg.resume else None,
                         resumed_from=str(checkpoint) if cfg.resume else None)

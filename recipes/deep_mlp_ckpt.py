@@ -89,6 +89,10 @@ class Config(RunConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.segments < 1:
+            raise ValueError(f"--segments must be > 0, got {self.segments}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
         if self.segments > HIDDEN_LAYERS + 1:
             raise ValueError(f"--segments must be at most {HIDDEN_LAYERS + 1}, one per layer; got {self.segments}")
 
@@ -255,7 +259,7 @@ def train(cfg: Config) -> None:
                       f"{accelerator.num_processes} process(es) on {accelerator.device}, "
                       f"precision {accelerator.mixed_precision} | "
                       f"global batch {global_batch_size}, {total_steps} steps ({epochs} epochs) | {run_dir}")
-    config = run_config(cfg, accelerator, recipe=RECIPE, data=data_name, global_batch_size=global_batch_size,
+    config = run_config(cfg, accelerator, run_dir, recipe=RECIPE, data=data_name, global_batch_size=global_batch_size,
                         total_steps=total_steps, train_size=len(train_set), test_size=len(test_set),
                         lr_schedule=SCHEDULE_RULE, resumed_step=progress.step if cfg.resume else None,
                         resumed_from=str(checkpoint) if cfg.resume else None)

@@ -80,6 +80,11 @@ class Config(RunConfig):
     max_grad_norm: float = 1.0  # clip the gradient's global L2 norm to this before each step; inf: only measure it
     augment: bool = True  # random crop (2 px padding) and horizontal flip, on the device
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.momentum < 0 or self.weight_decay < 0:
+            raise ValueError(f"--momentum and --weight_decay must be >= 0, got {self.momentum} and {self.weight_decay}")
+
 
 # ----------------------------------------------------------------------------- data
 IMAGE_SHAPE = (1, 28, 28)  # channels, height, width: grayscale
@@ -246,7 +251,7 @@ def train(cfg: Config) -> None:
                       f"global batch {global_batch_size}, {total_steps} steps ({epochs} epochs) | "
                       f"lr {cfg.lr} for batch {REFERENCE_BATCH} -> {peak_lr:.4g} ({cfg.lr_scaling} scaling) | "
                       f"{run_dir}")
-    config = run_config(cfg, accelerator, recipe=RECIPE, data=data_name, global_batch_size=global_batch_size,
+    config = run_config(cfg, accelerator, run_dir, recipe=RECIPE, data=data_name, global_batch_size=global_batch_size,
                         effective_lr=peak_lr, total_steps=total_steps, train_size=len(train_set),
                         test_size=len(test_set), lr_schedule=SCHEDULE_RULE,
                         resumed_step=progress.step if cfg.resume else None,

@@ -22,16 +22,23 @@ import typing
 from dataclasses import dataclass
 from typing import Literal
 
-# Checked for every recipe that has the field; a recipe adds its own rules in __post_init__.
-POSITIVE = ("epochs", "batch_size", "lr", "grad_accum", "max_steps", "log_every", "keep_checkpoints", "max_grad_norm",
-            "segments", "sweep_batch", "sweep_repeats")
-NON_NEGATIVE = ("seed", "checkpoint_every", "weight_decay", "momentum", "label_smoothing")
+# RunConfig's own rules; a recipe checks the fields it adds in its own __post_init__.
+POSITIVE = ("epochs", "batch_size", "grad_accum", "lr", "max_grad_norm", "max_steps", "log_every", "keep_checkpoints")
+NON_NEGATIVE = ("seed", "checkpoint_every")
 
 
 @dataclass
 class RunConfig:
-    """Flags every recipe shares: how a run is fed, stopped, saved, resumed and tracked."""
+    """Flags every recipe shares (../shared/RECIPES.md): what it trains on, how long and in what batches, and
+    how a run is fed, stopped, saved, resumed and tracked. A recipe redeclares a field to set its own default;
+    these are the only fields shared/ reads."""
 
+    data: str = ""  # hub id, or a local save_to_disk / parquet / imagefolder folder
+    epochs: int = 10  # passes over the training set
+    batch_size: int = 128  # images per process per step; global batch = batch_size x processes x grad_accum
+    grad_accum: int = 1  # batches whose gradients are summed into one optimizer step
+    lr: float = 0.1  # peak learning rate of the one-cycle schedule
+    max_grad_norm: float = 1.0  # clip the gradient's global L2 norm to this before each step; inf: only measure it
     synthetic: bool = False  # train on generated data with the real shapes and classes (offline)
     max_steps: int | None = None  # optimizer steps to run; wins over --epochs
     seed: int = 0  # seeds Python, NumPy and torch, and fixes the shuffling order
@@ -51,11 +58,11 @@ class RunConfig:
 
     def __post_init__(self):
         for name in POSITIVE:
-            value = getattr(self, name, None)
+            value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"--{name} must be > 0, got {value}")
         for name in NON_NEGATIVE:
-            value = getattr(self, name, None)
+            value = getattr(self, name)
             if value is not None and not value >= 0:
                 raise ValueError(f"--{name} must be >= 0, got {value}")
         if self.eval_only and not self.weights:
@@ -81,8 +88,11 @@ def parse_config(cls: type, argv: list[str] | None = None):
     )
     hints = typing.get_type_hints(cls)
     helps = field_comments(cls)
-    # The recipe's own fields first: they are what a user tunes.
-    fields = sorted(dataclasses.fields(cls), key=lambda f: f.name in RunConfig.__dataclass_fields__)
+    # The fields the recipe's Config declares (its own, and shared ones it gives a default) first: they are
+    # what a user tunes.
+    declared = {name for klass in cls.__mro__ if klass is not RunConfig
+                for name in vars(klass).get("__annotations__", {})}
+    fields = sorted(dataclasses.fields(cls), key=lambda f: f.name not in declared)
     for field in fields:
         kind, optional = _unwrap_optional(hints[field.name])
         kwargs = {"default": field.default, "help": helps.get(field.name, "")}

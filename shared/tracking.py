@@ -41,13 +41,14 @@ RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "curves.png", "conf
 def make_run_dir(cfg, recipe: str) -> Path:
     """--output_dir, the run being resumed, or runs/<recipe>-<YYYYmmdd-HHMMSS>; created by the main process."""
     state = PartialState()
-    if cfg.output_dir is None and cfg.resume:
-        cfg.output_dir = str(find_checkpoint(None, cfg.resume, recipe).parents[1])
-    if cfg.output_dir is None:
+    output_dir = cfg.output_dir
+    if output_dir is None and cfg.resume:
+        output_dir = find_checkpoint(None, cfg.resume, recipe).parents[1]
+    if output_dir is None:
         stamp = [time.strftime("%Y%m%d-%H%M%S")]
         broadcast_object_list(stamp)  # processes start a second apart; they must share one folder
-        cfg.output_dir = f"runs/{recipe}{'-synthetic' if cfg.synthetic else ''}-{stamp[0]}"
-    run_dir = Path(cfg.output_dir)
+        output_dir = f"runs/{recipe}{'-synthetic' if cfg.synthetic else ''}-{stamp[0]}"
+    run_dir = Path(output_dir)
     if (run_dir / "config.json").exists() and not (cfg.resume or cfg.overwrite):
         raise RecipeError(f"{run_dir} already holds a run: pass --resume latest to continue it, "
                           "--overwrite to replace it, or another --output_dir")
@@ -76,12 +77,8 @@ def trackers(cfg, run_dir: Path, recipe: str) -> list:
     run_id = json.loads(previous.read_text()).get("run_id") if cfg.resume and previous.exists() else None
     run_id = run_id or uuid.uuid4().hex[:8]
     labels = {"synthetic": True} if cfg.synthetic else {}
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-    name = (f"{recipe}-{world_size}x{precision}-b{cfg.batch_size * world_size * cfg.grad_accum}"
-            f"{'-synthetic' if cfg.synthetic else ''}-{time.strftime('%m%d-%H%M')}")
     chosen = {
-        "wandb": lambda: [WandB(recipe, run_dir, run_id, name, tags=list(labels))],
+        "wandb": lambda: [WandB(recipe, run_dir, run_id, tags=list(labels))],
         "tensorboard": lambda: [TensorBoard("tensorboard", run_dir)],  # writes run_dir/tensorboard/
         "none": lambda: [],
     }[cfg.tracker]()
@@ -95,8 +92,8 @@ class WandB(WandBTracker):
     as wandb's own step counter: a run resumed from its last checkpoint logs again the steps that
     came after it, and wandb silently drops any point whose own step goes backwards."""
 
-    def __init__(self, project: str, run_dir: Path, run_id: str, name: str, tags: list[str]):
-        super().__init__(project, name=name, dir=str(run_dir), id=run_id, resume="allow", mode=wandb_mode(), tags=tags)
+    def __init__(self, project: str, run_dir: Path, run_id: str, tags: list[str]):
+        super().__init__(project, dir=str(run_dir), id=run_id, resume="allow", mode=wandb_mode(), tags=tags)
 
     @on_main_process
     def start(self):
@@ -114,6 +111,15 @@ class WandB(WandBTracker):
             super().start()
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
+
+    @on_main_process
+    def store_init_configuration(self, values: dict):
+        # Named from the configuration the run actually uses (--auto_batch_size settles the batch size
+        # after this tracker is built): <recipe>-<processes>x<precision>-b<global batch>-<time>.
+        self.run.name = (f"{values['recipe']}-{values['world_size']}x{values['mixed_precision']}"
+                         f"-b{values['global_batch_size']}{'-synthetic' if values.get('synthetic') else ''}"
+                         f"-{time.strftime('%m%d-%H%M')}")
+        super().store_init_configuration(values)
 
     @on_main_process
     def log(self, values: dict, step: int | None = None, **kwargs):
@@ -142,13 +148,13 @@ def wandb_mode() -> str:
         return "offline"
 
 
-def run_config(cfg, accelerator, **extra) -> dict:
-    """What config.json and the tracker record: every flag, the launch, and the versions."""
+def run_config(cfg, accelerator, run_dir: Path, **extra) -> dict:
+    """What config.json and the tracker record: every flag, the run folder, the launch, and the versions."""
     import accelerate
     import datasets
 
     return {
-        **dataclasses.asdict(cfg), **extra,
+        **dataclasses.asdict(cfg), "output_dir": str(run_dir), **extra,
         "world_size": accelerator.num_processes,
         "mixed_precision": accelerator.mixed_precision,
         "distributed_type": accelerator.distributed_type.value,
@@ -254,9 +260,7 @@ class RunFiles(GeneralTracker):
     def store_init_configuration(self, values: dict):
         resumed_step = values.get("resumed_step")
         write_json(self.run_dir / "config.json", {**values, "run_id": self.run_id})
-        if resumed_step is None:
-            self.metrics.unlink(missing_ok=True)
-        elif self.metrics.exists():
+        if resumed_step is not None and self.metrics.exists():
             # Points logged after the checkpoint will be logged again: keep the file up to it.
             rows = [row for row in read_jsonl(self.metrics) if row["step"] <= resumed_step]
             self.metrics.write_text("".join(json.dumps(row) + "\n" for row in rows))

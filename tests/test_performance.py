@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_tracking import wandb_run_name
 
 from conftest import ROOT, launch, ok, read_json
 from tiny_data import save_to_disk_dataset
@@ -27,9 +28,11 @@ def faulty(env, above: int, rank: int | None = None) -> dict:
 
 def test_auto_batch_size_halves_until_a_step_fits(env, data, tmp_path):
     out = tmp_path / "run"
-    result = ok(launch(faulty(env, 16), "cifar_cnn", "--data", str(data), "--output_dir", str(out), *RUN, config=None))
+    result = ok(launch(faulty(env, 16), "cifar_cnn", "--data", str(data), "--output_dir", str(out), *RUN,
+                       "--tracker", "wandb", config=None))
     assert "--auto_batch_size: 16 images per process fit (tried 64, 32, 16)" in result.stdout
     assert read_json(out / "config.json")["batch_size"] == 16
+    assert wandb_run_name(out).startswith("cifar_cnn-1xno-b16-")  # the batch it settled on, not --batch_size 64
     assert read_json(out / "summary.json")["steps"] == 2
 
 

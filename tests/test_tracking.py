@@ -48,6 +48,14 @@ def wandb_records(run_file: Path):
             pending = b""
 
 
+def wandb_run_name(run_dir: Path) -> str:
+    """The display name of a run folder's (newest) offline wandb run, as last set."""
+    offline_run = sorted((run_dir / "wandb").glob("offline-run-*"))[-1]
+    names = [r.run.display_name for r in wandb_records(next(offline_run.glob("run-*.wandb")))
+             if r.WhichOneof("record_type") == "run"]
+    return names[-1]
+
+
 def wandb_summary_and_history(run_dir: Path) -> tuple[dict, list[dict]]:
     def key(item):  # a plain key, or a nested one ("a/b")
         return item.key or "/".join(item.nested_key)
@@ -78,6 +86,7 @@ def test_offline_wandb_run_holds_the_summary_and_every_point(wandb_run):
     offline_runs = list((out / "wandb").glob("offline-run-*"))
     assert len(offline_runs) == 1
     assert f"wandb sync {offline_runs[0]}" in stdout  # how to upload it later
+    assert wandb_run_name(out).startswith("cifar_cnn-1xno-b8-")  # recipe, processes x precision, global batch
     summary, history = wandb_summary_and_history(out)
     expected = read_json(out / "summary.json")
     for key, value in expected.items():
