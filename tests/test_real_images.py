@@ -97,6 +97,20 @@ def test_conversion_keeps_the_content(tmp_path, monkeypatch):
     assert torch.equal(colour.images[2], torch.from_numpy(arrays[2]).permute(2, 0, 1))  # the right size: untouched
 
 
+def test_fit_gives_torchvisions_pixels_for_any_size():
+    """shared/data.py resizes without torchvision (its import cost 1.3 s a start): the same pixels, bit for bit."""
+    import torchvision.transforms.v2.functional as TF
+
+    from shared.data import fit
+
+    generator = torch.Generator().manual_seed(0)
+    for channels, h, w, height, width in [(3, 40, 40, 32, 32), (3, 30, 50, 32, 32), (1, 90, 17, 28, 28),
+                                          (3, 7, 5, 32, 32), (1, 33, 31, 28, 28), (3, 64, 48, 24, 32)]:
+        image = torch.randint(0, 256, (channels, h, w), dtype=torch.uint8, generator=generator)
+        expected = TF.center_crop(TF.resize(image, [max(height, width)], antialias=True), [height, width])
+        assert torch.equal(fit(image, height, width), expected), (channels, h, w, height, width)
+
+
 @pytest.mark.parametrize("recipe, shape", [("cifar_cnn", (3, 40, 40)), ("cifar_cnn", (1, 64, 48)),
                                            ("resnet18_fmnist", (3, 32, 32)), ("deep_mlp_ckpt", (1, 28, 28))])
 def test_changing_image_shape_alone_changes_the_model_input(monkeypatch, recipe, shape):
