@@ -47,10 +47,10 @@ from shared.batch_size import largest_batch_size
 from shared.checkpoints import (
     Progress,
     StopSignal,
+    check_resume,
     checkpoint_or_stop,
     evaluate_weights,
     find_checkpoint,
-    report_resume,
     resume_from,
     save_checkpoint,
     save_weights,
@@ -235,12 +235,6 @@ def train(cfg: Config) -> None:
     if total_steps == 0:  # drop_last leaves no batch when the data is smaller than one
         raise RecipeError(f"{len(train_set)} training images make no full step of {global_batch_size}: "
                           "lower --batch_size or --grad_accum")
-    if progress.step > total_steps:
-        raise RecipeError(f"--resume {checkpoint} is at step {progress.step}, past the {total_steps} steps asked for: "
-                          "raise --max_steps or --epochs, or resume from an earlier checkpoint")
-    if progress.step == total_steps:
-        raise RecipeError(f"{run_dir} already finished its {total_steps} steps: "
-                          "raise --max_steps or --epochs to train on")
     epochs = cfg.epochs if cfg.max_steps is None else math.ceil(total_steps * cfg.grad_accum / epoch_batches)
     log_every = cfg.log_every or max(1, total_steps // 100)  # about 100 points on each curve
 
@@ -257,7 +251,7 @@ def train(cfg: Config) -> None:
                         resumed_step=progress.step if cfg.resume else None,
                         resumed_from=str(checkpoint) if cfg.resume else None)
     if cfg.resume:
-        report_resume(checkpoint, config, progress)  # what changed since the checkpoint, and what that changes
+        check_resume(checkpoint, config, progress)  # steps left to run? what changed, and what that changes
     accelerator.init_trackers(RECIPE, config=config)
 
     start, window = time.perf_counter(), TrainWindow(accelerator)

@@ -217,9 +217,17 @@ BATCHING_KEYS = ("world_size", "batch_size", "grad_accum")
 NOT_SETTINGS = ("resume", "resumed_step", "resumed_from", "run_id", "overwrite", "output_dir", "versions")
 
 
-def report_resume(checkpoint: Path, config: dict, progress: Progress) -> None:
-    """Print where a resumed run continues, what changed since its checkpoint (the config.json beside it),
-    and what each change does: to the sample order, to bitwise exactness, to the learning-rate schedule."""
+def check_resume(checkpoint: Path, config: dict, progress: Progress) -> None:
+    """Refuse a resume with no steps left to run. Otherwise print where the run continues, what changed since its
+    checkpoint (the config.json beside it), and what each change does: to the sample order, to bitwise exactness,
+    to the learning-rate schedule."""
+    total_steps = config["total_steps"]
+    if progress.step > total_steps:
+        raise RecipeError(f"--resume {checkpoint} is at step {progress.step}, past the {total_steps} steps asked for: "
+                          "raise --max_steps or --epochs, or resume from an earlier checkpoint")
+    if progress.step == total_steps:
+        raise RecipeError(f"{config['output_dir']} already finished its {total_steps} steps: "
+                          "raise --max_steps or --epochs to train on")
     if not PartialState().is_main_process:
         return
     epoch, left = progress.epoch + 1, config["train_size"] - progress.samples_seen

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.checkpoints import Progress, report_resume
+from shared.checkpoints import Progress, check_resume
 from shared.schedule import SCHEDULE_RULE, one_cycle_lr
 
 from conftest import ROOT, launch, ok, read_json, read_jsonl
@@ -140,7 +140,7 @@ def test_a_checkpoint_without_its_config_json_still_resumes_and_says_so(tmp_path
     checkpoint.mkdir(parents=True)
     progress = Progress()
     progress.step, progress.epoch, progress.samples_seen = 16, 2, 32
-    report_resume(checkpoint, {"train_size": 64, "total_steps": 20}, progress)
+    check_resume(checkpoint, {"train_size": 64, "total_steps": 20}, progress)
     assert capsys.readouterr().out.splitlines() == [
         f"resuming from {checkpoint}: step 16, epoch 3 after 32 of its 64 samples",
         f"no config.json beside {checkpoint}: what changed since it cannot be listed"]
