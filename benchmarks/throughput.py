@@ -46,7 +46,7 @@ from torchvision import transforms
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from shared.data import make_synthetic, whole_batch
+from shared.data import make_synthetic
 from tools.measure import synchronize
 
 # recipe -> CPU batch size, image shape, classes, the seed-style per-image augmentation.
@@ -166,7 +166,8 @@ def bench_recipe(name: str, args, data: Path, device: torch.device) -> dict:
     # (d) the recipe's pipeline in a hand-written loop: uint8 batches by index, preprocessed on the device.
     model_d, optimizer_d = new_training()
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer_d, max_lr=cfg.lr, total_steps=10**6)
-    plain_batches = forever(DataLoader(train_set, batch_size, shuffle=True, drop_last=True, collate_fn=whole_batch))
+    plain_batches = forever(DataLoader(train_set, batch_size, shuffle=True, drop_last=True,
+                                       collate_fn=train_set.whole_batch))
 
     def plain_step():
         images, labels = next(plain_batches)

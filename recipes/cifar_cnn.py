@@ -3,25 +3,20 @@
 The seed's network with two changes (see make_model): a ReLU after each block, without which it is
 one linear map, and BatchNorm. Gradients are clipped to norm 1 with accelerator.clip_grad_norm_.
 
-Results (update only from real runs; the command that produced each number is given):
-  real CIFAR-10   not measured yet: the machine this was written on cannot download it. On a GPU:
-                    python benchmarks/accuracy.py --hub --config 1gpu --cases cifar_cnn/photos10/cpu
-  real photos     final test accuracy 0.946 +- 0.006 (0.940-0.952, 3 seeds) after 20 epochs, 3.6 s/epoch;
-                  the seed post's own loop on the same data: 0.541 +- 0.142, 3.9 s/epoch. 2 processes
-                  (2gpu.yaml, global batch 256): 0.936 +- 0.007. Learning rate x0.5 or x2: means 0.927-0.945,
-                  worst run 0.918; none diverged. Data: 10 classes of 32x32 crops of 10 photographs bundled with
-                  scikit-image, scikit-learn and matplotlib (5,000 train / 1,000 test, built by
-                  benchmarks/real_images.py): real photos, but fewer and easier than CIFAR-10's.
-                  2-core CPU, float32; table and command in benchmarks/BENCHMARKS.md:
-                    python benchmarks/accuracy.py --lr_multipliers 0.5 1 2 --cases cifar_cnn/photos10/cpu \
-                      cifar_cnn/photos10/2gpu
+Results (from real runs, 2-core CPU, float32; tables in benchmarks/BENCHMARKS.md):
+  real CIFAR-10  not measured yet (no download here). On a GPU:
+                   python benchmarks/accuracy.py --hub --config 1gpu --cases cifar_cnn/photos10/cpu
+  real photos    final test accuracy 0.946 +- 0.006 (3 seeds, 0.940-0.952) after 20 epochs, 3.6 s/epoch; the
+                 seed post's loop: 0.541 +- 0.142. 2 processes (2gpu.yaml, global batch 256): 0.936 +- 0.007.
+                 --lr x0.5 or x2: means 0.927-0.945, none diverged. 10 classes of 32x32 crops of photographs
+                 bundled with pip packages (5,000 train / 1,000 test; benchmarks/real_images.py), easier than
+                 CIFAR-10. python benchmarks/accuracy.py --lr_multipliers 0.5 1 2 --cases cifar_cnn/photos10/cpu \
+                   cifar_cnn/photos10/2gpu
 
-Run it (from the repository root):
-  accelerate launch --config_file accelerate_configs/cpu.yaml recipes/cifar_cnn.py
+Run it from the repository root (outputs in runs/cifar_cnn-<time>/: config.json, metrics.jsonl, summary.json,
+curves.png, model.safetensors, checkpoints/):
   accelerate launch --config_file accelerate_configs/2gpu.yaml recipes/cifar_cnn.py
   python recipes/cifar_cnn.py --synthetic --max_steps 200      # offline smoke run, no download
-Outputs land in runs/cifar_cnn-<time>/: config.json, metrics.jsonl, summary.json, curves.png,
-model.safetensors and checkpoints/.
 """
 
 import math
@@ -39,25 +34,13 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it
-from shared.augment import normalize, random_crop, random_flip
+from shared import augment, tracking  # augment: whole batches on the device; tracking: run folder, files, wandb
 from shared.batch_size import largest_batch_size
-from shared.checkpoints import (
-    Progress,
-    StopSignal,
-    check_resume,
-    checkpoint_or_stop,
-    evaluate_weights,
-    find_checkpoint,
-    resume_from,
-    save_checkpoint,
-    save_weights,
-)
-from shared.config import RunConfig, parse_config
-from shared.data import EpochOrder, load_image_data, whole_batch
-from shared.errors import RecipeError, check_launch, one_line_errors
-from shared.pictures import save_pictures
-from shared.schedule import SCHEDULE_RULE, one_cycle_lr
-from shared.tracking import TrainWindow, make_run_dir, run_config, run_summary, trackers
+from shared.checkpoints import Checkpoints, Progress, evaluate_weights
+from shared.config import RunConfig
+from shared.data import EpochOrder, load_image_data
+from shared.errors import RecipeError, one_line_errors
+from shared.schedule import one_cycle_lr
 
 RECIPE = "cifar_cnn"
 
@@ -92,22 +75,22 @@ def load_data(cfg: Config):
     return load_image_data(cfg.data, IMAGE_SHAPE, cfg.synthetic)
 
 
-def preprocess(images: torch.Tensor, augment: bool) -> torch.Tensor:
+def preprocess(images: torch.Tensor, training: bool) -> torch.Tensor:
     """uint8 batch on the device -> normalized float batch, augmented for training."""
-    images = normalize(images, MEAN, STD)
-    if augment:
-        images = random_flip(random_crop(images, padding=4))
+    images = augment.normalize(images, MEAN, STD)
+    if training:
+        images = augment.random_flip(augment.random_crop(images, padding=4))
     return images
 
 
 # ----------------------------------------------------------------------------- model
 def make_model(num_classes: int, batch_norm: bool = True) -> nn.Sequential:
-    # The seed network had no nonlinearity at all, which makes it one linear map plus max-pools. Two
-    # changes: a ReLU after each conv block and after the hidden Linear, and BatchNorm in each conv
-    # block. Without BatchNorm it trained to 0.90 on real photos (clipped gradients) instead of 0.95,
-    # and fell from 0.45 to 0.10 at the learning-rate peak without clipping (benchmarks/BENCHMARKS.md).
-    # BatchNorm comes after the pool: the same normalization, on a quarter of the pixels. It makes an
-    # image's output depend on the rest of its batch, so 2 processes x b no longer equal 1 x 2b exactly.
+    # The seed network had no nonlinearity at all, which makes it one linear map plus max-pools. Two changes: a ReLU
+    # after each conv block and after the hidden Linear, and BatchNorm in each conv block. Without BatchNorm it
+    # trained to 0.90 on real photos (clipped gradients) instead of 0.95, and fell from 0.45 to 0.10 at the
+    # learning-rate peak without clipping (benchmarks/BENCHMARKS.md). BatchNorm comes after the pool: the same
+    # normalization, on a quarter of the pixels. It makes an image's output depend on the rest of its batch, so 2
+    # processes x b no longer equal 1 x 2b exactly.
     channels, height, width = IMAGE_SHAPE
     norm = nn.BatchNorm2d if batch_norm else (lambda _: nn.Identity())
     return nn.Sequential(
@@ -121,8 +104,8 @@ def make_model(num_classes: int, batch_norm: bool = True) -> nn.Sequential:
 
 
 def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    # Weight decay on weight matrices and kernels only: decaying biases and BatchNorm's scales and shifts
-    # just limits what they can fit.
+    # Weight decay on weight matrices and kernels only: decaying biases and BatchNorm's scales and shifts just limits
+    # what they can fit.
     weights = [p for p in model.parameters() if p.ndim > 1]
     biases = [p for p in model.parameters() if p.ndim <= 1]
     groups = [{"params": weights, "weight_decay": cfg.weight_decay}, {"params": biases, "weight_decay": 0}]
@@ -136,7 +119,7 @@ def evaluate(model, loader, accelerator) -> tuple[dict, torch.Tensor]:
     loss_sum = correct = 0
     predictions = []
     for images, labels in loader:
-        logits = model(preprocess(images, augment=False))
+        logits = model(preprocess(images, training=False))
         # From every process, minus the samples accelerate repeated to even out the last batch.
         logits, labels = accelerator.gather_for_metrics((logits, labels))
         loss_sum += F.cross_entropy(logits.float(), labels, reduction="sum")
@@ -149,34 +132,34 @@ def evaluate(model, loader, accelerator) -> tuple[dict, torch.Tensor]:
 
 # ----------------------------------------------------------------------------- training
 def train(cfg: Config) -> None:
-    check_launch()  # stops launches that would not run as configured (see shared/errors.py)
-    run_dir = make_run_dir(cfg, RECIPE)
+    run_dir, trackers = tracking.open_run(cfg, RECIPE)  # checks the launch first (see shared/errors.py)
     accelerator = Accelerator(
-        # Every optimizer step averages exactly grad_accum batches, also across an epoch's end
-        # (by default accelerate steps early at the end of the data, with too small a gradient).
+        # Every optimizer step averages exactly grad_accum batches, also across an epoch's end (by default accelerate
+        # steps early at the end of the data, with too small a gradient).
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.grad_accum, sync_with_dataloader=False),
         project_dir=run_dir,
-        log_with=trackers(cfg, run_dir, RECIPE),  # wandb / tensorboard + config.json, metrics.jsonl, summary.json, ...
+        log_with=trackers,  # wandb or TensorBoard, and config.json, metrics.jsonl, summary.json, curves.png
     )
     set_seed(cfg.seed)
     with accelerator.main_process_first():  # the main process decodes and caches; the others read its cache
         train_set, test_set = load_data(cfg)
     if cfg.data_on_device:  # one copy of the uint8 dataset now, instead of a host-to-GPU copy per batch
         train_set, test_set = train_set.to(accelerator.device), test_set.to(accelerator.device)
+    batch_size = cfg.batch_size
     if cfg.auto_batch_size:  # halve --batch_size until one training step fits in memory, on every process
-        cfg.batch_size = largest_batch_size(accelerator, cfg.batch_size, train_set,
-                                            lambda: make_model(len(train_set.classes), cfg.batch_norm),
-                                            lambda model: make_optimizer(model, cfg),
-                                            lambda images: preprocess(images, cfg.augment))
+        batch_size = largest_batch_size(accelerator, batch_size, train_set,
+                                        lambda: make_model(len(train_set.classes), cfg.batch_norm),
+                                        lambda model: make_optimizer(model, cfg),
+                                        lambda images: preprocess(images, cfg.augment))
     # Each epoch's order is a function of (seed, epoch), resumable at any sample (see EpochOrder). Own generators:
     # every new DataLoader iterator draws a seed, and drawing it from the global RNG would shift the augmentation's
     # random numbers after a mid-epoch resume (no longer bitwise exact).
     order = EpochOrder(len(train_set), cfg.seed)
-    train_loader = DataLoader(train_set, cfg.batch_size, sampler=order, drop_last=True, collate_fn=whole_batch,
+    train_loader = DataLoader(train_set, batch_size, sampler=order, drop_last=True, collate_fn=train_set.whole_batch,
                               generator=torch.Generator())
-    test_loader = DataLoader(test_set, 2 * cfg.batch_size, collate_fn=whole_batch, generator=torch.Generator())
+    test_loader = DataLoader(test_set, 2 * batch_size, collate_fn=test_set.whole_batch, generator=torch.Generator())
 
-    global_batch_size = cfg.batch_size * accelerator.num_processes * cfg.grad_accum
+    global_batch_size = batch_size * accelerator.num_processes * cfg.grad_accum
     model = make_model(len(train_set.classes), cfg.batch_norm)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -187,12 +170,11 @@ def train(cfg: Config) -> None:
 
     # After prepare, len(train_loader) counts this process's batches: its share of an epoch.
     epoch_batches = len(train_loader)
-    epoch_samples = epoch_batches * cfg.batch_size * accelerator.num_processes  # less a remainder short of a batch
+    epoch_samples = epoch_batches * batch_size * accelerator.num_processes  # less a remainder short of a batch
     progress = Progress()
     accelerator.register_for_checkpointing(progress)  # saved and restored with every checkpoint
-    if cfg.resume:
-        checkpoint = find_checkpoint(run_dir, cfg.resume, RECIPE)
-        resume_from(accelerator, checkpoint, progress, cfg.seed)
+    checkpoints = Checkpoints(accelerator, run_dir, cfg)  # SIGTERM or Ctrl-C: checkpoint after this step, exit 0
+    checkpoint = checkpoints.resume(progress)  # with --resume: the checkpoint loaded, else None
     order.set_position(progress.epoch, progress.samples_seen)
     # Optimizer steps to the end of --epochs from where the run stands: the rest of this epoch, then whole ones
     # (counted this way, a resume on another number of processes still ends after --epochs).
@@ -209,16 +191,15 @@ def train(cfg: Config) -> None:
                       f"{accelerator.num_processes} process(es) on {accelerator.device}, "
                       f"precision {accelerator.mixed_precision} | "
                       f"global batch {global_batch_size}, {total_steps} steps ({epochs} epochs) | {run_dir}")
-    config = run_config(cfg, accelerator, run_dir, recipe=RECIPE, data=data_name, global_batch_size=global_batch_size,
-                        total_steps=total_steps, train_size=len(train_set), test_size=len(test_set),
-                        lr_schedule=SCHEDULE_RULE, resumed_step=progress.step if cfg.resume else None,
-                        resumed_from=str(checkpoint) if cfg.resume else None)
-    if cfg.resume:
-        check_resume(checkpoint, config, progress)  # steps left to run? what changed, and what that changes
+    config = tracking.run_config(cfg, accelerator, run_dir, recipe=RECIPE, data=data_name, batch_size=batch_size,
+                                 global_batch_size=global_batch_size, total_steps=total_steps,
+                                 train_size=len(train_set), test_size=len(test_set),
+                                 resumed_from=str(checkpoint) if checkpoint else None,
+                                 resumed_step=progress.step if checkpoint else None)
+    checkpoints.check_resume(config, progress)  # steps left to run? what changed, and what that changes
     accelerator.init_trackers(RECIPE, config=config)
 
-    start, window = time.perf_counter(), TrainWindow(accelerator)
-    stop = StopSignal(accelerator)  # SIGTERM or Ctrl-C: checkpoint after the current step, then exit 0
+    start, window = time.perf_counter(), tracking.TrainWindow(accelerator)
     show_bar = accelerator.is_local_main_process and sys.stderr.isatty()
     while progress.step < total_steps:
         model.train()
@@ -252,12 +233,13 @@ def train(cfg: Config) -> None:
                 accelerator.log(point, step=progress.step)
                 bar.set_postfix(loss=f"{point['train_loss']:.3f}", acc=f"{point['train_acc']:.3f}",
                                 samples_per_s=f"{point['samples_per_s']:.0f}")
-            if checkpoint_or_stop(accelerator, model, run_dir, progress.step, cfg, stop, window, synced=log_now):
-                accelerator.end_training()
-                return
+            with window.paused():  # checkpointing is not training time
+                if checkpoints.step_done(model, progress.step, synced=log_now):  # a stop was asked: saved, exit
+                    accelerator.end_training()
+                    return
             if progress.step == total_steps:
                 break
-        if len(train_set) - progress.samples_seen < cfg.batch_size * accelerator.num_processes:  # no full batch left
+        if len(train_set) - progress.samples_seen < batch_size * accelerator.num_processes:  # no full batch left
             progress.epoch, progress.samples_seen = progress.epoch + 1, 0
         with window.paused():
             metrics, predictions = evaluate(model, test_loader, accelerator)
@@ -266,20 +248,20 @@ def train(cfg: Config) -> None:
         accelerator.print(f"step {progress.step}/{total_steps}  eval_loss {metrics['eval_loss']:.4f}  "
                           f"eval_acc {metrics['eval_acc']:.4f}")
 
-    save_checkpoint(accelerator, model, run_dir, progress.step, cfg.keep_checkpoints)  # no-op if this step is saved
+    checkpoints.save(model, progress.step)  # a no-op if this step is already saved
     wall_s = time.perf_counter() - start
-    epochs_done = progress.epoch + progress.samples_seen / epoch_samples
-    summary = run_summary(accelerator, progress, window, wall_s, epochs_done, data_name)
-    save_weights(accelerator, model, run_dir / "model.safetensors", {"recipe": RECIPE, **metrics, **summary})
-    save_pictures(accelerator, run_dir, test_set, predictions, progress.step)  # confusion matrix, misclassified images
+    summary = window.summary(progress, wall_s, progress.epoch + progress.samples_seen / epoch_samples, data_name)
+    checkpoints.save_weights(model, {"recipe": RECIPE, **metrics, **summary})  # model.safetensors
+    tracking.save_pictures(accelerator, run_dir, test_set, predictions, progress.step)  # confusion matrix, mistakes
     accelerator.log(summary, step=progress.step)
+    accelerator.wait_for_everyone()  # leave together: a process that tears gloo down alone can abort at exit
     accelerator.end_training()
     accelerator.print(f"done: eval_acc {metrics['eval_acc']:.4f} after {progress.step} steps in {wall_s:.0f} s; "
                       f"files in {run_dir}")
 
 
 def main() -> None:
-    cfg = parse_config(Config)
+    cfg = Config.parse()
     with one_line_errors():
         if cfg.eval_only:  # --eval_only --weights PATH: test metrics of a weights file, as one JSON line
             evaluate_weights(cfg, lambda n: make_model(n, cfg.batch_norm), lambda: load_data(cfg)[1], evaluate)

@@ -4,26 +4,19 @@ It teaches what changes when one process becomes several: the global batch grows
 rate must follow it (--lr_scaling), gradient accumulation makes a bigger batch on fewer processes
 (--grad_accum), and BatchNorm sees only its own process's images unless synchronized (--sync_bn).
 
-Results (update only from real runs; the command that produced each number is given):
-  real Fashion-MNIST  not measured yet: the machine this was written on cannot download it. On a GPU:
+Results (from real runs, 2-core CPU, float32; tables in benchmarks/BENCHMARKS.md):
+  real Fashion-MNIST  not measured yet (no download here). On a GPU:
                         python benchmarks/accuracy.py --hub --config 1gpu --cases resnet18_fmnist/digits/cpu
-  real digits         final test accuracy 0.996 +- 0.005 (0.990-1.000, 3 seeds) after 10 epochs, 24.8 s/epoch;
-                      d2l's own loop on the same data: 0.990 +- 0.006, 30.8 s/epoch. Learning rate x0.5 or
-                      x2: 0.990 either way; none diverged. Data: scikit-learn's handwritten digits upsampled
-                      to 28x28 (1,500 train / 297 test, built by benchmarks/real_images.py).
-  real photos         grayscale 28x28 through the recipe's conversion, 1,500 train / 300 test, 5 epochs
-                      (30 steps): 0.680 +- 0.047 (0.647-0.733), 26.0 s/epoch; d2l's loop: 0.160 +- 0.053,
-                      31.1 s/epoch. x0.5: 0.664; x2: 0.593 (worst run 0.513): too few steps for lr 0.2.
-                      2-core CPU, float32; table and command in benchmarks/BENCHMARKS.md:
-                        python benchmarks/accuracy.py --lr_multipliers 0.5 1 2 \
-                          --cases resnet18_fmnist/digits/cpu resnet18_fmnist/photos10_small/cpu
+  real digits   final test accuracy 0.996 +- 0.005 (3 seeds, 0.990-1.000) after 10 epochs, 24.8 s/epoch; d2l's
+                loop: 0.990 +- 0.006. --lr x0.5 or x2: 0.990. scikit-learn's digits at 28x28 (1,500 / 297).
+  real photos   converted to 28x28 grayscale, 1,500 train / 300 test, 5 epochs: 0.680 +- 0.047; d2l's loop:
+                0.160 +- 0.053. x0.5: 0.664; x2: 0.593 (too few steps for lr 0.2).
+                python benchmarks/accuracy.py --lr_multipliers 0.5 1 2 \
+                  --cases resnet18_fmnist/digits/cpu resnet18_fmnist/photos10_small/cpu
 
-Run it (from the repository root):
-  accelerate launch --config_file accelerate_configs/1gpu.yaml recipes/resnet18_fmnist.py
+Run it from the repository root (outputs in runs/resnet18_fmnist-<time>/):
   accelerate launch --config_file accelerate_configs/2gpu.yaml recipes/resnet18_fmnist.py --sync_bn
   python recipes/resnet18_fmnist.py --synthetic --max_steps 100      # offline smoke run, no download
-Outputs land in runs/resnet18_fmnist-<time>/: config.json, metrics.jsonl, summary.json, curves.png,
-model.safetensors and checkpoints/.
 """
 
 import math
@@ -42,25 +35,13 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it
-from shared.augment import normalize, random_crop, random_flip
+from shared import augment, tracking  # augment: whole batches on the device; tracking: run folder, files, wandb
 from shared.batch_size import largest_batch_size
-from shared.checkpoints import (
-    Progress,
-    StopSignal,
-    check_resume,
-    checkpoint_or_stop,
-    evaluate_weights,
-    find_checkpoint,
-    resume_from,
-    save_checkpoint,
-    save_weights,
-)
-from shared.config import RunConfig, parse_config
-from shared.data import EpochOrder, load_image_data, whole_batch
-from shared.errors import RecipeError, check_launch, one_line_errors
-from shared.pictures import save_pictures
-from shared.schedule import SCHEDULE_RULE, one_cycle_lr
-from shared.tracking import TrainWindow, make_run_dir, run_config, run_summary, trackers
+from shared.checkpoints import Checkpoints, Progress, evaluate_weights
+from shared.config import RunConfig
+from shared.data import EpochOrder, load_image_data
+from shared.errors import RecipeError, one_line_errors
+from shared.schedule import one_cycle_lr
 
 RECIPE = "resnet18_fmnist"
 REFERENCE_BATCH = 128  # the global batch size that --lr is given for
@@ -96,12 +77,12 @@ def load_data(cfg: Config):
     return load_image_data(cfg.data, IMAGE_SHAPE, cfg.synthetic, synthetic_sizes=(60_000, 10_000))
 
 
-def preprocess(images: torch.Tensor, augment: bool) -> torch.Tensor:
+def preprocess(images: torch.Tensor, training: bool) -> torch.Tensor:
     """uint8 batch on the device -> normalized float batch, augmented for training."""
-    images = normalize(images, MEAN, STD)
-    if augment:
+    images = augment.normalize(images, MEAN, STD)
+    if training:
         # Clothes are left-right symmetric enough to mirror; a 2 px shift suits 28 px images.
-        images = random_flip(random_crop(images, padding=2))
+        images = augment.random_flip(augment.random_crop(images, padding=2))
     return images
 
 
@@ -135,8 +116,8 @@ def make_model(num_classes: int) -> nn.Sequential:
 
 
 def make_optimizer(model: nn.Module, cfg: Config, lr: float) -> torch.optim.Optimizer:
-    # Weight decay on weight matrices and kernels only: decaying biases and BatchNorm's scales and shifts
-    # just limits what they can fit.
+    # Weight decay on weight matrices and kernels only: decaying biases and BatchNorm's scales and shifts just limits
+    # what they can fit.
     weights = [p for p in model.parameters() if p.ndim > 1]
     biases = [p for p in model.parameters() if p.ndim <= 1]
     groups = [{"params": weights, "weight_decay": cfg.weight_decay}, {"params": biases, "weight_decay": 0}]
@@ -158,7 +139,7 @@ def evaluate(model, loader, accelerator) -> tuple[dict, torch.Tensor]:
     loss_sum = correct = 0
     predictions = []
     for images, labels in loader:
-        logits = model(preprocess(images, augment=False))
+        logits = model(preprocess(images, training=False))
         # From every process, minus the samples accelerate repeated to even out the last batch.
         logits, labels = accelerator.gather_for_metrics((logits, labels))
         loss_sum += F.cross_entropy(logits.float(), labels, reduction="sum")
@@ -171,44 +152,40 @@ def evaluate(model, loader, accelerator) -> tuple[dict, torch.Tensor]:
 
 # ----------------------------------------------------------------------------- training
 def train(cfg: Config) -> None:
-    check_launch()  # stops launches that would not run as configured (see shared/errors.py)
-    run_dir = make_run_dir(cfg, RECIPE)
+    run_dir, trackers = tracking.open_run(cfg, RECIPE)  # checks the launch first (see shared/errors.py)
     accelerator = Accelerator(
-        # Every optimizer step averages exactly grad_accum batches, also across an epoch's end
-        # (by default accelerate steps early at the end of the data, with too small a gradient).
+        # Every optimizer step averages exactly grad_accum batches, also across an epoch's end (by default accelerate
+        # steps early at the end of the data, with too small a gradient).
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.grad_accum, sync_with_dataloader=False),
         project_dir=run_dir,
-        log_with=trackers(cfg, run_dir, RECIPE),  # wandb / tensorboard + config.json, metrics.jsonl, summary.json, ...
+        log_with=trackers,  # wandb or TensorBoard, and config.json, metrics.jsonl, summary.json, curves.png
     )
     set_seed(cfg.seed)
     with accelerator.main_process_first():  # the main process decodes and caches; the others read its cache
         train_set, test_set = load_data(cfg)
     if cfg.data_on_device:  # one copy of the uint8 dataset now, instead of a host-to-GPU copy per batch
         train_set, test_set = train_set.to(accelerator.device), test_set.to(accelerator.device)
+    batch_size = cfg.batch_size
     if cfg.auto_batch_size:  # halve --batch_size until one training step fits in memory, on every process
-        cfg.batch_size = largest_batch_size(accelerator, cfg.batch_size, train_set,
-                                            lambda: make_model(len(train_set.classes)),
-                                            lambda model: make_optimizer(model, cfg, cfg.lr),
-                                            lambda images: preprocess(images, cfg.augment))
+        batch_size = largest_batch_size(accelerator, batch_size, train_set,
+                                        lambda: make_model(len(train_set.classes)),
+                                        lambda model: make_optimizer(model, cfg, cfg.lr),
+                                        lambda images: preprocess(images, cfg.augment))
     # Each epoch's order is a function of (seed, epoch), resumable at any sample (see EpochOrder). Own generators:
     # every new DataLoader iterator draws a seed, and drawing it from the global RNG would shift the augmentation's
     # random numbers after a mid-epoch resume (no longer bitwise exact).
     order = EpochOrder(len(train_set), cfg.seed)
-    train_loader = DataLoader(train_set, cfg.batch_size, sampler=order, drop_last=True, collate_fn=whole_batch,
+    train_loader = DataLoader(train_set, batch_size, sampler=order, drop_last=True, collate_fn=train_set.whole_batch,
                               generator=torch.Generator())
-    test_loader = DataLoader(test_set, 2 * cfg.batch_size, collate_fn=whole_batch, generator=torch.Generator())
+    test_loader = DataLoader(test_set, 2 * batch_size, collate_fn=test_set.whole_batch, generator=torch.Generator())
 
-    global_batch_size = cfg.batch_size * accelerator.num_processes * cfg.grad_accum
+    global_batch_size = batch_size * accelerator.num_processes * cfg.grad_accum
     peak_lr = scaled_lr(cfg, global_batch_size)
     model = make_model(len(train_set.classes))
     if cfg.sync_bn and accelerator.num_processes > 1:
-        # BatchNorm normalizes with the mean and variance of the batch in front of it. With 2
-        # processes x batch b, each process normalizes its own b images, which is not what one
-        # process normalizing all 2b does; with --grad_accum k, each of the k batches is normalized
-        # on its own. So neither equals one big batch, and the exact-equivalence tests use a
-        # BatchNorm-free model. SyncBatchNorm all-reduces the statistics over the processes at every
-        # BatchNorm layer (forward and backward): 2 x b then normalizes like 1 x 2b. Accumulation
-        # stays different: its batches run one after another, there is nothing to sync them with.
+        # BatchNorm normalizes each process's own b images: 2 processes x b do not normalize like 1 x 2b (the
+        # exact-equivalence tests use a BatchNorm-free model). SyncBatchNorm all-reduces the statistics at every
+        # BatchNorm layer. Accumulated batches still differ: they run one after another, with nothing to sync.
         if accelerator.device.type == "cpu":
             raise RecipeError("--sync_bn needs GPUs: PyTorch's SyncBatchNorm does not run on CPU tensors")
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -221,12 +198,11 @@ def train(cfg: Config) -> None:
 
     # After prepare, len(train_loader) counts this process's batches: its share of an epoch.
     epoch_batches = len(train_loader)
-    epoch_samples = epoch_batches * cfg.batch_size * accelerator.num_processes  # less a remainder short of a batch
+    epoch_samples = epoch_batches * batch_size * accelerator.num_processes  # less a remainder short of a batch
     progress = Progress()
     accelerator.register_for_checkpointing(progress)  # saved and restored with every checkpoint
-    if cfg.resume:
-        checkpoint = find_checkpoint(run_dir, cfg.resume, RECIPE)
-        resume_from(accelerator, checkpoint, progress, cfg.seed)
+    checkpoints = Checkpoints(accelerator, run_dir, cfg)  # SIGTERM or Ctrl-C: checkpoint after this step, exit 0
+    checkpoint = checkpoints.resume(progress)  # with --resume: the checkpoint loaded, else None
     order.set_position(progress.epoch, progress.samples_seen)
     # Optimizer steps to the end of --epochs from where the run stands: the rest of this epoch, then whole ones
     # (counted this way, a resume on another number of processes still ends after --epochs).
@@ -245,17 +221,15 @@ def train(cfg: Config) -> None:
                       f"global batch {global_batch_size}, {total_steps} steps ({epochs} epochs) | "
                       f"lr {cfg.lr} for batch {REFERENCE_BATCH} -> {peak_lr:.4g} ({cfg.lr_scaling} scaling) | "
                       f"{run_dir}")
-    config = run_config(cfg, accelerator, run_dir, recipe=RECIPE, data=data_name, global_batch_size=global_batch_size,
-                        effective_lr=peak_lr, total_steps=total_steps, train_size=len(train_set),
-                        test_size=len(test_set), lr_schedule=SCHEDULE_RULE,
-                        resumed_step=progress.step if cfg.resume else None,
-                        resumed_from=str(checkpoint) if cfg.resume else None)
-    if cfg.resume:
-        check_resume(checkpoint, config, progress)  # steps left to run? what changed, and what that changes
+    config = tracking.run_config(cfg, accelerator, run_dir, recipe=RECIPE, data=data_name, batch_size=batch_size,
+                                 global_batch_size=global_batch_size, effective_lr=peak_lr, total_steps=total_steps,
+                                 train_size=len(train_set), test_size=len(test_set),
+                                 resumed_from=str(checkpoint) if checkpoint else None,
+                                 resumed_step=progress.step if checkpoint else None)
+    checkpoints.check_resume(config, progress)  # steps left to run? what changed, and what that changes
     accelerator.init_trackers(RECIPE, config=config)
 
-    start, window = time.perf_counter(), TrainWindow(accelerator)
-    stop = StopSignal(accelerator)  # SIGTERM or Ctrl-C: checkpoint after the current step, then exit 0
+    start, window = time.perf_counter(), tracking.TrainWindow(accelerator)
     show_bar = accelerator.is_local_main_process and sys.stderr.isatty()
     while progress.step < total_steps:
         model.train()
@@ -273,8 +247,8 @@ def train(cfg: Config) -> None:
                 loss = F.cross_entropy(logits, labels)
                 accelerator.backward(loss)  # scaled by 1/grad_accum, so accumulated gradients are a mean
                 if accelerator.sync_gradients:  # the gradient is complete: accumulated, averaged over processes
-                    # Early steps at the peak rate moved the weights faster than BatchNorm's running
-                    # statistics could follow (test loss 102 at the peak); the clip bounds each step.
+                    # Early steps at the peak rate moved the weights faster than BatchNorm's running statistics could
+                    # follow (test loss 102 at the peak); the clip bounds each step.
                     window.add_grad_norm(accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
                 optimizer.step()  # does nothing until the last batch of the accumulation
                 optimizer.zero_grad()
@@ -290,12 +264,13 @@ def train(cfg: Config) -> None:
                 accelerator.log(point, step=progress.step)
                 bar.set_postfix(loss=f"{point['train_loss']:.3f}", acc=f"{point['train_acc']:.3f}",
                                 samples_per_s=f"{point['samples_per_s']:.0f}")
-            if checkpoint_or_stop(accelerator, model, run_dir, progress.step, cfg, stop, window, synced=log_now):
-                accelerator.end_training()
-                return
+            with window.paused():  # checkpointing is not training time
+                if checkpoints.step_done(model, progress.step, synced=log_now):  # a stop was asked: saved, exit
+                    accelerator.end_training()
+                    return
             if progress.step == total_steps:
                 break
-        if len(train_set) - progress.samples_seen < cfg.batch_size * accelerator.num_processes:  # no full batch left
+        if len(train_set) - progress.samples_seen < batch_size * accelerator.num_processes:  # no full batch left
             progress.epoch, progress.samples_seen = progress.epoch + 1, 0
         with window.paused():
             metrics, predictions = evaluate(model, test_loader, accelerator)
@@ -304,20 +279,20 @@ def train(cfg: Config) -> None:
         accelerator.print(f"step {progress.step}/{total_steps}  eval_loss {metrics['eval_loss']:.4f}  "
                           f"eval_acc {metrics['eval_acc']:.4f}")
 
-    save_checkpoint(accelerator, model, run_dir, progress.step, cfg.keep_checkpoints)  # no-op if this step is saved
+    checkpoints.save(model, progress.step)  # a no-op if this step is already saved
     wall_s = time.perf_counter() - start
-    epochs_done = progress.epoch + progress.samples_seen / epoch_samples
-    summary = run_summary(accelerator, progress, window, wall_s, epochs_done, data_name)
-    save_weights(accelerator, model, run_dir / "model.safetensors", {"recipe": RECIPE, **metrics, **summary})
-    save_pictures(accelerator, run_dir, test_set, predictions, progress.step)  # confusion matrix, misclassified images
+    summary = window.summary(progress, wall_s, progress.epoch + progress.samples_seen / epoch_samples, data_name)
+    checkpoints.save_weights(model, {"recipe": RECIPE, **metrics, **summary})  # model.safetensors
+    tracking.save_pictures(accelerator, run_dir, test_set, predictions, progress.step)  # confusion matrix, mistakes
     accelerator.log(summary, step=progress.step)
+    accelerator.wait_for_everyone()  # leave together: a process that tears gloo down alone can abort at exit
     accelerator.end_training()
     accelerator.print(f"done: eval_acc {metrics['eval_acc']:.4f} after {progress.step} steps in {wall_s:.0f} s; "
                       f"files in {run_dir}")
 
 
 def main() -> None:
-    cfg = parse_config(Config)
+    cfg = Config.parse()
     with one_line_errors():
         if cfg.eval_only:  # --eval_only --weights PATH: test metrics of a weights file, as one JSON line
             evaluate_weights(cfg, make_model, lambda: load_data(cfg)[1], evaluate)

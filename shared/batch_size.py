@@ -1,20 +1,13 @@
-"""--auto_batch_size: the largest per-process batch that trains without running out of memory.
+"""--auto_batch_size: the largest per-process batch whose training step fits in memory.
 
-accelerate's `find_executable_batch_size` retries a function with a smaller batch whenever it
-raises an out-of-memory error. Two things make that safe here:
-  - each try builds its own model and optimizer and runs one real training step (forward,
-    backward, optimizer step: Adam's state included) on a plain, unwrapped model, so a failed
-    try frees everything it allocated, and no process waits in a DDP all-reduce for a process
-    that has just failed;
-  - after each try the processes compare notes: if any ran out of memory, all of them halve.
-    One process training with another batch size than the rest would hang the group.
-The real run then adds DDP's gradient buckets (about one more copy of the gradients) to what
-the try measured; on a GPU filled to the brim, take the next smaller batch by hand.
+accelerate's `find_executable_batch_size` retries with a smaller batch after an out-of-memory error. Each try
+runs one real step (forward, backward, optimizer step) on a fresh, unwrapped model, so a failed try frees all
+it allocated and no process waits in a DDP all-reduce for one that failed; then the processes compare notes
+and all halve if any ran out (one process on another batch size would hang the group). The real run adds
+DDP's gradient buckets (about one more copy of the gradients): on a GPU filled to the brim, go one lower.
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -24,12 +17,9 @@ from accelerate.utils.memory import should_reduce_batch_size
 from shared.errors import RecipeError
 
 
-def largest_batch_size(accelerator, start: int, train_set, new_model: Callable, new_optimizer: Callable,
-                       preprocess: Callable) -> int:
-    """Halve `start` until one training step fits on every process; returns that batch size.
-
-    new_model() -> a fresh model; new_optimizer(model) -> its optimizer; preprocess(uint8 batch on
-    the device) -> the model's input, as in the recipe's loop."""
+def largest_batch_size(accelerator, start: int, train_set, new_model, new_optimizer, preprocess) -> int:
+    """Halve `start` until one training step fits on every process. new_model() -> a fresh model;
+    new_optimizer(model) -> its optimizer; preprocess(uint8 batch on the device) -> the model's input."""
     tried = []
 
     def attempt(batch_size: int) -> int:
@@ -48,25 +38,21 @@ def largest_batch_size(accelerator, start: int, train_set, new_model: Callable, 
                 raise
             out_of_memory = True
         model = optimizer = loss = None  # noqa: F841  (free this try's tensors before the next one)
-        failed = accelerator.reduce(torch.tensor(int(out_of_memory), device=accelerator.device), "sum")
-        if failed.item():  # every process raises, so every process halves
-            # find_executable_batch_size retries on errors whose text contains " out of memory."
-            raise RuntimeError(f"batch {batch_size}: {failed.item()} process(es) ran out of memory.")
+        failed = accelerator.reduce(torch.tensor(int(out_of_memory), device=accelerator.device), "sum").item()
+        if failed:  # find_executable_batch_size retries on errors whose text contains " out of memory."
+            raise RuntimeError(f"batch {batch_size}: {failed} process(es) ran out of memory.")
         return batch_size
-
-    def halve() -> int:
-        return tried[-1] // 2
 
     devices = [accelerator.device] if accelerator.device.type == "cuda" else []
     try:
-        with torch.random.fork_rng(devices=devices):  # the tries draw random numbers; the run must not notice them
-            # Called directly, not as @decorator(...): older accelerate drops reduce_batch_size_fn in that form.
-            batch_size = find_executable_batch_size(attempt, starting_batch_size=start, reduce_batch_size_fn=halve)()
+        with torch.random.fork_rng(devices=devices):  # the tries draw random numbers; the run must not notice
+            # Called, not used as @decorator(...): older accelerate drops reduce_batch_size_fn in that form.
+            batch_size = find_executable_batch_size(attempt, starting_batch_size=start,
+                                                    reduce_batch_size_fn=lambda: tried[-1] // 2)()
     except RuntimeError as error:
         if "reached zero" in str(error):
             raise RecipeError("--auto_batch_size: not even a batch of 1 fits in memory: "
                               "use a smaller model, bf16.yaml, or a device with more memory") from None
         raise
-    accelerator.print(f"--auto_batch_size: {batch_size} images per process fit "
-                      f"(tried {', '.join(map(str, tried))})")
+    accelerator.print(f"--auto_batch_size: {batch_size} images per process fit (tried {', '.join(map(str, tried))})")
     return batch_size

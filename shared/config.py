@@ -1,22 +1,14 @@
-"""Command-line flags generated from a recipe's Config dataclass.
-
-Every field becomes `--field_name`, and the comment written after the field is its `--help`
-text, so a default, its unit and its meaning sit on one line in the recipe:
-
-    batch_size: int = 256  # images per process per step
-
-Booleans become `--flag / --no-flag`, `Literal[...]` fields get their choices, and
-`X | None = None` fields are optional.
-"""
+"""Command-line flags from a Config dataclass: `--field_name` for every field, and the comment after
+the field is its `--help`, so default, unit and meaning sit on one line in the recipe. Booleans become
+`--flag / --no-flag`, `Literal[...]` fields get their choices, `X | None = None` fields are optional."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import inspect
-import io
+import re
 import sys
-import tokenize
 import types
 import typing
 from dataclasses import dataclass
@@ -27,11 +19,42 @@ POSITIVE = ("epochs", "batch_size", "grad_accum", "lr", "max_grad_norm", "max_st
 NON_NEGATIVE = ("seed", "checkpoint_every")
 
 
+def parse_config(cls: type, argv: list[str] | None = None):
+    """Build `cls` from the command line (or `argv`); a bad value is one line and exit status 2."""
+    parser = argparse.ArgumentParser(description=(sys.modules[cls.__module__].__doc__ or "").split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                     allow_abbrev=False)  # `--lr` must not silently match `--lr_scaling`
+    parser.error = lambda message: parser.exit(2, f"{parser.prog}: error: {message} (see --help)\n")
+    helps = {}  # field -> the comment after it, base classes first so the recipe's own comments win
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            helps.update(re.findall(r"^\s+(\w+): [^#\n]*#\s*(.*)$", inspect.getsource(klass), re.M))
+    # What the recipe's Config declares (its own fields and the shared ones it gives a default) first.
+    declared = {name for klass in cls.__mro__ if klass not in (RunConfig, object)
+                for name in vars(klass).get("__annotations__", {})}
+    hints = typing.get_type_hints(cls)
+    for field in sorted(dataclasses.fields(cls), key=lambda f: f.name not in declared):
+        kind = hints[field.name]
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):  # `int | None` -> int
+            kind = next(arg for arg in typing.get_args(kind) if arg is not type(None))
+        kwargs = {"default": field.default, "help": helps.get(field.name, "")}
+        if kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(kind) is Literal:
+            kwargs.update(choices=typing.get_args(kind), type=type(typing.get_args(kind)[0]))
+        else:
+            kwargs.update(type=kind, metavar=kind.__name__.upper())
+        parser.add_argument(f"--{field.name}", **kwargs)
+    try:
+        return cls(**vars(parser.parse_args(argv)))
+    except ValueError as error:
+        parser.error(str(error))
+
+
 @dataclass
 class RunConfig:
-    """Flags every recipe shares (../shared/RECIPES.md): what it trains on, how long and in what batches, and
-    how a run is fed, stopped, saved, resumed and tracked. A recipe redeclares a field to set its own default;
-    these are the only fields shared/ reads."""
+    """Flags every recipe shares (../shared/RECIPES.md). A recipe redeclares a field to set its own default;
+    these are the only fields shared/ reads. `Config.parse()` reads them from the command line."""
 
     data: str = ""  # hub id, or a local save_to_disk / parquet / imagefolder folder
     epochs: int = 10  # passes over the training set
@@ -56,81 +79,14 @@ class RunConfig:
     data_on_device: bool = False  # hold the whole uint8 dataset in GPU memory: no host-to-GPU copy per batch
     auto_batch_size: bool = False  # halve --batch_size until a training step fits in memory (all processes agree)
 
+    parse = classmethod(parse_config)
+
     def __post_init__(self):
-        for name in POSITIVE:
+        for name in POSITIVE + NON_NEGATIVE:
             value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"--{name} must be > 0, got {value}")
-        for name in NON_NEGATIVE:
-            value = getattr(self, name)
-            if value is not None and not value >= 0:
-                raise ValueError(f"--{name} must be >= 0, got {value}")
+            if value is not None and not (value > 0 if name in POSITIVE else value >= 0):
+                raise ValueError(f"--{name} must be {'>' if name in POSITIVE else '>='} 0, got {value}")
         if self.eval_only and not self.weights:
             raise ValueError("--eval_only needs --weights PATH (a model.safetensors, .pt file or checkpoint folder)")
         if self.eval_only and self.resume:
             raise ValueError("--eval_only and --resume do not go together: evaluate --weights, or resume training")
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line, not a usage block."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def parse_config(cls: type, argv: list[str] | None = None):
-    """Build `cls` from the command line (or `argv`): one flag per dataclass field."""
-    module_doc = sys.modules[cls.__module__].__doc__ or ""
-    parser = OneLineParser(
-        description=module_doc.strip().split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False,  # `--lr` must not silently match `--lr_scaling`
-    )
-    hints = typing.get_type_hints(cls)
-    helps = field_comments(cls)
-    # The fields the recipe's Config declares (its own, and shared ones it gives a default) first: they are
-    # what a user tunes.
-    declared = {name for klass in cls.__mro__ if klass is not RunConfig
-                for name in vars(klass).get("__annotations__", {})}
-    fields = sorted(dataclasses.fields(cls), key=lambda f: f.name not in declared)
-    for field in fields:
-        kind, optional = _unwrap_optional(hints[field.name])
-        kwargs = {"default": field.default, "help": helps.get(field.name, "")}
-        if kind is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        elif typing.get_origin(kind) is Literal:
-            kwargs.update(choices=typing.get_args(kind), type=type(typing.get_args(kind)[0]))
-        else:
-            kwargs.update(type=kind, metavar=kind.__name__.upper())
-        parser.add_argument(f"--{field.name}", **kwargs)
-    args = parser.parse_args(argv)
-    try:
-        return cls(**vars(args))
-    except ValueError as error:
-        parser.error(str(error))
-
-
-def field_comments(cls: type) -> dict[str, str]:
-    """Field name -> the `# comment` after it in the class source (base classes included)."""
-    comments = {}
-    for klass in reversed(cls.__mro__):
-        if not dataclasses.is_dataclass(klass):
-            continue
-        tokens = list(tokenize.generate_tokens(io.StringIO(inspect.getsource(klass)).readline))
-        field_on_line = {
-            tok.start[0]: tok.string
-            for tok, nxt in zip(tokens, tokens[1:])
-            if tok.type == tokenize.NAME and nxt.string == ":" and tok.string in klass.__dataclass_fields__
-        }
-        for tok in tokens:
-            if tok.type == tokenize.COMMENT and tok.start[0] in field_on_line:
-                comments[field_on_line[tok.start[0]]] = tok.string.lstrip("#").strip()
-    return comments
-
-
-def _unwrap_optional(hint):
-    """`int | None` -> (int, True); `int` -> (int, False)."""
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        return args[0], True
-    return hint, False

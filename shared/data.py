@@ -1,17 +1,11 @@
 """Image-classification data as uint8 tensors: from the hub, a local folder, or generated.
 
-`load_image_data(source, ...)` returns (train, test) as `ImageTensors`:
-  - a Hugging Face hub id              -> datasets.load_dataset(id)
-  - a `save_to_disk` folder            -> datasets.load_from_disk(path)
-  - a folder of parquet files or an imagefolder (class-named subfolders of images)
-                                       -> datasets.load_dataset(path), format inferred from the files
-  - `synthetic=True`                   -> generated patterns + noise, same shapes (never a fallback)
-
-Images are decoded once into one uint8 tensor (N, C, H, W) and cached on disk, keyed by the
-dataset's fingerprint, so the second run starts in seconds. Images of another size or colour mode
-than the recipe's are converted as they are decoded (one printed line says so): colour <-> grayscale,
-and the shorter side resized with antialiasing, then centre-cropped. A DataLoader then takes whole batches
-by indexing that tensor (`__getitems__`) instead of decoding and stacking image by image.
+`load_image_data(source, image_shape)` returns (train, test) `ImageTensors` from a hub id
+(datasets.load_dataset), a `save_to_disk` folder (load_from_disk), a folder of parquet files or an imagefolder
+(load_dataset(path)), or, with `synthetic=True`, generated patterns (never a fallback). Images are decoded once
+into one uint8 tensor (N, C, H, W), cached on disk by the dataset's fingerprint, and converted to the recipe's
+channels and size as they are decoded (one printed line says so). A DataLoader takes whole batches by indexing
+that tensor (`__getitems__`), not image by image. `EpochOrder` is the training order, resumable at any sample.
 """
 
 from __future__ import annotations
@@ -48,25 +42,25 @@ class ImageTensors(torch.utils.data.Dataset):
     def __getitem__(self, index):
         return self.images[index], self.labels[index]
 
+    def __getitems__(self, indices):  # a whole batch of indices from the DataLoader: one gather, no stack
+        indices = torch.as_tensor(indices)
+        return self.images[indices], self.labels[indices]
+
+    @staticmethod
+    def whole_batch(batch):
+        """The DataLoader's collate_fn: `__getitems__` already returns the stacked batch."""
+        return batch
+
     def to(self, device) -> ImageTensors:
         """The split moved to `device`: batches are then cut where the model runs, without a copy."""
         return ImageTensors(self.images.to(device), self.labels.to(device), self.classes, self.name)
 
-    def __getitems__(self, indices):
-        # The DataLoader passes a whole batch of indices here (PyTorch >= 2.2): one gather
-        # instead of batch_size __getitem__ calls plus a stack in collate.
-        indices = torch.as_tensor(indices)
-        return self.images[indices], self.labels[indices]
-
 
 class EpochOrder(torch.utils.data.Sampler):
-    """The training order: each epoch a permutation of the whole set that depends only on (seed, epoch),
-    served from sample `start` on.
-
-    The position inside an epoch is kept in samples, not batches, so a run can resume mid-epoch on
-    another number of processes or with another batch size: what is left of the epoch is exactly the
-    samples not yet trained on, cut into the new batches. (accelerate's seedable sampler gives the same
-    permutations, but its resume skips batches of the old size: accelerate #784.)"""
+    """Each epoch a permutation that depends only on (seed, epoch), served from sample `start` on. Kept in
+    samples, not batches, a run can resume mid-epoch on another number of processes or batch size: the rest of
+    the epoch is exactly the samples not yet trained on, cut into the new batches. (accelerate's seedable
+    sampler gives the same permutations, but its resume skips batches of the old size: accelerate #784.)"""
 
     def __init__(self, size: int, seed: int):
         self.size, self.seed, self.epoch, self.start = size, seed, 0, 0
@@ -82,26 +76,17 @@ class EpochOrder(torch.utils.data.Sampler):
         return self.size - self.start
 
 
-def whole_batch(batch):
-    """collate_fn for ImageTensors: `__getitems__` already returns the stacked batch."""
-    return batch
-
-
 def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: bool = False,
                     synthetic_sizes: tuple[int, int] = (50_000, 10_000),
                     synthetic_classes: int = 10) -> tuple[ImageTensors, ImageTensors]:
-    """(train, test) splits with images of `image_shape` (C, H, W); see the module docstring.
-    The synthetic stand-in copies the real dataset's split sizes and class count."""
+    """(train, test) with images of `image_shape` (C, H, W); the synthetic stand-in has the real set's sizes."""
     if synthetic:
         return make_synthetic(image_shape, *synthetic_sizes, num_classes=synthetic_classes)
-    splits = open_dataset(source)
-    train, test = pick_splits(splits, source)
+    train, test = pick_splits(open_dataset(source), source)
     image_column, label_column, classes = find_columns(train, source)
     check_conversion(train[0][image_column], source, image_shape)
-    return tuple(
-        decode_split(split, name, source, image_column, label_column, classes, image_shape)
-        for name, split in (("train", train), ("test", test))
-    )
+    return tuple(decode_split(split, name, source, image_column, label_column, classes, image_shape)
+                 for name, split in (("train", train), ("test", test)))
 
 
 def open_dataset(source: str) -> datasets.DatasetDict:
@@ -114,41 +99,30 @@ def open_dataset(source: str) -> datasets.DatasetDict:
             else:
                 loaded = datasets.load_dataset(str(path))  # parquet files or an imagefolder
         except Exception as error:
-            raise RecipeError(
-                f"could not read a dataset from {path} ({type(error).__name__}: {first_line(error)}): "
-                "expected a save_to_disk folder, parquet files, or an imagefolder (one subfolder per class), "
-                "with examples in every split"
-            ) from None
+            raise RecipeError(f"could not read a dataset from {path} ({type(error).__name__}: {first_line(error)}): "
+                              "expected a save_to_disk folder, parquet files, or an imagefolder (one subfolder per "
+                              "class), with examples in every split") from None
         return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict(train=loaded)
     if source.startswith((".", "/", "~")) or source.count("/") > 1:
         raise RecipeError(f"--data {source}: no such folder; pass --data PATH of a local dataset, or --synthetic")
     print(f"Loading {source} from the Hugging Face hub (or its local cache)...", flush=True)
-    hub_logger = logging.getLogger("huggingface_hub")
-    hub_level = hub_logger.level
-    hub_logger.setLevel(logging.ERROR)  # one line at the end, not a retry warning every few seconds
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # one line at the end, not a warning per retry
     try:
         return datasets.load_dataset(source)
     except (ConnectionError, OSError, datasets.exceptions.DatasetNotFoundError) as error:
-        raise RecipeError(
-            f"--data {source}: not a local folder, and the Hugging Face hub could not provide it "
-            f"({type(error).__name__}: {first_line(error)}): pass --data PATH of a local copy "
-            "(save_to_disk, parquet or imagefolder), or --synthetic for an offline run"
-        ) from None
-    finally:
-        hub_logger.setLevel(hub_level)
+        raise RecipeError(f"--data {source}: not a local folder, and the Hugging Face hub could not provide it "
+                          f"({type(error).__name__}: {first_line(error)}): pass --data PATH of a local copy "
+                          "(save_to_disk, parquet or imagefolder), or --synthetic for an offline run") from None
 
 
 def pick_splits(splits: datasets.DatasetDict, source: str):
     if "train" not in splits:
         raise RecipeError(f"{source} has no 'train' split (splits: {', '.join(splits) or 'none'}): "
                           "name the training split 'train'")
-    train = splits["train"]
-    test = splits.get("test", splits.get("validation"))
-    if test is None:
-        # A folder with one split: hold out a fixed 10% so the run still reports test accuracy.
+    train, test = splits["train"], splits.get("test", splits.get("validation"))
+    if test is None:  # one split: hold out a fixed 10%, so the run still reports test accuracy
         print(f"{source} has no 'test' split: holding out 10% of 'train' (fixed seed) as the test split")
-        held_out = train.train_test_split(test_size=0.1, seed=0)
-        train, test = held_out["train"], held_out["test"]
+        train, test = train.train_test_split(test_size=0.1, seed=0).values()
     for name, split in (("train", train), ("test", test)):
         if len(split) == 0:
             raise RecipeError(f"the '{name}' split of {source} is empty: point --data at a dataset with examples in it")
@@ -161,19 +135,17 @@ def find_columns(split: datasets.Dataset, source: str) -> tuple[str, str, list[s
     columns = ", ".join(f"{name} ({type(feature).__name__})" for name, feature in features.items())
     image_column = next((n for n, f in features.items() if isinstance(f, datasets.Image)), None)
     if image_column is None:
-        raise RecipeError(f"{source} has no image column (columns: {columns}): "
-                          "the images need a datasets.Image feature, "
-                          "e.g. dataset.cast_column('image', datasets.Image())")
+        raise RecipeError(f"{source} has no image column (columns: {columns}): the images need a datasets.Image "
+                          "feature, e.g. dataset.cast_column('image', datasets.Image())")
     label_column = next((n for n, f in features.items() if isinstance(f, datasets.ClassLabel)), None)
     if label_column is not None:
         return image_column, label_column, list(features[label_column].names)
-    label_column = next((n for n in ("label", "labels", "target") if n in features
-                         and getattr(features[n], "dtype", "").startswith("int")), None)
+    label_column = next((n for n in ("label", "labels", "target")
+                         if n in features and getattr(features[n], "dtype", "").startswith("int")), None)
     if label_column is None:
         raise RecipeError(f"{source} has no label column (columns: {columns}): add a ClassLabel column, "
                           "or an integer column named 'label'")
-    num_classes = max(split.unique(label_column)) + 1
-    return image_column, label_column, [str(i) for i in range(num_classes)]
+    return image_column, label_column, [str(i) for i in range(max(split.unique(label_column)) + 1)]
 
 
 def decode_split(split, name, source, image_column, label_column, classes, image_shape) -> ImageTensors:
@@ -182,7 +154,6 @@ def decode_split(split, name, source, image_column, label_column, classes, image
     cache = CACHE_DIR / f"{split._fingerprint}-{name}-{channels}x{height}x{width}.safetensors"
     if cache.exists():
         return ImageTensors(*_read_cache(cache, name), name=name)
-
     # Decode to one PIL mode: grayscale <-> colour, and a stray RGBA or CMYK image converts instead of failing.
     split = split.cast_column(image_column, datasets.Image(mode="L" if channels == 1 else "RGB"))
     images = torch.empty(len(split), channels, height, width, dtype=torch.uint8)
@@ -211,9 +182,8 @@ def check_conversion(first: Image.Image, source: str, image_shape: tuple[int, in
     if first.mode in WIDE_MODES:
         raise RecipeError(f"{source} has {first.mode} images (16-bit, 32-bit or float pixels): converting them to "
                           "8 bits would clip or guess a range; scale them to 8-bit L or RGB when building the dataset")
-    changes = []
-    if (first.mode in GRAYSCALE_MODES) != (channels == 1):
-        changes.append("grayscale -> colour" if channels == 3 else "colour -> grayscale")
+    changes = ["grayscale -> colour" if channels == 3 else "colour -> grayscale"] * (
+        (first.mode in GRAYSCALE_MODES) != (channels == 1))
     if (first.height, first.width) != (height, width):
         changes.append(f"{first.width}x{first.height} -> {width}x{height} (shorter side resized with antialiasing, "
                        "then centre-cropped)")
@@ -223,10 +193,8 @@ def check_conversion(first: Image.Image, source: str, image_shape: tuple[int, in
 
 
 def fit(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """uint8 (C, h, w) of any size -> (C, height, width): shorter side resized with antialiasing, centre crop.
-
-    The same pixels as torchvision's v2 resize + center_crop (tested), without importing torchvision:
-    that import alone took 1.3 s of every start, in every process."""
+    """uint8 (C, h, w) -> (C, height, width): shorter side resized with antialiasing, centre crop. The same pixels
+    as torchvision's v2 resize + center_crop (tested), without its import: 1.3 s of every start of every process."""
     h, w = image.shape[1:]
     if (h, w) == (height, width):
         return image
@@ -241,13 +209,11 @@ def fit(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
 
 def _read_cache(path: Path, split: str) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     with safe_open(path, "pt") as f:
-        classes = json.loads(f.metadata()["classes"])
-        return f.get_tensor(f"{split}.images"), f.get_tensor(f"{split}.labels"), classes
+        return f.get_tensor(f"{split}.images"), f.get_tensor(f"{split}.labels"), json.loads(f.metadata()["classes"])
 
 
 def _write_cache(path: Path, splits: dict, classes: list[str], source: str) -> None:
-    tensors = {f"{split}.{kind}": t for split, (images, labels) in splits.items()
-               for kind, t in (("images", images), ("labels", labels))}
+    tensors = {f"{split}.{kind}": t for split, pair in splits.items() for kind, t in zip(("images", "labels"), pair)}
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".tmp{os.getpid()}")
     save_file(tensors, partial, metadata={"source": source, "classes": json.dumps(classes)})
@@ -256,12 +222,9 @@ def _write_cache(path: Path, splits: dict, classes: list[str], source: str) -> N
 
 def make_synthetic(image_shape, train_size: int, test_size: int,
                    num_classes: int = 10) -> tuple[ImageTensors, ImageTensors]:
-    """Learnable stand-in data: a smooth random pattern per class at low contrast, over a smooth
-    distractor pattern that carries no class information, under pixel noise. A small CNN climbs
-    from chance to roughly 75% test accuracy over its first few hundred steps.
-
-    Fixed generator seed: every run and every process sees the same images, whatever --seed is.
-    """
+    """Learnable stand-in: a smooth pattern per class at low contrast, over a distractor pattern that carries no
+    class, under pixel noise; a small CNN climbs from chance to about 75% in a few hundred steps. A fixed seed:
+    every run and process sees the same images, whatever --seed is."""
     channels, height, width = image_shape
     cache = CACHE_DIR / f"synthetic-v1-{channels}x{height}x{width}-{train_size}-{test_size}-{num_classes}.safetensors"
     if cache.exists():
@@ -274,7 +237,6 @@ def make_synthetic(image_shape, train_size: int, test_size: int,
         return ((fields - 0.5) * 255).round().to(torch.int16)
 
     patterns, distractors = smooth_patterns(num_classes), smooth_patterns(256)
-    classes = [f"synthetic_{i}" for i in range(num_classes)]
     tensors = {}
     for split, size in (("train", train_size), ("test", test_size)):
         labels = torch.randint(num_classes, (size,), generator=generator)
@@ -283,10 +245,9 @@ def make_synthetic(image_shape, train_size: int, test_size: int,
             chunk = labels[start:start + 10_000]
             contrast = torch.randint(2, 5, (len(chunk), 1, 1, 1), generator=generator, dtype=torch.int16)
             distractor = distractors[torch.randint(len(distractors), (len(chunk),), generator=generator)]
-            noise = torch.randint(-80, 81, (len(chunk), channels, height, width), generator=generator,
-                                  dtype=torch.int16)
+            noise = torch.randint(-80, 81, (len(chunk), *image_shape), generator=generator, dtype=torch.int16)
             pixels = 128 + patterns[chunk] * contrast // 16 + distractor // 2 + noise
             images[start:start + len(chunk)] = pixels.clamp_(0, 255).to(torch.uint8)
         tensors[split] = (images, labels)
-    _write_cache(cache, tensors, classes, source="synthetic")
-    return tuple(ImageTensors(*tensors[split], classes, f"synthetic {split}") for split in ("train", "test"))
+    _write_cache(cache, tensors, [f"synthetic_{i}" for i in range(num_classes)], source="synthetic")
+    return make_synthetic(image_shape, train_size, test_size, num_classes)  # read back: one code path

@@ -1,11 +1,6 @@
-"""The learning rate as a function of the optimizer step: what a resumed run can recompute for any length.
-
-A stateful scheduler saved in a checkpoint keeps the total it was built for: a run resumed with a
-higher --max_steps or --epochs then fails at the old total ("Tried to step 41 times", OneCycleLR).
-Computed from (step, total_steps, peak) each step instead, the schedule has no state to go stale.
-"""
-
-from __future__ import annotations
+"""The learning rate as a function of the optimizer step. A stateful scheduler saved in a checkpoint keeps the
+length it was built for (OneCycleLR fails at step 41 of a 40-step run resumed with --max_steps 50); a function of
+(step, total_steps, peak) has no state to go stale, so a resumed run can be given another length."""
 
 # What config.json records and a resume with another length prints.
 SCHEDULE_RULE = ("one-cycle over total_steps; resumed with another length, it is rebuilt for the new total_steps "
@@ -13,12 +8,12 @@ SCHEDULE_RULE = ("one-cycle over total_steps; resumed with another length, it is
 
 
 def one_cycle_lr(step: int, total_steps: int, peak: float) -> float:
-    """The rate of optimizer step `step` (0-based): up from peak/25 to `peak` over the first 20% of the
-    steps, then down to peak/250,000 at the last one. The same numbers as torch's OneCycleLR(pct_start=0.2,
+    """The rate of optimizer step `step` (0-based): up from peak/25 to `peak` over the first 20% of the steps, then
+    down to peak/250,000 at the last one. The same numbers as torch's OneCycleLR(pct_start=0.2,
     anneal_strategy="linear"), also for the 5-step run where OneCycleLR divides by zero."""
     start, end = peak / 25, peak / 25 / 1e4
     top = 0.2 * total_steps - 1  # the step at the peak, where OneCycleLR puts it (fractional)
-    if step < top:
+    if step < top:  # written as OneCycleLR computes it, so that the floats come out the same
         pct = step / top
         return (peak - start) * pct + start
     pct = (step - top) / (total_steps - 1 - top)

@@ -1,12 +1,9 @@
-"""The run folder and its files, written through accelerate's tracker interface.
+"""What a run records: its folder, wandb or TensorBoard, and files readable without any service.
 
-`make_run_dir` picks the folder, the same on every process. `trackers(cfg, run_dir)` is the
-Accelerator's `log_with`: the user's tracker (wandb or tensorboard) plus `RunFiles`, which leaves
-files that stay readable without any service:
-    config.json     the resolved configuration               (accelerator.init_trackers)
-    metrics.jsonl   one JSON object per accelerator.log call  (accelerator.log)
-    summary.json    the last value of every logged key, like wandb's run summary
-    curves.png      loss, accuracy and gradient norm against step (both at accelerator.end_training)
+`open_run` picks the folder (the same on every process) and builds the Accelerator's `log_with`: the user's
+tracker plus `RunFiles`, which writes config.json (at init_trackers), metrics.jsonl (one line per
+accelerator.log), summary.json (the last value of every key, like wandb's run summary) and curves.png (at
+end_training). `TrainWindow` measures training between log points; `save_pictures` draws the test results.
 """
 
 from __future__ import annotations
@@ -26,20 +23,24 @@ from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlparse
 
+import numpy as np
 import torch
 from accelerate import PartialState
 from accelerate.tracking import GeneralTracker, TensorBoardTracker, WandBTracker, on_main_process
 from accelerate.utils import broadcast_object_list
 
 from shared.checkpoints import find_checkpoint
-from shared.errors import RecipeError, first_line
+from shared.errors import RecipeError, check_launch, first_line
+from shared.schedule import SCHEDULE_RULE
 
 RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "curves.png", "confusion_matrix.png", "misclassified.png",
              "model.safetensors", "checkpoints", "wandb", "tensorboard")
 
 
-def make_run_dir(cfg, recipe: str) -> Path:
-    """--output_dir, the run being resumed, or runs/<recipe>-<YYYYmmdd-HHMMSS>; created by the main process."""
+def open_run(cfg, recipe: str) -> tuple[Path, list]:
+    """Check the launch; return the run folder (--output_dir, the run being resumed, or
+    runs/<recipe>-<YYYYmmdd-HHMMSS>) and the trackers for Accelerator(log_with=...)."""
+    check_launch()  # also starts the process group, which the folder's name is broadcast over
     state = PartialState()
     output_dir = cfg.output_dir
     if output_dir is None and cfg.resume:
@@ -58,42 +59,36 @@ def make_run_dir(cfg, recipe: str) -> Path:
             (run_dir / ".write_test").touch()
             (run_dir / ".write_test").unlink()
         except OSError as error:
-            raise RecipeError(f"cannot write to {run_dir} ({error.strerror}): "
-                              "pass --output_dir to a writable folder") from None
+            raise RecipeError(f"cannot write to {run_dir} ({error.strerror}): pass --output_dir to a writable folder"
+                              ) from None
         if cfg.overwrite and not cfg.resume:
-            for name in RUN_FILES:  # only what a run writes; anything else in the folder stays
-                path = run_dir / name
+            for path in (run_dir / name for name in RUN_FILES):  # only what a run writes; the rest stays
                 shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     state.wait_for_everyone()
-    return run_dir
-
-
-def trackers(cfg, run_dir: Path, recipe: str) -> list:
-    """Accelerator(log_with=...): wandb or TensorBoard (or neither), plus the run's own files.
-
-    Built before the Accelerator, from what the launcher put in the environment. A resumed run
-    keeps its run id (from config.json), so it continues the same wandb run."""
+    # A resumed run keeps its run id (from config.json), so it continues the same wandb run.
     previous = run_dir / "config.json"
-    run_id = json.loads(previous.read_text()).get("run_id") if cfg.resume and previous.exists() else None
-    run_id = run_id or uuid.uuid4().hex[:8]
-    labels = {"synthetic": True} if cfg.synthetic else {}
-    chosen = {
-        "wandb": lambda: [WandB(recipe, run_dir, run_id, tags=list(labels))],
-        "tensorboard": lambda: [TensorBoard("tensorboard", run_dir)],  # writes run_dir/tensorboard/
-        "none": lambda: [],
-    }[cfg.tracker]()
-    return chosen + [RunFiles(run_dir, run_id, labels)]
+    run_id = (json.loads(previous.read_text()).get("run_id") if cfg.resume and previous.exists() else None)
+    run_id, labels = run_id or uuid.uuid4().hex[:8], {"synthetic": True} if cfg.synthetic else {}
+    chosen = {"wandb": lambda: [WandB(recipe, run_dir, run_id, tags=list(labels))],
+              "tensorboard": lambda: [TensorBoard("tensorboard", run_dir)], "none": lambda: []}[cfg.tracker]()
+    return run_dir, chosen + [RunFiles(run_dir, run_id, labels)]
 
 
 class WandB(WandBTracker):
-    """accelerate's wandb tracker, with the optimizer step as the x-axis of every chart.
+    """accelerate's wandb tracker, offline without an API key, with the optimizer step as every chart's x-axis.
 
-    The step travels as a logged value ("step", declared the x-axis with define_metric) rather than
-    as wandb's own step counter: a run resumed from its last checkpoint logs again the steps that
-    came after it, and wandb silently drops any point whose own step goes backwards."""
+    The step travels as a logged value ("step", the x-axis by define_metric), not as wandb's own step counter: a
+    resumed run logs again the steps after its checkpoint, and wandb drops points whose own step goes backwards."""
 
     def __init__(self, project: str, run_dir: Path, run_id: str, tags: list[str]):
-        super().__init__(project, dir=str(run_dir), id=run_id, resume="allow", mode=wandb_mode(), tags=tags)
+        mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else None)
+        if mode is None:  # `wandb login` writes the key into ~/.netrc
+            host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+            try:
+                mode = "online" if netrc.netrc().authenticators(host) else "offline"
+            except (OSError, netrc.NetrcParseError):
+                mode = "offline"
+        super().__init__(project, dir=str(run_dir), id=run_id, resume="allow", mode=mode, tags=tags)
 
     @on_main_process
     def start(self):
@@ -114,8 +109,7 @@ class WandB(WandBTracker):
 
     @on_main_process
     def store_init_configuration(self, values: dict):
-        # Named from the configuration the run actually uses (--auto_batch_size settles the batch size
-        # after this tracker is built): <recipe>-<processes>x<precision>-b<global batch>-<time>.
+        # Named from the configuration actually used (--auto_batch_size settles the batch after this is built).
         self.run.name = (f"{values['recipe']}-{values['world_size']}x{values['mixed_precision']}"
                          f"-b{values['global_batch_size']}{'-synthetic' if values.get('synthetic') else ''}"
                          f"-{time.strftime('%m%d-%H%M')}")
@@ -127,57 +121,33 @@ class WandB(WandBTracker):
 
 
 class TensorBoard(TensorBoardTracker):
-    """accelerate's TensorBoard tracker, with the config flattened to what hparams accept."""
-
     @on_main_process
-    def store_init_configuration(self, values: dict):
-        super().store_init_configuration({key: value if isinstance(value, (int, float, str, bool)) else str(value)
-                                          for key, value in values.items()})
-
-
-def wandb_mode() -> str:
-    """WANDB_MODE if set; online with an API key (env or `wandb login`'s netrc entry); else offline."""
-    if os.environ.get("WANDB_MODE"):
-        return os.environ["WANDB_MODE"]
-    if os.environ.get("WANDB_API_KEY"):
-        return "online"
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
-    try:
-        return "online" if netrc.netrc().authenticators(host) else "offline"
-    except (OSError, netrc.NetrcParseError):
-        return "offline"
+    def store_init_configuration(self, values: dict):  # hparams take numbers, strings and booleans only
+        super().store_init_configuration({k: v if isinstance(v, (int, float, str, bool)) else str(v)
+                                          for k, v in values.items()})
 
 
 def run_config(cfg, accelerator, run_dir: Path, **extra) -> dict:
-    """What config.json and the tracker record: every flag, the run folder, the launch, and the versions."""
+    """What config.json and the tracker record: every flag, the run folder, the launch and the versions."""
     import accelerate
     import datasets
 
-    return {
-        **dataclasses.asdict(cfg), "output_dir": str(run_dir), **extra,
-        "world_size": accelerator.num_processes,
-        "mixed_precision": accelerator.mixed_precision,
-        "distributed_type": accelerator.distributed_type.value,
-        "device": str(accelerator.device),
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "accelerate": accelerate.__version__, "datasets": datasets.__version__},
-    }
+    return {**dataclasses.asdict(cfg), "output_dir": str(run_dir), **extra, "lr_schedule": SCHEDULE_RULE,
+            "world_size": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision,
+            "distributed_type": accelerator.distributed_type.value, "device": str(accelerator.device),
+            "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                         "accelerate": accelerate.__version__, "datasets": datasets.__version__}}
 
 
 class TrainWindow:
-    """What happened since the last log point: mean training loss, accuracy, gradient norm and samples per second.
-
-    Losses and gradient norms are summed on the device, so a step never waits for the GPU; `flush()` synchronizes
-    once per log point. Time spent inside `paused()` (evaluation, checkpoints) is left out.
-    """
+    """Training loss, accuracy, gradient norm and samples per second since the last log point. Summed on the device,
+    so a step never waits for the GPU; `flush()` syncs once per log point. Time inside `paused()` is left out."""
 
     def __init__(self, accelerator):
-        self.accelerator = accelerator
-        self.loss_sum, self.batches = torch.zeros((), device=accelerator.device), 0
-        self.correct = torch.zeros((), device=accelerator.device, dtype=torch.long)
-        self.grad_norm_sum = torch.zeros((), device=accelerator.device)
-        self.grad_norm_steps = torch.zeros((), device=accelerator.device, dtype=torch.long)
-        self.samples = self.total_samples = 0
+        self.accelerator, device = accelerator, accelerator.device
+        self.loss_sum, self.grad_norm_sum = torch.zeros((), device=device), torch.zeros((), device=device)
+        self.correct, self.grad_norm_steps = (torch.zeros((), device=device, dtype=torch.long) for _ in range(2))
+        self.batches = self.samples = self.total_samples = 0
         self.seconds = self.total_seconds = 0.0
         self.started = time.perf_counter()
 
@@ -188,8 +158,7 @@ class TrainWindow:
         self.samples += len(labels) * self.accelerator.num_processes
 
     def add_grad_norm(self, grad_norm: torch.Tensor) -> None:
-        """The gradient norm of one optimizer step, before clipping (the same on every process). An infinite
-        one (a step the fp16 gradient scaler skips) is left out of the mean."""
+        """One step's norm before clipping; an infinite one (a step fp16's scaler skips) stays out of the mean."""
         finite = torch.isfinite(grad_norm)
         self.grad_norm_sum += torch.where(finite, grad_norm.detach(), 0.0)
         self.grad_norm_steps += finite
@@ -203,14 +172,13 @@ class TrainWindow:
             raise RecipeError(f"the training loss became {train_loss} by step {step}: lower --lr; "
                               "checkpoints already on disk hold finite weights")
         self._clock()
-        rate = self.samples / max(self.seconds, 1e-9)
+        point = {"train_loss": train_loss, "train_acc": train_acc, "grad_norm": grad_norm,
+                 "samples_per_s": self.samples / max(self.seconds, 1e-9)}
         self.total_samples, self.total_seconds = self.total_samples + self.samples, self.total_seconds + self.seconds
-        self.loss_sum.zero_()
-        self.correct.zero_()
-        self.grad_norm_sum.zero_()
-        self.grad_norm_steps.zero_()
+        for total in (self.loss_sum, self.correct, self.grad_norm_sum, self.grad_norm_steps):
+            total.zero_()
         self.batches, self.samples, self.seconds = 0, 0, 0.0
-        return {"train_loss": train_loss, "train_acc": train_acc, "grad_norm": grad_norm, "samples_per_s": rate}
+        return point
 
     @contextmanager
     def paused(self):
@@ -218,35 +186,26 @@ class TrainWindow:
         yield
         self.started = time.perf_counter()
 
-    def overall_samples_per_s(self) -> float:
-        self._clock()
-        return (self.total_samples + self.samples) / max(self.total_seconds + self.seconds, 1e-9)
-
     def _clock(self) -> None:
         now = time.perf_counter()
-        self.seconds += now - self.started
-        self.started = now
+        self.seconds, self.started = self.seconds + now - self.started, now
 
-
-def run_summary(accelerator, progress, window: "TrainWindow", wall_s: float, epochs: float, data: str) -> dict:
-    """What summary.json reports beyond the last logged values (see RECIPES.md)."""
-    return {"best_eval_acc": progress.best_eval_acc, "steps": progress.step, "epochs": epochs, "wall_s": wall_s,
-            "samples_per_s": window.overall_samples_per_s(), "peak_mem_mb": peak_memory_mb(accelerator.device),
-            "world_size": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision, "data": data}
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    """Peak memory of this process: allocated GPU memory on CUDA, resident memory on a CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # Linux reports KiB
+    def summary(self, progress, wall_s: float, epochs: float, data: str) -> dict:
+        """What summary.json reports beyond the last logged values (../shared/RECIPES.md)."""
+        self._clock()
+        device = self.accelerator.device
+        peak_mem_mb = (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"  # else resident
+                       else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10)  # memory; Linux counts KiB
+        samples_per_s = (self.total_samples + self.samples) / max(self.total_seconds + self.seconds, 1e-9)
+        return {"best_eval_acc": progress.best_eval_acc, "steps": progress.step, "epochs": epochs, "wall_s": wall_s,
+                "samples_per_s": samples_per_s, "peak_mem_mb": peak_mem_mb, "data": data,
+                "world_size": self.accelerator.num_processes, "mixed_precision": self.accelerator.mixed_precision}
 
 
 class RunFiles(GeneralTracker):
     """An accelerate tracker that writes the run's readable files (main process only)."""
 
-    name = "run_files"
-    requires_logging_directory = False
+    name, requires_logging_directory = "run_files", False
 
     def __init__(self, run_dir: Path, run_id: str, labels: dict):
         super().__init__()
@@ -258,11 +217,10 @@ class RunFiles(GeneralTracker):
         return self
 
     def store_init_configuration(self, values: dict):
-        resumed_step = values.get("resumed_step")
         write_json(self.run_dir / "config.json", {**values, "run_id": self.run_id})
-        if resumed_step is not None and self.metrics.exists():
-            # Points logged after the checkpoint will be logged again: keep the file up to it.
-            rows = [row for row in read_jsonl(self.metrics) if row["step"] <= resumed_step]
+        if values.get("resumed_step") is not None and self.metrics.exists():
+            # The points after the checkpoint will be logged again: keep the file up to it.
+            rows = [row for row in read_jsonl(self.metrics) if row["step"] <= values["resumed_step"]]
             self.metrics.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
     def log(self, values: dict, step: int | None = None, **kwargs):
@@ -272,8 +230,8 @@ class RunFiles(GeneralTracker):
 
     def finish(self):
         write_json(self.run_dir / "summary.json", {**self.summary, **self.labels})
-        title = self.run_dir.name + (" (SYNTHETIC DATA)" if self.labels.get("synthetic") else "")
-        plot_curves(read_jsonl(self.metrics), self.run_dir / "curves.png", title)
+        plot_curves(read_jsonl(self.metrics), self.run_dir / "curves.png",
+                    self.run_dir.name + (" (SYNTHETIC DATA)" if self.labels else ""))
         offline_runs = sorted((self.run_dir / "wandb").glob("offline-run-*"))
         if offline_runs:
             print(f"wandb ran offline; upload the run with: wandb sync {offline_runs[-1]}")
@@ -286,28 +244,29 @@ def write_json(path: Path, values: dict) -> None:
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def plot_curves(rows: list[dict], path: Path, title: str) -> None:
-    """Loss (train and eval), accuracy (train and eval) and the gradient norm against optimizer step."""
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
 
-    fig, (loss_ax, acc_ax, norm_ax) = plt.subplots(1, 3, figsize=(15, 4))
-    for key, ax in (("train_loss", loss_ax), ("eval_loss", loss_ax), ("train_acc", acc_ax), ("eval_acc", acc_ax),
-                    ("grad_norm", norm_ax)):
-        points = [(row["step"], row[key]) for row in rows if key in row and row.get("step") is not None]
-        if points:
-            ax.plot(*zip(*points), marker="o" if key.startswith("eval") else None, markersize=3, label=key)
-    loss_ax.set(xlabel="optimizer step", ylabel="cross-entropy loss")
-    acc_ax.set(xlabel="optimizer step", ylabel="accuracy", ylim=(0, 1))
-    norm_ax.set(xlabel="optimizer step", ylabel="gradient L2 norm, before clipping")
-    for ax in (loss_ax, acc_ax, norm_ax):
+    return plt
+
+
+def plot_curves(rows: list[dict], path: Path, title: str) -> None:
+    """Loss and accuracy (train and eval) and the gradient norm against the optimizer step."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for ax, keys, ylabel in zip(axes, (("train_loss", "eval_loss"), ("train_acc", "eval_acc"), ("grad_norm",)),
+                                ("cross-entropy loss", "accuracy", "gradient L2 norm, before clipping")):
+        for key in keys:
+            points = [(row["step"], row[key]) for row in rows if key in row and row.get("step") is not None]
+            if points:
+                ax.plot(*zip(*points), marker="o" if key.startswith("eval") else None, markersize=3, label=key)
+        ax.set(xlabel="optimizer step", ylabel=ylabel, ylim=(0, 1) if ylabel == "accuracy" else None)
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend()
@@ -315,3 +274,45 @@ def plot_curves(rows: list[dict], path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def save_pictures(accelerator, run_dir: Path, test_set, predictions: torch.Tensor, step: int) -> None:
+    """confusion_matrix.png and misclassified.png in the run folder, and as images in wandb or TensorBoard.
+    `gather_for_metrics` keeps the test set's order, so prediction i belongs to test image i."""
+    if not accelerator.is_main_process:
+        return
+    plt = pyplot()
+    labels, classes, k = test_set.labels, test_set.classes, len(test_set.classes)
+    counts = torch.bincount(labels * k + predictions, minlength=k * k).reshape(k, k).double()
+    fractions = (counts / counts.sum(dim=1, keepdim=True).clamp(min=1)).numpy()  # rows: true class
+    confusion, ax = plt.subplots(figsize=(4 + 0.5 * min(k, 20),) * 2)
+    ax.imshow(fractions, cmap="Blues", vmin=0, vmax=1)
+    if k <= 20:  # readable names and numbers; 100 classes would only be noise
+        ax.set_xticks(range(k), classes, rotation=90)
+        ax.set_yticks(range(k), classes)
+        for (i, j), fraction in np.ndenumerate(fractions):
+            if counts[i, j]:
+                ax.text(j, i, f"{fraction:.2f}", ha="center", va="center", fontsize=7,
+                        color="white" if fraction > 0.5 else "black")
+    ax.set(xlabel="predicted", ylabel="true", title=f"confusion matrix: {int(counts.trace())} of {len(labels)} right")
+    wrong = (predictions != labels).nonzero().flatten()
+    rows = max(1, -(-min(len(wrong), 24) // 8))
+    misclassified, axes = plt.subplots(rows, 8, figsize=(16, 2.2 * rows), squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, index in zip(axes.flat, wrong[:24].tolist()):  # the first 24 the model got wrong
+        image = test_set.images[index].permute(1, 2, 0).numpy()
+        ax.imshow(image[..., 0] if image.shape[2] == 1 else image, cmap="gray" if image.shape[2] == 1 else None)
+        ax.set_title(f"{classes[labels[index]]}\n-> {classes[predictions[index]]}", fontsize=8)
+    misclassified.suptitle(f"misclassified test images: {min(len(wrong), 24)} shown of {len(wrong)}")
+    for name, figure in (("confusion_matrix", confusion), ("misclassified", misclassified)):
+        figure.tight_layout()
+        figure.savefig(Path(run_dir) / f"{name}.png", dpi=100)
+        figure.canvas.draw()
+        pixels = np.asarray(figure.canvas.buffer_rgba())[..., :3].copy()  # (H, W, 3) uint8
+        for tracker in accelerator.trackers:
+            if tracker.name == "wandb":
+                tracker.log_images({name: [pixels]}, step=step)
+            elif tracker.name == "tensorboard":
+                tracker.log_images({name: pixels[None]}, step=step, dataformats="NHWC")
+        plt.close(figure)

@@ -44,13 +44,9 @@ INTENDED = {
     + peak_lr = scaled_lr(cfg, global_batch_size)
     + model = make_model(len(train_set.classes))
     + if cfg.sync_bn and accelerator.num_processes > 1:
-    + # BatchNorm normalizes with the mean and variance of the batch in front of it. With 2
-    + # processes x batch b, each process normalizes its own b images, which is not what one
-    + # process normalizing all 2b does; with --grad_accum k, each of the k batches is normalized
-    + # on its own. So neither equals one big batch, and the exact-equivalence tests use a
-    + # BatchNorm-free model. SyncBatchNorm all-reduces the statistics over the processes at every
-    + # BatchNorm layer (forward and backward): 2 x b then normalizes like 1 x 2b. Accumulation
-    + # stays different: its batches run one after another, there is nothing to sync them with.
+    + # BatchNorm normalizes each process's own b images: 2 processes x b do not normalize like 1 x 2b (the
+    + # exact-equivalence tests use a BatchNorm-free model). SyncBatchNorm all-reduces the statistics at every
+    + # BatchNorm layer. Accumulated batches still differ: they run one after another, with nothing to sync.
     + if accelerator.device.type == "cpu":
     + raise RecipeError("--sync_bn needs GPUs: PyTorch's SyncBatchNorm does not run on CPU tensors")
     + model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -60,23 +56,20 @@ INTENDED = {
     + f"global batch {global_batch_size}, {total_steps} steps ({epochs} epochs) | "
     + f"lr {cfg.lr} for batch {REFERENCE_BATCH} -> {peak_lr:.4g} ({cfg.lr_scaling} scaling) | "
     + f"{run_dir}")
-    - total_steps=total_steps, train_size=len(train_set), test_size=len(test_set),
-    - lr_schedule=SCHEDULE_RULE, resumed_step=progress.step if cfg.resume else None,
-    + effective_lr=peak_lr, total_steps=total_steps, train_size=len(train_set),
-    + test_size=len(test_set), lr_schedule=SCHEDULE_RULE,
-    + resumed_step=progress.step if cfg.resume else None,
+    - global_batch_size=global_batch_size, total_steps=total_steps,
+    + global_batch_size=global_batch_size, effective_lr=peak_lr, total_steps=total_steps,
     - lr = one_cycle_lr(progress.step, total_steps, cfg.lr)  # a function of the step: see shared/schedule.py
     + lr = one_cycle_lr(progress.step, total_steps, peak_lr)  # a function of the step: see shared/schedule.py
     - # One bad batch can take a step large enough to kill every ReLU; the clip bounds it.
-    + # Early steps at the peak rate moved the weights faster than BatchNorm's running
-    + # statistics could follow (test loss 102 at the peak); the clip bounds each step.
+    + # Early steps at the peak rate moved the weights faster than BatchNorm's running statistics could
+    + # follow (test loss 102 at the peak); the clip bounds each step.
 """,
     ("resnet18_fmnist", "main"): """
     - evaluate_weights(cfg, lambda n: make_model(n, cfg.batch_norm), lambda: load_data(cfg)[1], evaluate)
     + evaluate_weights(cfg, make_model, lambda: load_data(cfg)[1], evaluate)
 """,
     ("deep_mlp_ckpt", "evaluate"): """
-    - logits = model(preprocess(images, augment=False))
+    - logits = model(preprocess(images, training=False))
     + logits = model(preprocess(images))
 """,
     ("deep_mlp_ckpt", "train"): """
@@ -95,8 +88,8 @@ INTENDED = {
     - logits = model(inputs)
     + logits = model(preprocess(images))
     - # One bad batch can take a step large enough to kill every ReLU; the clip bounds it.
-    + # Adam scales each step by the gradient's own size, so the clip changed nothing measurable
-    + # here (0.281 on real photos either way); it bounds the step after a rare outlier batch.
+    + # Adam scales each step by the gradient's own size, so the clip changed nothing measurable here
+    + # (0.281 on real photos either way); it bounds the step after a rare outlier batch.
 """,
     ("deep_mlp_ckpt", "main"): """
     - evaluate_weights(cfg, lambda n: make_model(n, cfg.batch_norm), lambda: load_data(cfg)[1], evaluate)
@@ -122,3 +115,12 @@ def test_the_three_training_loops_stay_in_step(recipe, name):
     intended = [line.strip() for line in INTENDED.get((recipe, name), "").strip().splitlines()]
     assert changed == intended, (f"{recipe}.{name}() differs from cifar_cnn's in more (or less) than intended; "
                                  "make the same fix in every recipe, or update INTENDED:\n" + "\n".join(changed))
+
+
+@pytest.mark.parametrize("recipe", ["cifar_cnn", "resnet18_fmnist", "deep_mlp_ckpt"])
+def test_a_recipe_imports_at_most_12_names_from_shared(recipe):
+    """../shared/STYLE.md's budget: a reader learns a dozen helpers, not a framework."""
+    tree = ast.parse((ROOT / "recipes" / f"{recipe}.py").read_text())
+    names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+             and (node.module or "").split(".")[0] == "shared" for alias in node.names]
+    assert 0 < len(names) <= 12, names

@@ -125,7 +125,7 @@ def test_changing_image_shape_alone_changes_the_model_input(monkeypatch, recipe,
         module.projection.cache_clear()
     model = module.make_model(7).eval()
     images = torch.randint(0, 256, (2, *shape), dtype=torch.uint8)
-    inputs = module.preprocess(images) if recipe == "deep_mlp_ckpt" else module.preprocess(images, augment=True)
+    inputs = module.preprocess(images) if recipe == "deep_mlp_ckpt" else module.preprocess(images, training=True)
     with torch.no_grad():
         assert model(inputs).shape == (2, 7)
     if recipe == "deep_mlp_ckpt":
