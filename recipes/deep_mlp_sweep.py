@@ -39,15 +39,15 @@ class Config:
     ckpt: Literal["sequential", "blocks"] = "sequential"  # checkpoint_sequential, or checkpoint() per block of layers
     batch: int = 1024  # samples per step: large enough for activations to matter (the seed's 16 is measured too)
     repeats: int = 3  # timed steps per row, after one warm-up step; the median is reported
+    segments: str = "1,2,3,4,6,8,9,12,18,24,36,72"  # segment counts to measure, comma-separated (and always none)
     seed: int = 0  # seeds the model and the random inputs
     output_dir: str | None = None  # default runs/deep_mlp_sweep-<YYYYmmdd-HHMMSS>
 
     def __post_init__(self):
         if self.batch < 1 or self.repeats < 1:
             raise ValueError(f"--batch and --repeats must be > 0, got {self.batch} and {self.repeats}")
-
-
-SWEEP_SEGMENTS = (None, 1, 2, 3, 4, 6, 8, 9, 12, 18, 24, 36, 72)  # None: no checkpointing; the rest divide 72
+        if not all(k.strip().isdigit() and 1 <= int(k) <= 72 for k in self.segments.split(",")):
+            raise ValueError(f"--segments takes comma-separated counts from 1 to 72, got {self.segments!r}")
 
 
 def saved_bytes(fn, x: torch.Tensor, model: nn.Module) -> int:
@@ -105,7 +105,7 @@ def sweep(cfg: Config) -> None:
             x = torch.randn(batch, WIDTH, device=accelerator.device)
             labels = torch.randint(100, (batch,), device=accelerator.device)
             batch_rows = [{"batch": batch, **measure(model, optimizer, x, labels, k, cfg.ckpt, cfg.repeats)}
-                          for k in SWEEP_SEGMENTS]
+                          for k in [None, *(int(k) for k in cfg.segments.split(","))]]  # None: no checkpointing
             for row in batch_rows:  # ratios to no checkpointing, measured in this same run
                 row["saved_x"] = row["saved_MB"] / batch_rows[0]["saved_MB"]
                 row["time_x"] = row["step_ms"] / batch_rows[0]["step_ms"]

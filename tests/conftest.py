@@ -25,11 +25,14 @@ def env(tmp_path_factory) -> dict:
     return clean
 
 
-def launch(env: dict, recipe: str, *args: str, config: str | None = "cpu", use_cpu: bool = False,
+def launch(env: dict, recipe: str, *args: str, config: str | None = None, use_cpu: bool = False,
            timeout: int = 600) -> subprocess.CompletedProcess:
-    """`accelerate launch --config_file accelerate_configs/<config>.yaml recipes/<recipe>.py args`
-    (or `--config_file <config>` when it is a path to a .yaml file);
-    `config=None` runs `python recipes/<recipe>.py args` instead."""
+    """`python recipes/<recipe>.py args` (one process), or with `config`:
+    `accelerate launch --config_file accelerate_configs/<config>.yaml recipes/<recipe>.py args`
+    (`--config_file <config>` when it is a path to a .yaml file).
+
+    One process runs the same code either way; the launcher adds about 3 s to every run, so tests name
+    a config where the launch itself is what they check, or where it starts several processes."""
     script = f"recipes/{recipe}.py"
     if config is None:
         command = [sys.executable, script, *args]

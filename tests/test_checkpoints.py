@@ -111,10 +111,12 @@ def safe_rows(run: Path) -> list[dict]:
 
 
 def test_kill_9_during_a_checkpoint_save_keeps_the_previous_one(env, tmp_path):
-    # The 72-layer MLP's checkpoint is ~0.9 GB, so a save lasts long enough to be interrupted.
+    # The 72-layer MLP's checkpoint is ~0.9 GB, so a save lasts long enough to be interrupted. Checkpointed
+    # segments and dropout: the resumed run must also replay dropout's masks exactly when it recomputes a segment.
     data = save_to_disk_dataset(tmp_path / "data", sizes={"train": 32, "test": 8})
     args = ("--data", str(data), "--batch_size", "8", "--max_steps", "2", "--checkpoint_every", "1",
-            "--keep_checkpoints", "1", "--log_every", "1", "--tracker", "none")
+            "--keep_checkpoints", "1", "--log_every", "1", "--tracker", "none", "--ckpt", "sequential",
+            "--segments", "8", "--dropout", "0.1")
     reference = tmp_path / "reference"
     ok(launch(env, "deep_mlp_ckpt", *args, "--output_dir", str(reference)))
     out = tmp_path / "run"
