@@ -203,10 +203,11 @@ def find_checkpoint(run_dir: Path | None, resume: str, recipe: str = "") -> Path
             raise RecipeError(f"--resume latest: no run of {recipe} with checkpoints under runs/: "
                               "pass --output_dir of the run to continue")
         run_dir = runs[-1]
-    if not list_checkpoints(run_dir):
+    checkpoints = list_checkpoints(run_dir)
+    if not checkpoints:
         raise RecipeError(f"--resume latest: {run_dir} has no checkpoints: start it without --resume, "
                           "or pass --output_dir of a run that saved one (--checkpoint_every N)")
-    return list_checkpoints(run_dir)[-1]
+    return checkpoints[-1]
 
 
 def check_resume(checkpoint: Path, config: dict, progress: Progress) -> None:

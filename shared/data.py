@@ -249,5 +249,6 @@ def make_synthetic(image_shape, train_size: int, test_size: int,
             pixels = 128 + patterns[chunk] * contrast // 16 + distractor // 2 + noise
             images[start:start + len(chunk)] = pixels.clamp_(0, 255).to(torch.uint8)
         tensors[split] = (images, labels)
-    _write_cache(cache, tensors, [f"synthetic_{i}" for i in range(num_classes)], source="synthetic")
-    return make_synthetic(image_shape, train_size, test_size, num_classes)  # read back: one code path
+    classes = [f"synthetic_{i}" for i in range(num_classes)]
+    _write_cache(cache, tensors, classes, source="synthetic")
+    return tuple(ImageTensors(*tensors[split], classes, f"synthetic {split}") for split in ("train", "test"))
