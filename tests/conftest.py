@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -45,9 +47,28 @@ def launch(env: dict, recipe: str, *args: str, config: str | None = None, use_cp
     return subprocess.run(command, cwd=ROOT, env=run_env, capture_output=True, text=True, timeout=timeout)
 
 
+# gloo (processes on the CPU) can abort one process at interpreter exit, after the run has finished and destroyed its
+# process group: "terminate called without an active exception", exit -6 (the teardown race of pytorch#179291). It is
+# torch's, not the recipe's: a 20-line accelerate script whose main process is busy while the other tears down
+# aborts in 6 of 40 launches on a loaded 2-core machine; in 3 of 4 full suites, one of the ~40 two-process launches did.
+# A test accepts it, with a warning, and goes on to check what the run wrote; any other failure, or a Python
+# traceback from recipes/ or shared/, still fails. docs/troubleshooting.md tells users the same.
+GLOO_EXIT_ABORT = "terminate called without an active exception"
+
+
+def exited_cleanly(returncode: int, stderr: str) -> bool:
+    if returncode == 0:
+        return True
+    recipe_traceback = re.search(r'File "[^"]*(recipes|shared)/', stderr)
+    if GLOO_EXIT_ABORT in stderr and "Signal 6 (SIGABRT)" in stderr and not recipe_traceback:
+        warnings.warn(f"a process aborted at exit in gloo's teardown ({GLOO_EXIT_ABORT}); the outputs are checked")
+        return True
+    return False
+
+
 def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert result.returncode == 0, (f"exit {result.returncode}\n--- stdout\n{result.stdout[-3000:]}\n"
-                                    f"--- stderr\n{result.stderr[-5000:]}")
+    assert exited_cleanly(result.returncode, result.stderr), (
+        f"exit {result.returncode}\n--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-5000:]}")
     return result
 
 

@@ -24,7 +24,7 @@ from recipes.cifar_cnn import make_model
 from shared.checkpoints import load_weights
 from shared.errors import RecipeError
 
-from conftest import ROOT, launch, ok, read_json, read_jsonl
+from conftest import ROOT, exited_cleanly, launch, ok, read_json, read_jsonl
 from tiny_data import save_to_disk_dataset
 
 RUN = ("--batch_size", "8", "--max_steps", "20", "--checkpoint_every", "2", "--keep_checkpoints", "20",
@@ -161,7 +161,7 @@ def test_sigterm_to_both_processes_of_a_2_process_run(env, data, tmp_path):
     for pid in workers:  # what SLURM does: every training process gets the signal
         os.kill(int(pid), signal.SIGTERM)
     stdout, stderr = process.communicate(timeout=120)
-    assert process.returncode == 0, stderr
+    assert exited_cleanly(process.returncode, stderr), stderr
     stopped = int(stdout.split("at step ")[1].split(",")[0])
     assert (out / "checkpoints" / f"step_{stopped}").is_dir()
     assert sorted(p.name for p in (out / "checkpoints" / f"step_{stopped}").glob("random_states_*")) == [
