@@ -104,7 +104,7 @@ def test_1gpu_yaml_without_a_gpu_trains_on_the_cpu(env, disk_data, tmp_path):
 
 def test_synthetic_data_is_learnable_and_labelled(env, tmp_path):
     out = tmp_path / "run"
-    ok(launch(env, "cifar_cnn", "--synthetic", "--max_steps", "120", "--log_every", "40", "--output_dir", str(out)))
+    ok(launch(env, "cifar_cnn", "--synthetic", "--max_steps", "60", "--log_every", "20", "--output_dir", str(out)))
     summary = read_json(out / "summary.json")
     assert summary["eval_acc"] > 0.35, summary  # 10 classes: chance is 0.10
     assert summary["synthetic"] is True and "SYNTHETIC" in summary["data"]

@@ -272,7 +272,7 @@ def test_disk_full_during_a_checkpoint_save(env, data, tmp_path):
 def test_wandb_unreachable_falls_back_to_offline(env, data, tmp_path):
     run = tmp_path / "run"
     online_but_unreachable = dict(env, WANDB_API_KEY="a" * 40, WANDB_BASE_URL="http://127.0.0.1:9",
-                                  WANDB_INIT_TIMEOUT="5")
+                                  WANDB_INIT_TIMEOUT="1")
     result = ok(launch(online_but_unreachable, "cifar_cnn", "--data", str(data), "--output_dir", str(run),
                        "--batch_size", "8", "--max_steps", "4", config=None))
     assert "warning: wandb could not start online" in result.stderr and "logging offline instead" in result.stderr

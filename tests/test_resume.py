@@ -90,6 +90,7 @@ def test_longer_and_on_another_number_of_processes(env, labelled, tmp_path, reci
     peak_b = config.get("effective_lr", peak_a)
     if recipe == "resnet18_fmnist":  # --lr_scaling sqrt follows the global batch: 8 -> 16
         assert peak_b == pytest.approx(peak_a * 2 ** 0.5) and "effective_lr" in b
+        assert f"lr 0.1 for batch 128 -> {peak_b:.4g} (sqrt scaling)" in b
     rates = lrs(run)
     assert list(rates) == list(range(1, 21))  # A's 12 points kept, B's 8 appended, each step once
     assert [rates[s] for s in range(1, 13)] == [one_cycle_lr(s - 1, 12, peak_a) for s in range(1, 13)]
