@@ -50,7 +50,7 @@ def launch(env: dict, recipe: str, *args: str, config: str | None = None, use_cp
 # gloo (processes on the CPU) can abort one process at interpreter exit, after the run has finished and destroyed its
 # process group: "terminate called without an active exception", exit -6 (the teardown race of pytorch#179291). It is
 # torch's, not the recipe's: a 20-line accelerate script whose main process is busy while the other tears down
-# aborts in 6 of 40 launches on a loaded 2-core machine; in 3 of 4 full suites, one of the ~40 two-process launches did.
+# aborts in 6 of 40 launches on a loaded 2-core machine; in 2 of the last 4 full suites, one two-process launch did.
 # A test accepts it, with a warning, and goes on to check what the run wrote; any other failure, or a Python
 # traceback from recipes/ or shared/, still fails. docs/troubleshooting.md tells users the same.
 GLOO_EXIT_ABORT = "terminate called without an active exception"
