@@ -254,7 +254,7 @@ def train(cfg: Config) -> None:
     checkpoints.save_weights(model, {"recipe": RECIPE, **metrics, **summary})  # model.safetensors
     tracking.save_pictures(accelerator, run_dir, test_set, predictions, progress.step)  # confusion matrix, mistakes
     accelerator.log(summary, step=progress.step)
-    accelerator.wait_for_everyone()  # leave together: a process that tears gloo down alone can abort at exit
+    accelerator.wait_for_everyone()  # gloo's exit race (docs/troubleshooting.md) is rarer if all leave together
     accelerator.end_training()
     accelerator.print(f"done: eval_acc {metrics['eval_acc']:.4f} after {progress.step} steps in {wall_s:.0f} s; "
                       f"files in {run_dir}")

@@ -296,7 +296,6 @@ def evaluate_weights(cfg, make_model, load_test_set, evaluate) -> None:
     model, loader = accelerator.prepare(model, loader)
     metrics, _ = evaluate(model, loader, accelerator)
     accelerator.print(json.dumps({"weights": cfg.weights, **metrics}))
-    # Leave together and take the process group down: a process that left alone could abort while gloo tore down
-    # ("terminate called without an active exception").
+    # Leave together: gloo's teardown race at exit (docs/troubleshooting.md) is rarer then, though not gone.
     accelerator.wait_for_everyone()
     accelerator.end_training()
