@@ -9,12 +9,14 @@ for the same epochs, right after, so that drift in the machine's speed hits both
     python benchmarks/accuracy.py --lr_multipliers 0.5 1 2         # the learning-rate sweep (CPU: ~3 h)
     python benchmarks/accuracy.py --cases cifar_cnn/photos10/2gpu  # one case: the signature command's setup
     python benchmarks/accuracy.py --hub --config 1gpu --no_seed_loops   # real CIFAR-10/100, Fashion-MNIST (GPU)
+    python benchmarks/accuracy.py --recipe_flags="--ema 0.99 --tta" --no_seed_loops   # EMA and mirror TTA beside
 
 Cases (recipe / data / accelerate config): the data sets are built by benchmarks/real_images.py, with
 epoch counts sized to a 2-core CPU; `--hub` runs the recipes' own hub datasets for their default epochs.
 Reports final accuracy (the last evaluation, not the best) as mean +- std, min and max, and seconds
-per epoch (training plus that epoch's evaluation). Writes benchmarks/results/accuracy-<device>.md, drawn
-from every run recorded in accuracy-<device>.jsonl beside it.
+per epoch (training plus that epoch's evaluation). With --recipe_flags that add evaluations (--ema, --tta), a
+second table pairs them with the same runs' plain accuracy, seed by seed. Writes
+benchmarks/results/accuracy-<device>.md, drawn from every run recorded in accuracy-<device>.jsonl beside it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import ast
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -57,19 +60,21 @@ def default_of(recipe: str, field: str):
                 if isinstance(node, ast.AnnAssign) and node.target.id == field)
 
 
-def run_recipe(recipe: str, data: str, config: str, epochs: int, seed: int, lr: float, out: Path) -> dict:
+def run_recipe(recipe: str, data: str, config: str, epochs: int, seed: int, lr: float, out: Path,
+               flags: str = "") -> dict:
     env = dict(os.environ)
     if config in ("2gpu", "multigpu_bf16") and not torch.cuda.is_available():
         env["ACCELERATE_USE_CPU"] = "true"  # 2 CPU processes over gloo
     command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file",
                f"accelerate_configs/{config}.yaml", f"recipes/{recipe}.py", "--data", data, "--epochs", str(epochs),
-               "--seed", str(seed), "--lr", repr(lr), "--tracker", "none", "--output_dir", str(out)]
+               "--seed", str(seed), "--lr", repr(lr), "--tracker", "none", "--output_dir", str(out),
+               *shlex.split(flags)]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     if result.returncode != 0:  # e.g. the NaN guard: one line on stderr
         error = next((line for line in result.stderr.splitlines() if line.startswith("error:")), result.stderr[-300:])
         return {"eval_acc": None, "error": error.strip()}
     summary = json.loads((out / "summary.json").read_text())
-    return {"eval_acc": summary["eval_acc"], "best_eval_acc": summary["best_eval_acc"],
+    return {**{k: v for k, v in summary.items() if k.startswith("eval_acc")}, "best_eval_acc": summary["best_eval_acc"],
             "s_per_epoch": summary["wall_s"] / summary["epochs"]}
 
 
@@ -107,6 +112,29 @@ def table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def std(values: list[float]) -> float:
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def paired_table(records: list[dict]) -> str:
+    """For runs that evaluated more than the trained weights (--ema, --tta): each accuracy and its gain over the same
+    run's eval_acc, mean +- std over seeds. Empty when no run did."""
+    groups: dict[tuple, dict[int, dict]] = {}
+    for r in records:
+        if r["loop"] != "recipe" and any(k.startswith("eval_acc_") for k in r):
+            groups.setdefault((r["case"], r["config"], r["data"], r["epochs"], r["loop"]), {})[r["seed"]] = r
+    lines = ["| recipe on data, config | flags | epochs | seeds | evaluated | final test accuracy "
+             "| gain over eval_acc |", "|---|---|---|---|---|---|---|"]
+    for (case, config, data, epochs, loop), by_seed in groups.items():
+        runs = [r for r in by_seed.values() if r.get("eval_acc") is not None]
+        for key in sorted({k for r in runs for k in r if k.startswith("eval_acc_")}):
+            values, gains = [r[key] for r in runs], [r[key] - r["eval_acc"] for r in runs]
+            lines.append(f"| {case.split('/')[0]} on {data}, {config}.yaml | {loop.removeprefix('recipe ')} | {epochs} "
+                         f"| {len(runs)} | {key} | {statistics.mean(values):.3f} +- {std(values):.3f} | "
+                         f"{statistics.mean(gains):+.3f} +- {std(gains):.3f} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
@@ -115,6 +143,7 @@ def main() -> None:
     parser.add_argument("--no_seed_loops", action="store_true", help="only the recipes")
     parser.add_argument("--hub", action="store_true", help="the recipes' hub datasets and default epochs")
     parser.add_argument("--config", default=None, help="accelerate config for every case (default: the case's own)")
+    parser.add_argument("--recipe_flags", default="", help='more flags for every recipe run, e.g. "--ema 0.99 --tta"')
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="folder for the results")
     args = parser.parse_args()
 
@@ -141,8 +170,9 @@ def main() -> None:
         for seed in args.seeds:
             for m in args.lr_multipliers:
                 run_dir = work / str(len(list(work.iterdir())))
-                result = run_recipe(recipe, data, config, epochs, seed, base_lr * m, run_dir)
-                record(**where, loop="recipe", lr=base_lr * m, multiplier=m, seed=seed, **result)
+                result = run_recipe(recipe, data, config, epochs, seed, base_lr * m, run_dir, args.recipe_flags)
+                loop = f"recipe {args.recipe_flags}".strip()
+                record(**where, loop=loop, lr=base_lr * m, multiplier=m, seed=seed, **result)
             if not args.no_seed_loops and config not in MULTI_PROCESS:  # the seed loops run one process
                 for loop in ["seed loop", "seed + ReLU loop"] if recipe == "cifar_cnn" else ["seed loop"]:
                     result = run_seed_loop(recipe, data, epochs, seed, relu="ReLU" in loop)
@@ -151,7 +181,8 @@ def main() -> None:
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else \
         f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores"
-    text = (table([json.loads(line) for line in log.read_text().splitlines()])
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    text = (table(records) + (f"\n\n{paired_table(records)}" if paired_table(records) else "")
             + f"\n\n{device}; torch {torch.__version__}. Runs recorded in {log.name}; "
               f"latest command: python benchmarks/accuracy.py {' '.join(sys.argv[1:])}\n")
     print("\n" + text)

@@ -22,14 +22,16 @@ curves.png, model.safetensors, checkpoints/):
 import math
 import sys
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import GradientAccumulationPlugin, set_seed
+from accelerate.utils import GradientAccumulationPlugin, broadcast, set_seed
 from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
@@ -57,6 +59,7 @@ class Config(RunConfig):
     max_grad_norm: float = 1.0  # clip the gradient's global L2 norm to this before each step; inf: only measure it
     batch_norm: bool = True  # BatchNorm in each conv block; off: the seed's plain network, per-sample arithmetic
     augment: bool = True  # random crop (4 px padding) and horizontal flip, on the device
+    tta: bool = False  # also evaluate each test image's logits averaged with its mirror's (eval_acc_tta)
 
     def __post_init__(self):
         super().__post_init__()
@@ -84,7 +87,7 @@ def preprocess(images: torch.Tensor, training: bool) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- model
-def make_model(num_classes: int, batch_norm: bool = True) -> nn.Sequential:
+def make_model(num_classes: int, cfg: Config | None = None) -> nn.Sequential:
     # The seed network had no nonlinearity at all, which makes it one linear map plus max-pools. Two changes: a ReLU
     # after each conv block and after the hidden Linear, and BatchNorm in each conv block. Without BatchNorm it
     # trained to 0.90 on real photos (clipped gradients) instead of 0.95, and fell from 0.45 to 0.10 at the
@@ -92,7 +95,7 @@ def make_model(num_classes: int, batch_norm: bool = True) -> nn.Sequential:
     # normalization, on a quarter of the pixels. It makes an image's output depend on the rest of its batch, so 2
     # processes x b no longer equal 1 x 2b exactly.
     channels, height, width = IMAGE_SHAPE
-    norm = nn.BatchNorm2d if batch_norm else (lambda _: nn.Identity())
+    norm = nn.BatchNorm2d if (cfg or Config()).batch_norm else (lambda _: nn.Identity())
     return nn.Sequential(
         nn.Conv2d(channels, 32, 5, padding=2), nn.MaxPool2d(2), norm(32), nn.ReLU(),  # 32 x 32 -> 16 x 16
         nn.Conv2d(32, 32, 5, padding=2), nn.MaxPool2d(2), norm(32), nn.ReLU(),  # -> 8 x 8
@@ -113,21 +116,24 @@ def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
 
 
 @torch.no_grad()  # no autograd graph: evaluation needs no gradients, and would hold every activation
-def evaluate(model, loader, accelerator) -> tuple[dict, torch.Tensor]:
-    """Test loss and accuracy over every process, and the predictions in test-set order."""
+def evaluate(model, loader, accelerator, tta: bool = False) -> tuple[dict, torch.Tensor]:
+    """Test loss and accuracy over every process, and the predictions in test-set order. With tta, also those of
+    each image's logits averaged with its mirror's (eval_loss_tta, eval_acc_tta): training flips, so both count."""
     model.eval()
-    loss_sum = correct = 0
-    predictions = []
+    sums, predictions = defaultdict(int), []
     for images, labels in loader:
-        logits = model(preprocess(images, training=False))
+        inputs = preprocess(images, training=False)
+        outputs = {"": model(inputs)}
+        if tta:
+            outputs["_tta"] = (outputs[""] + model(inputs.flip(3))) / 2
         # From every process, minus the samples accelerate repeated to even out the last batch.
-        logits, labels = accelerator.gather_for_metrics((logits, labels))
-        loss_sum += F.cross_entropy(logits.float(), labels, reduction="sum")
-        predictions.append(logits.argmax(dim=1))
-        correct += (predictions[-1] == labels).sum()
+        outputs, labels = accelerator.gather_for_metrics((outputs, labels))
+        for suffix, logits in outputs.items():
+            sums[f"eval_loss{suffix}"] += F.cross_entropy(logits.float(), labels, reduction="sum")
+            sums[f"eval_acc{suffix}"] += (logits.argmax(dim=1) == labels).sum()
+        predictions.append(outputs[""].argmax(dim=1))
     count = sum(len(p) for p in predictions)
-    metrics = {"eval_loss": (loss_sum / count).item(), "eval_acc": (correct / count).item(), "eval_samples": count}
-    return metrics, torch.cat(predictions).cpu()
+    return {**{k: (v / count).item() for k, v in sums.items()}, "eval_samples": count}, torch.cat(predictions).cpu()
 
 
 # ----------------------------------------------------------------------------- training
@@ -148,7 +154,7 @@ def train(cfg: Config) -> None:
     batch_size = cfg.batch_size
     if cfg.auto_batch_size:  # halve --batch_size until one training step fits in memory, on every process
         batch_size = largest_batch_size(accelerator, batch_size, train_set,
-                                        lambda: make_model(len(train_set.classes), cfg.batch_norm),
+                                        lambda: make_model(len(train_set.classes), cfg),
                                         lambda model: make_optimizer(model, cfg),
                                         lambda images: preprocess(images, cfg.augment))
     # Each epoch's order is a function of (seed, epoch), resumable at any sample (see EpochOrder). Own generators:
@@ -160,7 +166,7 @@ def train(cfg: Config) -> None:
     test_loader = DataLoader(test_set, 2 * batch_size, collate_fn=test_set.whole_batch, generator=torch.Generator())
 
     global_batch_size = batch_size * accelerator.num_processes * cfg.grad_accum
-    model = make_model(len(train_set.classes), cfg.batch_norm)
+    model = make_model(len(train_set.classes), cfg)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if cfg.compile:
@@ -173,6 +179,12 @@ def train(cfg: Config) -> None:
     epoch_samples = epoch_batches * batch_size * accelerator.num_processes  # less a remainder short of a batch
     progress = Progress()
     accelerator.register_for_checkpointing(progress)  # saved and restored with every checkpoint
+    # --ema: an average of the weights, updated on every process after every optimizer step. The processes hold the
+    # same weights, so the same average; BatchNorm's running statistics are averaged too (use_buffers).
+    ema = AveragedModel(accelerator.unwrap_model(model), multi_avg_fn=get_ema_multi_avg_fn(cfg.ema),
+                        use_buffers=True) if cfg.ema else None
+    if ema is not None:
+        accelerator.register_for_checkpointing(ema)  # in every checkpoint, so a resume continues it exactly
     checkpoints = Checkpoints(accelerator, run_dir, cfg)  # SIGTERM or Ctrl-C: checkpoint after this step, exit 0
     checkpoint = checkpoints.resume(progress)  # with --resume: the checkpoint loaded, else None
     order.set_position(progress.epoch, progress.samples_seen)
@@ -180,7 +192,7 @@ def train(cfg: Config) -> None:
     # (counted this way, a resume on another number of processes still ends after --epochs).
     batches_left = len(train_loader) + (cfg.epochs - progress.epoch - 1) * epoch_batches
     total_steps = cfg.max_steps or progress.step + batches_left // cfg.grad_accum
-    if total_steps == 0:  # drop_last leaves no batch when the data is smaller than one
+    if epoch_batches == 0 or total_steps == 0:  # drop_last leaves no batch when the data is smaller than one
         raise RecipeError(f"{len(train_set)} training images make no full step of {global_batch_size}: "
                           "lower --batch_size or --grad_accum")
     epochs = cfg.epochs if cfg.max_steps is None else math.ceil(total_steps * cfg.grad_accum / epoch_batches)
@@ -193,13 +205,14 @@ def train(cfg: Config) -> None:
                       f"global batch {global_batch_size}, {total_steps} steps ({epochs} epochs) | {run_dir}")
     config = tracking.run_config(cfg, accelerator, run_dir, recipe=RECIPE, data=data_name, batch_size=batch_size,
                                  global_batch_size=global_batch_size, total_steps=total_steps,
-                                 train_size=len(train_set), test_size=len(test_set),
+                                 train_size=len(train_set), test_size=len(test_set), classes=train_set.classes,
                                  resumed_from=str(checkpoint) if checkpoint else None,
                                  resumed_step=progress.step if checkpoint else None)
     checkpoints.check_resume(config, progress)  # steps left to run? what changed, and what that changes
     accelerator.init_trackers(RECIPE, config=config)
 
     start, window = time.perf_counter(), tracking.TrainWindow(accelerator)
+    profiler = tracking.start_profiler(accelerator, run_dir, total_steps) if cfg.profile else None
     show_bar = accelerator.is_local_main_process and sys.stderr.isatty()
     while progress.step < total_steps:
         model.train()
@@ -225,6 +238,10 @@ def train(cfg: Config) -> None:
             window.add(loss, logits, labels)  # summed on the device: no loss.item() (a GPU sync) every step
             if not accelerator.sync_gradients:
                 continue
+            if ema is not None:
+                ema.update_parameters(model)
+            if profiler is not None:
+                profiler.step()
             progress.step += 1
             log_now = progress.step % log_every == 0 or progress.step == total_steps
             if log_now:
@@ -242,29 +259,39 @@ def train(cfg: Config) -> None:
         if len(train_set) - progress.samples_seen < batch_size * accelerator.num_processes:  # no full batch left
             progress.epoch, progress.samples_seen = progress.epoch + 1, 0
         with window.paused():
-            metrics, predictions = evaluate(model, test_loader, accelerator)
+            metrics, predictions = evaluate(model, test_loader, accelerator, cfg.tta)
+            if ema is not None:  # BatchNorm statistics differ between processes: the main process's, as DDP does
+                broadcast(list(ema.module.buffers()))
+                ema_metrics, _ = evaluate(ema, test_loader, accelerator, cfg.tta)
+                metrics |= {f"{key}_ema": value for key, value in ema_metrics.items() if key != "eval_samples"}
         progress.best_eval_acc = max(progress.best_eval_acc, metrics["eval_acc"])
         accelerator.log(metrics, step=progress.step)
-        accelerator.print(f"step {progress.step}/{total_steps}  eval_loss {metrics['eval_loss']:.4f}  "
-                          f"eval_acc {metrics['eval_acc']:.4f}")
+        accelerator.print(f"step {progress.step}/{total_steps}  "
+                          + "  ".join(f"{key} {value:.4f}" for key, value in metrics.items() if key != "eval_samples"))
 
+    if profiler is not None:
+        profiler.stop()
     checkpoints.save(model, progress.step)  # a no-op if this step is already saved
     wall_s = time.perf_counter() - start
     summary = window.summary(progress, wall_s, progress.epoch + progress.samples_seen / epoch_samples, data_name)
-    checkpoints.save_weights(model, {"recipe": RECIPE, **metrics, **summary})  # model.safetensors
+    use_ema = ema is not None and metrics["eval_acc_ema"] > metrics["eval_acc"]  # keep the better weights
+    checkpoints.save_weights(ema.module if use_ema else model, {  # model.safetensors
+        "recipe": RECIPE, "weights": "ema" if use_ema else "trained", "classes": train_set.classes, "flags": vars(cfg),
+        **metrics, **summary})
     tracking.save_pictures(accelerator, run_dir, test_set, predictions, progress.step)  # confusion matrix, mistakes
     accelerator.log(summary, step=progress.step)
     accelerator.wait_for_everyone()  # gloo's exit race (docs/troubleshooting.md) is rarer if all leave together
     accelerator.end_training()
     accelerator.print(f"done: eval_acc {metrics['eval_acc']:.4f} after {progress.step} steps in {wall_s:.0f} s; "
-                      f"files in {run_dir}")
+                      f"model.safetensors holds the {'EMA' if use_ema else 'trained'} weights; files in {run_dir}")
 
 
 def main() -> None:
     cfg = Config.parse()
     with one_line_errors():
         if cfg.eval_only:  # --eval_only --weights PATH: test metrics of a weights file, as one JSON line
-            evaluate_weights(cfg, lambda n: make_model(n, cfg.batch_norm), lambda: load_data(cfg)[1], evaluate)
+            evaluate_weights(cfg, lambda n: make_model(n, cfg), lambda: load_data(cfg)[1],
+                             lambda *args: evaluate(*args, cfg.tta))
         else:
             train(cfg)
 

@@ -33,8 +33,9 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import GradientAccumulationPlugin, set_seed
+from accelerate.utils import GradientAccumulationPlugin, broadcast, set_seed
 from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 from torch.utils.data import DataLoader
 from tqdm import tqdm
@@ -94,8 +95,8 @@ def projection(device: torch.device) -> torch.Tensor:
     return (torch.randn(pixels, WIDTH, generator=generator) / math.sqrt(pixels)).to(device)
 
 
-def preprocess(images: torch.Tensor) -> torch.Tensor:
-    """uint8 images on the device -> normalized, flattened, projected (N, 1000) floats."""
+def preprocess(images: torch.Tensor, training: bool = False) -> torch.Tensor:
+    """uint8 images on the device -> normalized, flattened, projected (N, 1000) floats; no augmentation."""
     return augment.normalize(images, MEAN, STD).flatten(1) @ projection(images.device)
 
 
@@ -139,7 +140,7 @@ class DeepMLP(nn.Module):
         return self.layers(x)
 
 
-def make_model(num_classes: int, cfg=None) -> DeepMLP:
+def make_model(num_classes: int, cfg: Config | None = None) -> DeepMLP:
     cfg = cfg or Config()
     return DeepMLP(num_classes, cfg.dropout, cfg.ckpt, cfg.segments, cfg.preserve_rng_state)
 
@@ -150,7 +151,8 @@ def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
 
 @torch.no_grad()  # no autograd graph: evaluation needs no gradients, and would hold every activation
 def evaluate(model, loader, accelerator) -> tuple[dict, torch.Tensor]:
-    """Test loss and accuracy over every process, and the predictions in test-set order."""
+    """Test loss and accuracy over every process, and the predictions in test-set order. (No --tta here: this
+    recipe trains without flips, so a mirrored image is not one it learned.)"""
     model.eval()
     loss_sum = correct = 0
     predictions = []
@@ -206,6 +208,12 @@ def train(cfg: Config) -> None:
     epoch_samples = epoch_batches * batch_size * accelerator.num_processes  # less a remainder short of a batch
     progress = Progress()
     accelerator.register_for_checkpointing(progress)  # saved and restored with every checkpoint
+    # --ema: an average of the weights, updated on every process after every optimizer step. The processes hold the
+    # same weights, so the same average; BatchNorm's running statistics are averaged too (use_buffers).
+    ema = AveragedModel(accelerator.unwrap_model(model), multi_avg_fn=get_ema_multi_avg_fn(cfg.ema),
+                        use_buffers=True) if cfg.ema else None
+    if ema is not None:
+        accelerator.register_for_checkpointing(ema)  # in every checkpoint, so a resume continues it exactly
     checkpoints = Checkpoints(accelerator, run_dir, cfg)  # SIGTERM or Ctrl-C: checkpoint after this step, exit 0
     checkpoint = checkpoints.resume(progress)  # with --resume: the checkpoint loaded, else None
     order.set_position(progress.epoch, progress.samples_seen)
@@ -213,7 +221,7 @@ def train(cfg: Config) -> None:
     # (counted this way, a resume on another number of processes still ends after --epochs).
     batches_left = len(train_loader) + (cfg.epochs - progress.epoch - 1) * epoch_batches
     total_steps = cfg.max_steps or progress.step + batches_left // cfg.grad_accum
-    if total_steps == 0:  # drop_last leaves no batch when the data is smaller than one
+    if epoch_batches == 0 or total_steps == 0:  # drop_last leaves no batch when the data is smaller than one
         raise RecipeError(f"{len(train_set)} training images make no full step of {global_batch_size}: "
                           "lower --batch_size or --grad_accum")
     epochs = cfg.epochs if cfg.max_steps is None else math.ceil(total_steps * cfg.grad_accum / epoch_batches)
@@ -226,13 +234,14 @@ def train(cfg: Config) -> None:
                       f"global batch {global_batch_size}, {total_steps} steps ({epochs} epochs) | {run_dir}")
     config = tracking.run_config(cfg, accelerator, run_dir, recipe=RECIPE, data=data_name, batch_size=batch_size,
                                  global_batch_size=global_batch_size, total_steps=total_steps,
-                                 train_size=len(train_set), test_size=len(test_set),
+                                 train_size=len(train_set), test_size=len(test_set), classes=train_set.classes,
                                  resumed_from=str(checkpoint) if checkpoint else None,
                                  resumed_step=progress.step if checkpoint else None)
     checkpoints.check_resume(config, progress)  # steps left to run? what changed, and what that changes
     accelerator.init_trackers(RECIPE, config=config)
 
     start, window = time.perf_counter(), tracking.TrainWindow(accelerator)
+    profiler = tracking.start_profiler(accelerator, run_dir, total_steps) if cfg.profile else None
     show_bar = accelerator.is_local_main_process and sys.stderr.isatty()
     while progress.step < total_steps:
         model.train()
@@ -256,6 +265,10 @@ def train(cfg: Config) -> None:
             window.add(loss, logits, labels)  # summed on the device: no loss.item() (a GPU sync) every step
             if not accelerator.sync_gradients:
                 continue
+            if ema is not None:
+                ema.update_parameters(model)
+            if profiler is not None:
+                profiler.step()
             progress.step += 1
             log_now = progress.step % log_every == 0 or progress.step == total_steps
             if log_now:
@@ -274,21 +287,30 @@ def train(cfg: Config) -> None:
             progress.epoch, progress.samples_seen = progress.epoch + 1, 0
         with window.paused():
             metrics, predictions = evaluate(model, test_loader, accelerator)
+            if ema is not None:  # BatchNorm statistics differ between processes: the main process's, as DDP does
+                broadcast(list(ema.module.buffers()))
+                ema_metrics, _ = evaluate(ema, test_loader, accelerator)
+                metrics |= {f"{key}_ema": value for key, value in ema_metrics.items() if key != "eval_samples"}
         progress.best_eval_acc = max(progress.best_eval_acc, metrics["eval_acc"])
         accelerator.log(metrics, step=progress.step)
-        accelerator.print(f"step {progress.step}/{total_steps}  eval_loss {metrics['eval_loss']:.4f}  "
-                          f"eval_acc {metrics['eval_acc']:.4f}")
+        accelerator.print(f"step {progress.step}/{total_steps}  "
+                          + "  ".join(f"{key} {value:.4f}" for key, value in metrics.items() if key != "eval_samples"))
 
+    if profiler is not None:
+        profiler.stop()
     checkpoints.save(model, progress.step)  # a no-op if this step is already saved
     wall_s = time.perf_counter() - start
     summary = window.summary(progress, wall_s, progress.epoch + progress.samples_seen / epoch_samples, data_name)
-    checkpoints.save_weights(model, {"recipe": RECIPE, **metrics, **summary})  # model.safetensors
+    use_ema = ema is not None and metrics["eval_acc_ema"] > metrics["eval_acc"]  # keep the better weights
+    checkpoints.save_weights(ema.module if use_ema else model, {  # model.safetensors
+        "recipe": RECIPE, "weights": "ema" if use_ema else "trained", "classes": train_set.classes, "flags": vars(cfg),
+        **metrics, **summary})
     tracking.save_pictures(accelerator, run_dir, test_set, predictions, progress.step)  # confusion matrix, mistakes
     accelerator.log(summary, step=progress.step)
     accelerator.wait_for_everyone()  # gloo's exit race (docs/troubleshooting.md) is rarer if all leave together
     accelerator.end_training()
     accelerator.print(f"done: eval_acc {metrics['eval_acc']:.4f} after {progress.step} steps in {wall_s:.0f} s; "
-                      f"files in {run_dir}")
+                      f"model.safetensors holds the {'EMA' if use_ema else 'trained'} weights; files in {run_dir}")
 
 
 def main() -> None:

@@ -165,12 +165,12 @@ class Checkpoints:
         return final
 
     def save_weights(self, model, metadata: dict) -> None:
-        """model.safetensors: a plain state dict, no `module.` or `_orig_mod.` prefixes."""
+        """model.safetensors: a plain state dict, no `module.` or `_orig_mod.` prefixes; `metadata` as JSON text."""
         state = self.accelerator.get_state_dict(model)  # unwraps DDP; model.compile() adds no prefix
         if self.accelerator.is_main_process:
             partial = self.run_dir / "model.safetensors.tmp"
             save_file({k: v.contiguous() for k, v in state.items()}, partial,
-                      metadata={k: str(v) for k, v in metadata.items()})
+                      metadata={k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()})
             os.replace(partial, self.run_dir / "model.safetensors")
 
     def resume_command(self) -> str:

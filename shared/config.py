@@ -78,6 +78,8 @@ class RunConfig:
     channels_last: bool = False  # NHWC memory layout for convolutions (GPU, faster with mixed precision)
     data_on_device: bool = False  # hold the whole uint8 dataset in GPU memory: no host-to-GPU copy per batch
     auto_batch_size: bool = False  # halve --batch_size until a training step fits in memory (all processes agree)
+    ema: float | None = None  # also keep an average of the weights over the last ~1/(1 - EMA) steps, e.g. 0.99
+    profile: bool = False  # trace optimizer steps 8-12 with torch.profiler into profile/; print the slowest operators
 
     parse = classmethod(parse_config)
 
@@ -86,6 +88,8 @@ class RunConfig:
             value = getattr(self, name)
             if value is not None and not (value > 0 if name in POSITIVE else value >= 0):
                 raise ValueError(f"--{name} must be {'>' if name in POSITIVE else '>='} 0, got {value}")
+        if self.ema is not None and not 0 < self.ema < 1:
+            raise ValueError(f"--ema is the average's decay per step, between 0 and 1 (e.g. 0.99); got {self.ema}")
         if self.eval_only and not self.weights:
             raise ValueError("--eval_only needs --weights PATH (a model.safetensors, .pt file or checkpoint folder)")
         if self.eval_only and self.resume:

@@ -3,7 +3,8 @@
 `open_run` picks the folder (the same on every process) and builds the Accelerator's `log_with`: the user's
 tracker plus `RunFiles`, which writes config.json (at init_trackers), metrics.jsonl (one line per
 accelerator.log), summary.json (the last value of every key, like wandb's run summary) and curves.png (at
-end_training). `TrainWindow` measures training between log points; `save_pictures` draws the test results.
+end_training). `TrainWindow` measures training between log points; `save_pictures` draws the test results;
+`start_profiler` traces a few steps (--profile).
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ from shared.errors import RecipeError, check_launch, first_line
 from shared.schedule import SCHEDULE_RULE
 
 RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "curves.png", "confusion_matrix.png", "misclassified.png",
-             "model.safetensors", "checkpoints", "wandb", "tensorboard")
+             "model.safetensors", "checkpoints", "wandb", "tensorboard", "profile")
+ACCURACIES = ("train_acc", "eval_acc", "eval_acc_tta", "eval_acc_ema", "eval_acc_tta_ema")  # those logged: curves.png
+PROFILE_STEPS = {"wait": 5, "warmup": 2, "active": 5}  # --profile: skip 5 optimizer steps, warm up 2, record 5
 
 
 def open_run(cfg, recipe: str) -> tuple[Path, list]:
@@ -260,7 +263,7 @@ def plot_curves(rows: list[dict], path: Path, title: str) -> None:
     """Loss and accuracy (train and eval) and the gradient norm against the optimizer step."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for ax, keys, ylabel in zip(axes, (("train_loss", "eval_loss"), ("train_acc", "eval_acc"), ("grad_norm",)),
+    for ax, keys, ylabel in zip(axes, (("train_loss", "eval_loss"), ACCURACIES, ("grad_norm",)),
                                 ("cross-entropy loss", "accuracy", "gradient L2 norm, before clipping")):
         for key in keys:
             points = [(row["step"], row[key]) for row in rows if key in row and row.get("step") is not None]
@@ -274,6 +277,35 @@ def plot_curves(rows: list[dict], path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def start_profiler(accelerator, run_dir: Path, total_steps: int) -> torch.profiler.profile:
+    """torch.profiler over the optimizer steps of PROFILE_STEPS (the recipe calls .step() after each). Each process
+    writes profile/trace_rank<N>.json, a Chrome trace (https://ui.perfetto.dev or chrome://tracing); the main
+    process prints the operators that took the most time. accelerate's `accelerator.profile()` is a context
+    manager, which would indent the whole loop; this is the same torch.profiler, started and stopped."""
+    cuda = accelerator.device.type == "cuda"
+    first = PROFILE_STEPS["wait"] + PROFILE_STEPS["warmup"] + 1
+    last = first + PROFILE_STEPS["active"] - 1
+    steps = f"steps {first}-{last}"
+    if total_steps < last:  # a shorter run would end inside the window, and the trace would hold its evaluation
+        raise RecipeError(f"--profile traces {steps}, after warm-up; this run has {total_steps}: raise --max_steps")
+
+    def write(profiler):
+        trace = Path(run_dir) / "profile" / f"trace_rank{accelerator.process_index}.json"
+        trace.parent.mkdir(exist_ok=True)
+        profiler.export_chrome_trace(str(trace))
+        if accelerator.is_main_process:
+            print(profiler.key_averages().table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
+                                                row_limit=15))
+            print(f"profile of {steps} on the main process: {trace}; open it in https://ui.perfetto.dev", flush=True)
+
+    activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * cuda
+    schedule = torch.profiler.schedule(**PROFILE_STEPS, repeat=1)
+    profiler = torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=write,
+                                      record_shapes=True)
+    profiler.start()
+    return profiler
 
 
 def save_pictures(accelerator, run_dir: Path, test_set, predictions: torch.Tensor, step: int) -> None:

@@ -1,7 +1,8 @@
 """Checkpoints that survive anything: exact resume, kill -9, SIGTERM, and any weights layout.
 
 Exactness is judged on the final weights: a run that is stopped and resumed must end bitwise equal
-to the same run left alone, with augmentation on (so every RNG state must come back too).
+to the same run left alone, with augmentation on (so every RNG state must come back too). The 2-process runs
+also keep an EMA of the weights (--ema), which must come back bitwise as well.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from tiny_data import save_to_disk_dataset
 
 RUN = ("--batch_size", "8", "--max_steps", "20", "--checkpoint_every", "2", "--keep_checkpoints", "20",
        "--log_every", "1", "--seed", "5", "--tracker", "none")
+EMA = ("--ema", "0.9")  # on the 2-process runs; BatchNorm's statistics differ between their processes
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +40,10 @@ def data(tmp_path_factory):
 
 def weights(run: Path) -> dict:
     return load_file(run / "model.safetensors")
+
+
+def ema_weights(run: Path) -> dict:
+    return torch.load(run / "checkpoints" / "step_20" / "custom_checkpoint_1.pkl", weights_only=True)
 
 
 def assert_bitwise_equal(a: dict, b: dict) -> None:
@@ -52,7 +58,7 @@ def reference(env, data, tmp_path_factory):
     """The uninterrupted runs, 1 and 2 processes, that every interrupted run must reproduce."""
     out = tmp_path_factory.mktemp("reference")
     ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out / "one"), *RUN))
-    ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out / "two"), *RUN, config="2gpu",
+    ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out / "two"), *RUN, *EMA, config="2gpu",
               use_cpu=True))
     return {1: out / "one", 2: out / "two"}
 
@@ -66,11 +72,13 @@ def reference(env, data, tmp_path_factory):
 def test_resume_from_a_checkpoint_is_bitwise_exact(env, data, reference, tmp_path, processes, step, where):
     checkpoint = reference[processes] / "checkpoints" / f"step_{step}"
     out = tmp_path / "resumed"
-    kwargs = {"config": "2gpu", "use_cpu": True} if processes == 2 else {}
-    result = ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out), *RUN,
+    kwargs, ema = ({"config": "2gpu", "use_cpu": True}, EMA) if processes == 2 else ({}, ())
+    result = ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out), *RUN, *ema,
                        "--resume", str(checkpoint), **kwargs))
     assert "same configuration: the run continues exactly, to the same weights as a run never stopped" in result.stdout
     assert_bitwise_equal(weights(out), weights(reference[processes]))
+    if processes == 2:
+        assert_bitwise_equal(ema_weights(out), ema_weights(reference[2]))
     steps = [row["step"] for row in read_jsonl(out / "metrics.jsonl") if "train_loss" in row]
     assert steps == list(range(step + 1, 21))  # continued where the checkpoint stopped, each step once
 

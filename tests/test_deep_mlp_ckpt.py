@@ -126,10 +126,10 @@ def test_trains_on_two_processes(env, data, tmp_path):
     test."""
     out = tmp_path / "run"
     ok(launch(env, "deep_mlp_ckpt", "--data", str(data), "--ckpt", "sequential", "--segments", "8", "--dropout", "0.1",
-              "--batch_size", "8", "--max_steps", "4", "--log_every", "2", "--tracker", "none",
+              "--batch_size", "8", "--max_steps", "4", "--log_every", "2", "--ema", "0.9", "--tracker", "none",
               "--output_dir", str(out), config="2gpu", use_cpu=True))
     summary = read_json(out / "summary.json")
-    assert summary["steps"] == 4 and summary["world_size"] == 2
+    assert summary["steps"] == 4 and summary["world_size"] == 2 and "eval_acc_ema" in summary
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "train_loss" in r] == [2, 4]
     assert set(load_file(out / "model.safetensors")) == set(DeepMLP(10).state_dict())
 

@@ -1,7 +1,7 @@
 """More processes or gradient accumulation must not change the arithmetic, only how it is split.
 
 With a BatchNorm-free model (cifar_cnn --no-batch_norm), no augmentation and a fixed seed, the data
-order per optimizer step is identical, so the weights must match to float rounding:
+order per optimizer step is identical, so the weights, and their average (--ema), must match to float rounding:
   (a) 2 processes x batch b        == 1 process x batch 2b
   (b) 1 process x batch b x accum k == 1 process x batch k*b
   (c) evaluation over 2 processes counts each of 101 test images once, with the same accuracy.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from conftest import launch, ok, read_json
@@ -20,7 +21,7 @@ from tiny_data import save_to_disk_dataset
 # Gradient norms here are 0.44-0.64: a clip at 0.3 acts on every step, so the comparisons also check that it
 # acts on the gradient averaged over processes and accumulated batches, as one process would see it.
 COMMON = ("--no-augment", "--no-batch_norm", "--max_grad_norm", "0.3", "--seed", "3", "--max_steps", "8",
-          "--log_every", "4", "--tracker", "none")
+          "--log_every", "4", "--ema", "0.5", "--tracker", "none")
 
 
 @pytest.fixture(scope="module")
@@ -29,10 +30,17 @@ def data(tmp_path_factory):
     return save_to_disk_dataset(tmp_path_factory.mktemp("eq") / "data", sizes={"train": 64, "test": 101})
 
 
+def final_state(run) -> dict:
+    """The trained weights and the EMA's, from the last checkpoint (model.safetensors holds whichever is better)."""
+    checkpoint = run / "checkpoints" / "step_8"
+    ema = torch.load(checkpoint / "custom_checkpoint_1.pkl", weights_only=True)
+    return {**load_file(checkpoint / "model.safetensors"), **{f"ema.{k}": v for k, v in ema.items()}}
+
+
 def max_abs_diff(run_a, run_b) -> float:
-    a, b = load_file(run_a / "model.safetensors"), load_file(run_b / "model.safetensors")
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
+    a, b = final_state(run_a), final_state(run_b)
+    assert a.keys() == b.keys() and any(k.startswith("ema.module.") for k in a)
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
 def train(env, data, out, *args, **launch_kwargs):

@@ -78,9 +78,10 @@ def test_lr_scaling_rules(rule, factor):
     assert scaled_lr(Config(lr=0.1, lr_scaling=rule), global_batch_size=128) == pytest.approx(0.1)
 
 
-def test_a_batch_bigger_than_the_data_is_one_line(env, fmnist):
+@pytest.mark.parametrize("length", [(), ("--max_steps", "5")])  # --max_steps: no epoch length to divide by
+def test_a_batch_bigger_than_the_data_is_one_line(env, fmnist, length):
     result = launch(env, "resnet18_fmnist", "--data", str(fmnist), "--batch_size", "256", "--tracker", "none",
-                    config=None)
+                    *length, config=None)
     assert result.returncode == 1
     assert result.stderr.strip() == ("error: 32 training images make no full step of 256: "
                                      "lower --batch_size or --grad_accum")

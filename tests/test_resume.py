@@ -23,7 +23,8 @@ from tiny_data import save_to_disk_dataset
 # deep_mlp_ckpt's loop is cifar_cnn's (test_layout.py keeps the three in step) and its resume is bitwise tested in
 # test_checkpoints.py; resnet18_fmnist is here for its learning rate, which follows the world size.
 SHAPES = {"cifar_cnn": (3, 32, 32), "resnet18_fmnist": (1, 28, 28)}
-RUN = ("--batch_size", "8", "--log_every", "1", "--checkpoint_every", "4", "--seed", "3", "--tracker", "none")
+RUN = ("--batch_size", "8", "--log_every", "1", "--checkpoint_every", "4", "--seed", "3", "--tracker", "none",
+       "--ema", "0.9", "--tta")  # the average of the weights travels with the checkpoints too
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +120,7 @@ def test_longer_and_on_another_number_of_processes(env, labelled, tmp_path, reci
     epoch_3 = b0[2] + b1[2] + b0[3] + b1[3] + sum(c0, [])
     assert sorted(epoch_3) == list(range(64)) and epoch_3 == order(3, 2)
     assert read_json(c_run / "summary.json")["epochs"] == pytest.approx(3.0)
+    assert {"eval_acc_ema", "eval_acc_tta", "eval_acc_tta_ema"} <= set(read_json(run / "summary.json"))  # B's
     peak_c = read_json(c_run / "config.json").get("effective_lr", peak_a)
     assert [lrs(c_run)[s] for s in range(17, 21)] == [one_cycle_lr(s - 1, 20, peak_c) for s in range(17, 21)]
 

@@ -1,0 +1,181 @@
+"""--ema, --tta, --profile and recipes/predict.py, on a 2-process CPU run (gloo) of cifar_cnn.
+
+The EMA's exactness (2 processes == 1 process at twice the batch; resume bitwise) is tested with the other
+exactness tests, in test_equivalence.py and test_checkpoints.py.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from recipes import cifar_cnn, resnet18_fmnist
+from shared.checkpoints import load_weights
+from shared.data import load_image_data
+
+from conftest import ROOT, launch, ok, read_json, read_jsonl
+from tiny_data import CLASSES, save_to_disk_dataset
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return save_to_disk_dataset(tmp_path_factory.mktemp("features") / "data", sizes={"train": 64, "test": 40})
+
+
+@pytest.fixture(scope="module")
+def run(env, data, tmp_path_factory):
+    """12 steps on 2 processes with every feature on: steps 8-12 are profiled."""
+    out = tmp_path_factory.mktemp("features") / "run"
+    result = ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out), "--batch_size", "8",
+                       "--max_steps", "12", "--ema", "0.5", "--tta", "--profile", "--tracker", "none",
+                       config="2gpu", use_cpu=True))
+    return out, result.stdout
+
+
+def test_ema_and_tta_are_evaluated_beside_the_trained_weights(run):
+    out, stdout = run
+    evaluations = [row for row in read_jsonl(out / "metrics.jsonl") if "eval_acc" in row]
+    assert len(evaluations) == 3  # 4 steps an epoch on 2 processes x 8 images
+    for row in evaluations:
+        assert {"eval_acc_tta", "eval_loss_tta", "eval_acc_ema", "eval_loss_ema", "eval_acc_tta_ema"} <= set(row)
+    assert evaluations[-1]["eval_loss_ema"] != evaluations[-1]["eval_loss"]  # two sets of weights
+    assert "eval_acc_ema" in read_json(out / "summary.json")
+    assert any(line.startswith("step 12/12") and "eval_acc_tta_ema" in line for line in stdout.splitlines())
+
+
+def test_model_safetensors_holds_the_better_weights_and_says_which(run):
+    out, stdout = run
+    with safe_open(out / "model.safetensors", "pt") as f:
+        about = f.metadata()
+    last = [row for row in read_jsonl(out / "metrics.jsonl") if "eval_acc" in row][-1]
+    expected = "ema" if last["eval_acc_ema"] > last["eval_acc"] else "trained"
+    assert about["weights"] == expected and f"holds the {expected.upper() if expected == 'ema' else expected}" in stdout
+    assert json.loads(about["classes"]) == CLASSES[:10]
+    assert json.loads(about["flags"])["ema"] == 0.5
+    saved = load_file(out / "model.safetensors")
+    checkpoint = out / "checkpoints" / "step_12"
+    ema = torch.load(checkpoint / "custom_checkpoint_1.pkl", weights_only=True)  # the AveragedModel's state
+    source = {k.removeprefix("module."): v for k, v in ema.items() if k.startswith("module.")} \
+        if expected == "ema" else load_file(checkpoint / "model.safetensors")  # accelerate's copy of the model
+    assert saved.keys() == source.keys() and all(torch.equal(saved[k], source[k]) for k in saved)
+
+
+def test_tta_is_the_mean_of_the_logits_of_an_image_and_its_mirror(env, data, run):
+    out, _ = run
+    weights = out / "model.safetensors"
+    result = ok(launch(env, "cifar_cnn", "--data", str(data), "--eval_only", "--weights", str(weights), "--tta"))
+    reported = json.loads(result.stdout.strip().splitlines()[-1])
+    model = cifar_cnn.make_model(10).eval()
+    load_weights(model, weights)
+    test_set = load_image_data(str(data), cifar_cnn.IMAGE_SHAPE)[1]
+    with torch.no_grad():
+        inputs = cifar_cnn.preprocess(test_set.images, training=False)
+        plain, mirrored = model(inputs), model(inputs.flip(3))
+    labels = test_set.labels
+    for logits, suffix in ((plain, ""), ((plain + mirrored) / 2, "_tta")):
+        assert reported[f"eval_loss{suffix}"] == pytest.approx(F.cross_entropy(logits, labels).item(), abs=1e-5)
+        assert reported[f"eval_acc{suffix}"] == pytest.approx((logits.argmax(1) == labels).float().mean().item())
+    # Not the same number by another name: the mirror alone, and the plain logits, give other losses.
+    assert F.cross_entropy(mirrored, labels).item() != pytest.approx(reported["eval_loss_tta"], abs=1e-5)
+    assert reported["eval_loss"] != pytest.approx(reported["eval_loss_tta"], abs=1e-5)
+
+
+def test_profile_writes_a_chrome_trace_per_process_and_prints_the_top_operators(run):
+    out, stdout = run
+    for rank in (0, 1):
+        trace = json.loads((out / "profile" / f"trace_rank{rank}.json").read_text())  # valid JSON
+        names = {event.get("name") for event in trace["traceEvents"]}
+        assert {"aten::conv2d", "aten::max_pool2d", "aten::linear"} <= names  # the model's operators
+        assert sum(name.startswith("ProfilerStep#") for name in names if name) == 5  # steps 8-12, as the schedule
+    assert "Self CPU time total" in stdout and "aten::" in stdout
+    assert f"profile of steps 8-12 on the main process: {out / 'profile' / 'trace_rank0.json'}" in stdout
+
+
+def test_profile_refuses_a_run_too_short_to_reach_its_window(env, data, tmp_path):
+    result = launch(env, "cifar_cnn", "--data", str(data), "--batch_size", "8", "--max_steps", "5", "--profile",
+                    "--tracker", "none", "--output_dir", str(tmp_path / "run"))
+    assert result.returncode == 1
+    assert result.stderr.strip() == ("error: --profile traces steps 8-12, after warm-up; this run has 5: "
+                                     "raise --max_steps")
+
+
+# ------------------------------------------------------------------ recipes/predict.py
+def predict(env, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "recipes/predict.py", *map(str, args)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def folder(data, tmp_path_factory):
+    """The test split as PNG files in per-class subfolders, plus a grayscale image of another size and a note."""
+    root = tmp_path_factory.mktemp("photos")
+    test_set = load_image_data(str(data), cifar_cnn.IMAGE_SHAPE)[1]
+    for n, (image, label) in enumerate(zip(test_set.images, test_set.labels)):
+        (root / CLASSES[label]).mkdir(exist_ok=True)
+        Image.fromarray(image.permute(1, 2, 0).numpy()).save(root / CLASSES[label] / f"{n}.png")
+    Image.new("L", (50, 70), 128).save(root / "gray_50x70.jpg")
+    (root / "notes.txt").write_text("not an image")
+    return root, test_set
+
+
+def test_predict_writes_a_row_per_image_and_agrees_with_eval_only(env, data, run, folder, tmp_path):
+    out, _ = run
+    root, test_set = folder
+    csv_path = tmp_path / "predictions.csv"
+    result = predict(env, "--weights", out / "model.safetensors", "--images", root, "--output", csv_path,
+                     "--top_k", "3")
+    assert result.returncode == 0, result.stderr
+    rows = list(csv.DictReader(csv_path.open()))
+    assert len(rows) == len(test_set) + 1 and list(rows[0]) == ["path", "class", "confidence", "top_3"]
+    assert "skipped 1 file(s) that are not images" in result.stdout and f"({len(rows)} images)" in result.stdout
+    for row in rows:
+        assert row["class"] in CLASSES[:10] and 0 < float(row["confidence"]) <= 1
+        top = row["top_3"].split("; ")
+        assert len(top) == 3 and top[0] == f"{row['class']} {row['confidence']}"
+    # The test images, read back from PNG, get the classes --eval_only counted as right.
+    labelled = [row for row in rows if "/" in row["path"]]
+    accuracy = sum(row["class"] == row["path"].split("/")[0] for row in labelled) / len(labelled)
+    evaluated = ok(launch(env, "cifar_cnn", "--data", str(data), "--eval_only", "--weights",
+                          str(out / "model.safetensors")))
+    assert accuracy == pytest.approx(json.loads(evaluated.stdout.strip().splitlines()[-1])["eval_acc"])
+    assert "per class: " in result.stdout
+
+
+def test_predict_bad_input_is_one_line_and_keeps_what_is_on_disk(env, run, folder, tmp_path):
+    out, _ = run
+    root, _ = folder
+    existing = tmp_path / "predictions.csv"
+    existing.write_text("mine\n")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "photo.png").write_text("not a PNG")
+    other = tmp_path / "resnet.pt"  # weights of another recipe's model
+    torch.save(resnet18_fmnist.make_model(10).state_dict(), other)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = [
+        (("--weights", out / "model.safetensors", "--images", root, "--output", existing),
+         f"error: {existing} exists: pass --overwrite to replace it, or another --output"),
+        (("--weights", out / "model.safetensors", "--images", broken, "--output", tmp_path / "new.csv"),
+         f"error: {broken / 'photo.png'} is not a readable image"),
+        (("--weights", out / "model.safetensors", "--images", empty), f"error: --images {empty} holds no images"),
+        (("--weights", other, "--images", root, "--recipe", "cifar_cnn", "--classes", ",".join(CLASSES[:10])),
+         f"error: --weights {other} does not fit this model"),
+        (("--weights", other, "--images", root), f"error: --weights {other} does not say which recipe trained it"),
+        (("--weights", out / "model.safetensors", "--images", root, "--recipe", "resnet18_fmnist"),
+         "were trained by cifar_cnn, not --recipe resnet18_fmnist"),
+    ]
+    for args, needle in cases:
+        result = predict(env, *args)
+        assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert needle in result.stderr
+    assert existing.read_text() == "mine\n" and not (tmp_path / "new.csv").exists()
