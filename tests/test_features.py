@@ -19,8 +19,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from recipes import cifar_cnn, resnet18_fmnist
+from recipes import predict as predict_script
 from shared.checkpoints import load_weights
 from shared.data import load_image_data
+from shared.errors import RecipeError
 
 from conftest import ROOT, launch, ok, read_json, read_jsonl
 from tiny_data import CLASSES, save_to_disk_dataset
@@ -162,20 +164,23 @@ def test_predict_bad_input_is_one_line_and_keeps_what_is_on_disk(env, run, folde
     torch.save(resnet18_fmnist.make_model(10).state_dict(), other)
     empty = tmp_path / "empty"
     empty.mkdir()
+    weights = out / "model.safetensors"
     cases = [
-        (("--weights", out / "model.safetensors", "--images", root, "--output", existing),
-         f"error: {existing} exists: pass --overwrite to replace it, or another --output"),
-        (("--weights", out / "model.safetensors", "--images", broken, "--output", tmp_path / "new.csv"),
-         f"error: {broken / 'photo.png'} is not a readable image"),
-        (("--weights", out / "model.safetensors", "--images", empty), f"error: --images {empty} holds no images"),
-        (("--weights", other, "--images", root, "--recipe", "cifar_cnn", "--classes", ",".join(CLASSES[:10])),
-         f"error: --weights {other} does not fit this model"),
-        (("--weights", other, "--images", root), f"error: --weights {other} does not say which recipe trained it"),
-        (("--weights", out / "model.safetensors", "--images", root, "--recipe", "resnet18_fmnist"),
+        ((weights, root, existing), {}, f"{existing} exists: pass --overwrite to replace it, or another --output"),
+        ((weights, broken, tmp_path / "new.csv"), {}, f"{broken / 'photo.png'} is not a readable image"),
+        ((weights, empty, tmp_path / "new.csv"), {}, f"--images {empty} holds no images"),
+        ((other, root, tmp_path / "new.csv"), {"recipe": "cifar_cnn", "classes": ",".join(CLASSES[:10])},
+         f"--weights {other} does not fit this model"),
+        ((other, root, tmp_path / "new.csv"), {}, f"--weights {other} does not say which recipe trained it"),
+        ((weights, root, tmp_path / "new.csv"), {"recipe": "resnet18_fmnist"},
          "were trained by cifar_cnn, not --recipe resnet18_fmnist"),
     ]
-    for args, needle in cases:
-        result = predict(env, *args)
-        assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr
-        assert needle in result.stderr
+    for (weights_path, images, output), flags, needle in cases:  # in this process: torch starts once
+        with pytest.raises(RecipeError) as error:
+            predict_script.predict(predict_script.Config(str(weights_path), str(images), str(output), **flags))
+        assert needle in str(error.value) and "\n" not in str(error.value)
     assert existing.read_text() == "mine\n" and not (tmp_path / "new.csv").exists()
+    # The script itself: the same error as one line on stderr and exit status 1, nothing written.
+    result = predict(env, "--weights", weights, "--images", broken, "--output", tmp_path / "new.csv")
+    assert result.returncode == 1 and result.stderr.startswith(f"error: {broken / 'photo.png'} is not a readable")
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "new.csv").exists()
