@@ -212,7 +212,7 @@ def train(cfg: Config) -> None:
     accelerator.init_trackers(RECIPE, config=config)
 
     start, window = time.perf_counter(), tracking.TrainWindow(accelerator)
-    profiler = tracking.start_profiler(accelerator, run_dir, total_steps) if cfg.profile else None
+    profiler = tracking.start_profiler(accelerator, run_dir, total_steps - progress.step) if cfg.profile else None
     show_bar = accelerator.is_local_main_process and sys.stderr.isatty()
     while progress.step < total_steps:
         model.train()

@@ -279,8 +279,9 @@ def plot_curves(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def start_profiler(accelerator, run_dir: Path, total_steps: int) -> torch.profiler.profile:
-    """torch.profiler over the optimizer steps of PROFILE_STEPS (the recipe calls .step() after each). Each process
+def start_profiler(accelerator, run_dir: Path, steps_left: int) -> torch.profiler.profile:
+    """torch.profiler over the optimizer steps of PROFILE_STEPS, counted from this launch's first (the recipe calls
+    .step() after each; a resumed run is traced from its 8th step after the checkpoint). Each process
     writes profile/trace_rank<N>.json, a Chrome trace (https://ui.perfetto.dev or chrome://tracing); the main
     process prints the operators that took the most time. accelerate's `accelerator.profile()` is a context
     manager, which would indent the whole loop; this is the same torch.profiler, started and stopped."""
@@ -288,8 +289,8 @@ def start_profiler(accelerator, run_dir: Path, total_steps: int) -> torch.profil
     first = PROFILE_STEPS["wait"] + PROFILE_STEPS["warmup"] + 1
     last = first + PROFILE_STEPS["active"] - 1
     steps = f"steps {first}-{last}"
-    if total_steps < last:  # a shorter run would end inside the window, and the trace would hold its evaluation
-        raise RecipeError(f"--profile traces {steps}, after warm-up; this run has {total_steps}: raise --max_steps")
+    if steps_left < last:  # a shorter run would end inside the window, and the trace would hold its evaluation
+        raise RecipeError(f"--profile traces {steps}, after warm-up; this run has {steps_left} left: raise --max_steps")
 
     def write(profiler):
         trace = Path(run_dir) / "profile" / f"trace_rank{accelerator.process_index}.json"

@@ -106,7 +106,7 @@ def test_profile_refuses_a_run_too_short_to_reach_its_window(env, data, tmp_path
     result = launch(env, "cifar_cnn", "--data", str(data), "--batch_size", "8", "--max_steps", "5", "--profile",
                     "--tracker", "none", "--output_dir", str(tmp_path / "run"))
     assert result.returncode == 1
-    assert result.stderr.strip() == ("error: --profile traces steps 8-12, after warm-up; this run has 5: "
+    assert result.stderr.strip() == ("error: --profile traces steps 8-12, after warm-up; this run has 5 left: "
                                      "raise --max_steps")
 
 
