@@ -79,7 +79,7 @@ class RunConfig:
     data_on_device: bool = False  # hold the whole uint8 dataset in GPU memory: no host-to-GPU copy per batch
     auto_batch_size: bool = False  # halve --batch_size until a training step fits in memory (all processes agree)
     ema: float | None = None  # also keep an average of the weights over the last ~1/(1 - EMA) steps, e.g. 0.99
-    profile: bool = False  # trace optimizer steps 8-12 with torch.profiler into profile/; print the slowest operators
+    profile: bool = False  # trace this launch's optimizer steps 8-12 into profile/; print the slowest operators
 
     parse = classmethod(parse_config)
 
