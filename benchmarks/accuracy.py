@@ -184,7 +184,7 @@ def main() -> None:
     records = [json.loads(line) for line in log.read_text().splitlines()]
     text = (table(records) + (f"\n\n{paired_table(records)}" if paired_table(records) else "")
             + f"\n\n{device}; torch {torch.__version__}. Runs recorded in {log.name}; "
-              f"latest command: python benchmarks/accuracy.py {' '.join(sys.argv[1:])}\n")
+              f"latest command: python benchmarks/accuracy.py {shlex.join(sys.argv[1:])}\n")
     print("\n" + text)
     (out / f"{stem}.md").write_text(text)
     print(f"wrote {out / f'{stem}.md'}")

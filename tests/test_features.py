@@ -18,7 +18,7 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from recipes import cifar_cnn, resnet18_fmnist
+from recipes import cifar_cnn, deep_mlp_ckpt, resnet18_fmnist
 from recipes import predict as predict_script
 from shared.checkpoints import load_weights
 from shared.data import load_image_data
@@ -184,3 +184,20 @@ def test_predict_bad_input_is_one_line_and_keeps_what_is_on_disk(env, run, folde
     result = predict(env, "--weights", weights, "--images", broken, "--output", tmp_path / "new.csv")
     assert result.returncode == 1 and result.stderr.startswith(f"error: {broken / 'photo.png'} is not a readable")
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "new.csv").exists()
+
+
+@pytest.mark.parametrize("recipe, classes", [("resnet18_fmnist", 10), ("deep_mlp_ckpt", 100)])
+def test_predict_takes_a_bare_state_dict_of_every_recipe(recipe, classes, folder, tmp_path, capsys):
+    """A .pt file names neither recipe nor classes: --recipe and --classes do. The colour 32x32 PNGs and the
+    grayscale 50x70 JPEG are converted to the recipe's input (28x28 grayscale for the ResNet)."""
+    root, test_set = folder
+    module = {"resnet18_fmnist": resnet18_fmnist, "deep_mlp_ckpt": deep_mlp_ckpt}[recipe]
+    weights = tmp_path / "weights.pt"
+    torch.save(module.make_model(classes).state_dict(), weights)
+    names = [f"kind {i}" for i in range(classes)]
+    output = tmp_path / "predictions.csv"
+    predict_script.predict(predict_script.Config(str(weights), str(root), str(output), recipe=recipe,
+                                                 classes=",".join(names)))
+    rows = list(csv.DictReader(output.open()))
+    assert len(rows) == len(test_set) + 1 and all(row["class"] in names for row in rows)
+    assert f"wrote {output} ({len(rows)} images)" in capsys.readouterr().out
