@@ -66,16 +66,18 @@ def describe_weights(cfg: Config) -> tuple[str, dict, list[str]]:
     """(recipe, training flags, class names) of the weights: from model.safetensors' metadata, from the run's
     config.json beside a checkpoint folder, or from --recipe and --classes."""
     path = Path(cfg.weights)
-    about = {}
+    if not path.exists():
+        raise RecipeError(f"--weights {path}: no such file or folder")
+    about, run_config = {}, path.resolve().parents[1] / "config.json"  # runs/<run>/checkpoints/step_<N>
     if path.suffix == ".safetensors" and path.is_file():
         try:
             with safe_open(path, "pt") as f:
                 about = f.metadata() or {}
-        except Exception:
-            about = {}  # unreadable: load_weights says so in one line below
-        about = {k: json.loads(about[k]) if k in ("flags", "classes") else about[k] for k in about}
-    elif path.is_dir() and (path.parents[1] / "config.json").exists():  # runs/<run>/checkpoints/step_<N>
-        config = json.loads((path.parents[1] / "config.json").read_text())
+            about = {k: json.loads(about[k]) if k in ("flags", "classes") else about[k] for k in about}
+        except Exception:  # unreadable, or not the recipes' metadata: --recipe and --classes, or load_weights' line
+            about = {}
+    elif path.is_dir() and run_config.exists():
+        config = json.loads(run_config.read_text())
         about = {"recipe": config.get("recipe"), "flags": config, "classes": config.get("classes")}
     recipe = about.get("recipe") or cfg.recipe
     if cfg.recipe and recipe != cfg.recipe:
@@ -98,9 +100,9 @@ def find_images(root: Path) -> tuple[list[Path], list[Path]]:
     files = sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
     images = [p for p in files if p.suffix.lower() in IMAGE_EXTENSIONS]
     if not images:
-        raise RecipeError(f"--images {root} holds no images ({len(files)} other files): pass a folder of "
-                          f"{', '.join(sorted({'.png', '.jpg', '.jpeg', '.bmp', '.webp'}))} or other image files")
-    return images, [p for p in files if p not in images]
+        raise RecipeError(f"--images {root} holds no images ({len(files)} other files): pass a folder of .png, "
+                          ".jpg, .bmp, .webp or other image files")
+    return images, [p for p in files if p.suffix.lower() not in IMAGE_EXTENSIONS]
 
 
 def read_image(path: Path, image_shape: tuple[int, int, int]) -> torch.Tensor:

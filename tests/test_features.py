@@ -174,6 +174,7 @@ def test_predict_bad_input_is_one_line_and_keeps_what_is_on_disk(env, run, folde
         ((other, root, tmp_path / "new.csv"), {}, f"--weights {other} does not say which recipe trained it"),
         ((weights, root, tmp_path / "new.csv"), {"recipe": "resnet18_fmnist"},
          "were trained by cifar_cnn, not --recipe resnet18_fmnist"),
+        ((tmp_path / "none.pt", root, tmp_path / "new.csv"), {}, f"--weights {tmp_path / 'none.pt'}: no such file"),
     ]
     for (weights_path, images, output), flags, needle in cases:  # in this process: torch starts once
         with pytest.raises(RecipeError) as error:
@@ -201,3 +202,12 @@ def test_predict_takes_a_bare_state_dict_of_every_recipe(recipe, classes, folder
     rows = list(csv.DictReader(output.open()))
     assert len(rows) == len(test_set) + 1 and all(row["class"] in names for row in rows)
     assert f"wrote {output} ({len(rows)} images)" in capsys.readouterr().out
+
+
+def test_predict_reads_a_checkpoint_folder_beside_its_run_config(run, folder, tmp_path):
+    out, _ = run
+    root, test_set = folder
+    output = tmp_path / "predictions.csv"
+    predict_script.predict(predict_script.Config(str(out / "checkpoints" / "step_12"), str(root), str(output)))
+    rows = list(csv.DictReader(output.open()))
+    assert len(rows) == len(test_set) + 1 and all(row["class"] in CLASSES[:10] for row in rows)
