@@ -31,9 +31,9 @@ RUN = ("--batch_size", "8", "--log_every", "1", "--checkpoint_every", "4", "--se
 
 @pytest.fixture(scope="module")
 def labelled(tmp_path_factory):
-    """Per image shape: 64 training images, each its own class; 48 test images (16 a batch: both processes get some)."""
+    """Per image shape: 64 training images, each its own class; 32 test images (16 a batch: each process gets some)."""
     folder = tmp_path_factory.mktemp("labelled")
-    return {shape: save_to_disk_dataset(folder / "x".join(map(str, shape)), sizes={"train": 64, "test": 48},
+    return {shape: save_to_disk_dataset(folder / "x".join(map(str, shape)), sizes={"train": 64, "test": 32},
                                         shape=shape, num_classes=64) for shape in set(SHAPES.values())}
 
 
