@@ -1,4 +1,5 @@
-"""--ema, --tta, --profile and recipes/predict.py, on a 2-process CPU run (gloo) of cifar_cnn.
+"""--ema, --tta and --profile on a 2-process CPU run (gloo) of cifar_cnn; recipes/predict.py on that run's weights
+and on bare state dicts of the other two recipes.
 
 The EMA's exactness (2 processes == 1 process at twice the batch; resume bitwise) is tested with the other
 exactness tests, in test_equivalence.py and test_checkpoints.py.
