@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ and
 from shared.checkpoints import load_weights
 from shared.config import parse_config
 from shared.data import WIDE_MODES, fit
-from shared.errors import RecipeError, one_line_errors
+from shared.errors import RecipeError, check_launch, one_line_errors
 
 RECIPES = ("cifar_cnn", "resnet18_fmnist", "deep_mlp_ckpt")
 IMAGE_EXTENSIONS = {ext for ext, format in Image.registered_extensions().items() if format in Image.OPEN}
@@ -123,6 +123,7 @@ def read_image(path: Path, image_shape: tuple[int, int, int]) -> torch.Tensor:
 
 @torch.no_grad()
 def predict(cfg: Config) -> None:
+    check_launch()  # as the recipes do: a launch of several processes is found, and refused below
     state = PartialState()
     if state.num_processes > 1:
         raise RecipeError("predict.py runs in one process: start it with `python recipes/predict.py ...`")
