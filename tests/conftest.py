@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -70,6 +71,12 @@ def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert exited_cleanly(result.returncode, result.stderr), (
         f"exit {result.returncode}\n--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-5000:]}")
     return result
+
+
+def ema_state(checkpoint: Path) -> dict:
+    """The --ema average in a checkpoint folder: the AveragedModel's state dict (`module.*` and `n_averaged`),
+    accelerate's second registered object after the recipe's Progress."""
+    return torch.load(checkpoint / "custom_checkpoint_1.pkl", weights_only=True)
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -25,7 +25,7 @@ from recipes.cifar_cnn import make_model
 from shared.checkpoints import load_weights
 from shared.errors import RecipeError
 
-from conftest import ROOT, exited_cleanly, launch, ok, read_json, read_jsonl
+from conftest import ROOT, ema_state, exited_cleanly, launch, ok, read_json, read_jsonl
 from tiny_data import save_to_disk_dataset
 
 RUN = ("--batch_size", "8", "--max_steps", "20", "--checkpoint_every", "2", "--keep_checkpoints", "20",
@@ -43,7 +43,7 @@ def weights(run: Path) -> dict:
 
 
 def ema_weights(run: Path) -> dict:
-    return torch.load(run / "checkpoints" / "step_20" / "custom_checkpoint_1.pkl", weights_only=True)
+    return ema_state(run / "checkpoints" / "step_20")
 
 
 def assert_bitwise_equal(a: dict, b: dict) -> None:

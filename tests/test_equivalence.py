@@ -12,10 +12,9 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
-from conftest import launch, ok, read_json
+from conftest import ema_state, launch, ok, read_json
 from tiny_data import save_to_disk_dataset
 
 # Gradient norms here are 0.44-0.64: a clip at 0.3 acts on every step, so the comparisons also check that it
@@ -33,7 +32,7 @@ def data(tmp_path_factory):
 def final_state(run) -> dict:
     """The trained weights and the EMA's, from the last checkpoint (model.safetensors holds whichever is better)."""
     checkpoint = run / "checkpoints" / "step_8"
-    ema = torch.load(checkpoint / "custom_checkpoint_1.pkl", weights_only=True)
+    ema = ema_state(checkpoint)
     return {**load_file(checkpoint / "model.safetensors"), **{f"ema.{k}": v for k, v in ema.items()}}
 
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import csv
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -25,7 +23,7 @@ from shared.checkpoints import load_weights
 from shared.data import load_image_data
 from shared.errors import RecipeError
 
-from conftest import ROOT, launch, ok, read_json, read_jsonl
+from conftest import ema_state, launch, ok, read_json, read_jsonl
 from tiny_data import CLASSES, save_to_disk_dataset
 
 
@@ -66,7 +64,7 @@ def test_model_safetensors_holds_the_better_weights_and_says_which(run):
     assert json.loads(about["flags"])["ema"] == 0.5
     saved = load_file(out / "model.safetensors")
     checkpoint = out / "checkpoints" / "step_12"
-    ema = torch.load(checkpoint / "custom_checkpoint_1.pkl", weights_only=True)  # the AveragedModel's state
+    ema = ema_state(checkpoint)
     source = {k.removeprefix("module."): v for k, v in ema.items() if k.startswith("module.")} \
         if expected == "ema" else load_file(checkpoint / "model.safetensors")  # accelerate's copy of the model
     assert saved.keys() == source.keys() and all(torch.equal(saved[k], source[k]) for k in saved)
@@ -112,9 +110,8 @@ def test_profile_refuses_a_run_too_short_to_reach_its_window(env, data, tmp_path
 
 
 # ------------------------------------------------------------------ recipes/predict.py
-def predict(env, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "recipes/predict.py", *map(str, args)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+def predict(env, *args):
+    return launch(env, "predict", *map(str, args))  # python recipes/predict.py args
 
 
 @pytest.fixture(scope="module")
