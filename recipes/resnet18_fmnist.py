@@ -29,21 +29,20 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from accelerate import Accelerator
+from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import GradientAccumulationPlugin, broadcast, set_seed
 from torch import nn
-from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torch.optim.swa_utils import AveragedModel
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it
-from shared import augment, tracking  # augment: whole batches on the device; tracking: run folder, files, wandb
+from shared import augment, schedule, tracking  # batches augmented on the device; lr and EMA rules; run files
 from shared.batch_size import largest_batch_size
 from shared.checkpoints import Checkpoints, Progress, evaluate_weights
 from shared.config import RunConfig
 from shared.data import EpochOrder, load_image_data
 from shared.errors import RecipeError, one_line_errors
-from shared.schedule import one_cycle_lr
 
 RECIPE = "resnet18_fmnist"
 REFERENCE_BATCH = 128  # the global batch size that --lr is given for
@@ -135,22 +134,34 @@ def scaled_lr(cfg, global_batch_size: int) -> float:
     return cfg.lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[cfg.lr_scaling]
 
 
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """The objective. Training, evaluation and --auto_batch_size all call this one: change the loss here."""
+    return F.cross_entropy(logits.float(), labels, reduction=reduction)
+
+
+def correct(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The metric: right answers in a batch (train_acc and eval_acc divide it by the count). Add a metric here."""
+    return (logits.argmax(dim=1) == labels).sum()
+
+
 @torch.no_grad()  # no autograd graph: evaluation needs no gradients, and would hold every activation
-def evaluate(model, loader, accelerator, tta: bool = False) -> tuple[dict, torch.Tensor]:
-    """Test loss and accuracy over every process, and the predictions in test-set order. With tta, also those of
+def evaluate(model, loader, accelerator, cfg: Config) -> tuple[dict, torch.Tensor]:
+    """Test loss and accuracy over every process, and the predictions in test-set order. With --tta, also those of
     each image's logits averaged with its mirror's (eval_loss_tta, eval_acc_tta): training flips, so both count."""
     model.eval()
     sums, predictions = defaultdict(int), []
     for images, labels in loader:
         inputs = preprocess(images, training=False)
+        if cfg.channels_last:  # the layout the model was trained in
+            inputs = inputs.contiguous(memory_format=torch.channels_last)
         outputs = {"": model(inputs)}
-        if tta:
+        if cfg.tta:
             outputs["_tta"] = (outputs[""] + model(inputs.flip(3))) / 2
         # From every process, minus the samples accelerate repeated to even out the last batch.
         outputs, labels = accelerator.gather_for_metrics((outputs, labels))
         for suffix, logits in outputs.items():
-            sums[f"eval_loss{suffix}"] += F.cross_entropy(logits.float(), labels, reduction="sum")
-            sums[f"eval_acc{suffix}"] += (logits.argmax(dim=1) == labels).sum()
+            sums[f"eval_loss{suffix}"] += loss_fn(logits, labels, reduction="sum")
+            sums[f"eval_acc{suffix}"] += correct(logits, labels)
         predictions.append(outputs[""].argmax(dim=1))
     count = sum(len(p) for p in predictions)
     return {**{k: (v / count).item() for k, v in sums.items()}, "eval_samples": count}, torch.cat(predictions).cpu()
@@ -163,11 +174,15 @@ def train(cfg: Config) -> None:
         # Every optimizer step averages exactly grad_accum batches, also across an epoch's end (by default accelerate
         # steps early at the end of the data, with too small a gradient).
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.grad_accum, sync_with_dataloader=False),
+        # Pinned batches (pin_memory below) copied to a GPU without waiting for it; no effect on a CPU.
+        dataloader_config=DataLoaderConfiguration(non_blocking=True),
         project_dir=run_dir,
         log_with=trackers,  # wandb or TensorBoard, and config.json, metrics.jsonl, summary.json, curves.png
     )
-    set_seed(cfg.seed)
-    with accelerator.main_process_first():  # the main process decodes and caches; the others read its cache
+    # One random stream per process (seed + rank), so the processes draw different crops, flips and dropout masks
+    # for their different images; DDP still starts every process from rank 0's initial weights.
+    set_seed(cfg.seed, device_specific=True)
+    with accelerator.local_main_process_first():  # one process per machine decodes into the machine's cache
         train_set, test_set = load_data(cfg)
     if cfg.data_on_device:  # one copy of the uint8 dataset now, instead of a host-to-GPU copy per batch
         train_set, test_set = train_set.to(accelerator.device), test_set.to(accelerator.device)
@@ -176,14 +191,16 @@ def train(cfg: Config) -> None:
         batch_size = largest_batch_size(accelerator, batch_size, train_set,
                                         lambda: make_model(len(train_set.classes), cfg),
                                         lambda model: make_optimizer(model, cfg, cfg.lr),
-                                        lambda images: preprocess(images, cfg.augment))
+                                        lambda images: preprocess(images, cfg.augment), loss_fn)
     # Each epoch's order is a function of (seed, epoch), resumable at any sample (see EpochOrder). Own generators:
     # every new DataLoader iterator draws a seed, and drawing it from the global RNG would shift the augmentation's
     # random numbers after a mid-epoch resume (no longer bitwise exact).
     order = EpochOrder(len(train_set), cfg.seed)
+    pin = train_set.images.device.type == "cpu" and accelerator.device.type == "cuda"  # page-locked: async copies
     train_loader = DataLoader(train_set, batch_size, sampler=order, drop_last=True, collate_fn=train_set.whole_batch,
-                              generator=torch.Generator())
-    test_loader = DataLoader(test_set, 2 * batch_size, collate_fn=test_set.whole_batch, generator=torch.Generator())
+                              generator=torch.Generator(), pin_memory=pin)
+    test_loader = DataLoader(test_set, 2 * batch_size, collate_fn=test_set.whole_batch, generator=torch.Generator(),
+                             pin_memory=pin)
 
     global_batch_size = batch_size * accelerator.num_processes * cfg.grad_accum
     peak_lr = scaled_lr(cfg, global_batch_size)
@@ -209,7 +226,7 @@ def train(cfg: Config) -> None:
     accelerator.register_for_checkpointing(progress)  # saved and restored with every checkpoint
     # --ema: an average of the weights, updated on every process after every optimizer step. The processes hold the
     # same weights, so the same average; BatchNorm's running statistics are averaged too (use_buffers).
-    ema = AveragedModel(accelerator.unwrap_model(model), multi_avg_fn=get_ema_multi_avg_fn(cfg.ema),
+    ema = AveragedModel(accelerator.unwrap_model(model), avg_fn=schedule.ema_average(cfg.ema),
                         use_buffers=True) if cfg.ema else None
     if ema is not None:
         accelerator.register_for_checkpointing(ema)  # in every checkpoint, so a resume continues it exactly
@@ -249,7 +266,7 @@ def train(cfg: Config) -> None:
         order.set_position(progress.epoch, progress.samples_seen)  # this epoch's order, from the first unseen sample
         bar = tqdm(train_loader, desc=f"epoch {progress.epoch + 1}/{epochs}", disable=not show_bar, leave=False)
         for images, labels in bar:
-            lr = one_cycle_lr(progress.step, total_steps, peak_lr)  # a function of the step: see shared/schedule.py
+            lr = schedule.one_cycle_lr(progress.step, total_steps, peak_lr)  # a function of the step, no state
             for group in optimizer.param_groups:
                 group["lr"] = lr
             with accelerator.accumulate(model):  # DDP syncs gradients only on the last batch of each accumulation
@@ -257,7 +274,7 @@ def train(cfg: Config) -> None:
                 if cfg.channels_last:  # after preprocessing: the crop's gather returns a plain NCHW tensor
                     inputs = inputs.contiguous(memory_format=torch.channels_last)
                 logits = model(inputs)
-                loss = F.cross_entropy(logits, labels)
+                loss = loss_fn(logits, labels)
                 accelerator.backward(loss)  # scaled by 1/grad_accum, so accumulated gradients are a mean
                 if accelerator.sync_gradients:  # the gradient is complete: accumulated, averaged over processes
                     # Early steps at the peak rate moved the weights faster than BatchNorm's running statistics could
@@ -266,7 +283,7 @@ def train(cfg: Config) -> None:
                 optimizer.step()  # does nothing until the last batch of the accumulation
                 optimizer.zero_grad()
             progress.samples_seen += len(labels) * accelerator.num_processes
-            window.add(loss, logits, labels)  # summed on the device: no loss.item() (a GPU sync) every step
+            window.add(loss, correct(logits.detach(), labels), len(labels))  # summed on the device: no GPU sync
             if not accelerator.sync_gradients:
                 continue
             if ema is not None:
@@ -290,10 +307,10 @@ def train(cfg: Config) -> None:
         if len(train_set) - progress.samples_seen < batch_size * accelerator.num_processes:  # no full batch left
             progress.epoch, progress.samples_seen = progress.epoch + 1, 0
         with window.paused():
-            metrics, predictions = evaluate(model, test_loader, accelerator, cfg.tta)
+            metrics, predictions = evaluate(model, test_loader, accelerator, cfg)
             if ema is not None:  # BatchNorm statistics differ between processes: the main process's, as DDP does
                 broadcast(list(ema.module.buffers()))
-                ema_metrics, _ = evaluate(ema, test_loader, accelerator, cfg.tta)
+                ema_metrics, _ = evaluate(ema, test_loader, accelerator, cfg)
                 metrics |= {f"{key}_ema": value for key, value in ema_metrics.items() if key != "eval_samples"}
         progress.best_eval_acc = max(progress.best_eval_acc, metrics["eval_acc"])
         accelerator.log(metrics, step=progress.step)
@@ -305,16 +322,17 @@ def train(cfg: Config) -> None:
     checkpoints.save(model, progress.step)  # a no-op if this step is already saved
     wall_s = time.perf_counter() - start
     summary = window.summary(progress, wall_s, progress.epoch + progress.samples_seen / epoch_samples, data_name)
-    use_ema = ema is not None and metrics["eval_acc_ema"] > metrics["eval_acc"]  # keep the better weights
-    checkpoints.save_weights(ema.module if use_ema else model, {  # model.safetensors
-        "recipe": RECIPE, "weights": "ema" if use_ema else "trained", "classes": train_set.classes, "flags": vars(cfg),
-        **metrics, **summary})
+    # With --ema the average is the model: choosing between it and the trained weights by their test accuracy would
+    # select on the test set. The trained weights stay in the last checkpoint (--eval_only --weights evaluates them).
+    checkpoints.save_weights(model if ema is None else ema.module, {  # model.safetensors
+        "recipe": RECIPE, "weights": "trained" if ema is None else "ema", "classes": train_set.classes,
+        "flags": vars(cfg), **metrics, **summary})
     tracking.save_pictures(accelerator, run_dir, test_set, predictions, progress.step)  # confusion matrix, mistakes
     accelerator.log(summary, step=progress.step)
     accelerator.wait_for_everyone()  # gloo's exit race (docs/troubleshooting.md) is rarer if all leave together
     accelerator.end_training()
     accelerator.print(f"done: eval_acc {metrics['eval_acc']:.4f} after {progress.step} steps in {wall_s:.0f} s; "
-                      f"model.safetensors holds the {'EMA' if use_ema else 'trained'} weights; files in {run_dir}")
+                      f"model.safetensors holds the {'trained' if ema is None else 'EMA'} weights; files in {run_dir}")
 
 
 def main() -> None:
@@ -322,7 +340,7 @@ def main() -> None:
     with one_line_errors():
         if cfg.eval_only:  # --eval_only --weights PATH: test metrics of a weights file, as one JSON line
             evaluate_weights(cfg, lambda n: make_model(n, cfg), lambda: load_data(cfg)[1],
-                             lambda *args: evaluate(*args, cfg.tta))
+                             lambda *args: evaluate(*args, cfg))
         else:
             train(cfg)
 

@@ -10,16 +10,16 @@ DDP's gradient buckets (about one more copy of the gradients): on a GPU filled t
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from accelerate.utils import find_executable_batch_size
 from accelerate.utils.memory import should_reduce_batch_size
 
 from shared.errors import RecipeError
 
 
-def largest_batch_size(accelerator, start: int, train_set, new_model, new_optimizer, preprocess) -> int:
+def largest_batch_size(accelerator, start: int, train_set, new_model, new_optimizer, preprocess, loss_fn) -> int:
     """Halve `start` until one training step fits on every process. new_model() -> a fresh model;
-    new_optimizer(model) -> its optimizer; preprocess(uint8 batch on the device) -> the model's input."""
+    new_optimizer(model) -> its optimizer; preprocess(uint8 batch on the device) -> the model's input;
+    loss_fn(logits, labels) -> the recipe's loss."""
     tried = []
 
     def attempt(batch_size: int) -> int:
@@ -30,7 +30,7 @@ def largest_batch_size(accelerator, start: int, train_set, new_model, new_optimi
             optimizer = new_optimizer(model)
             images, labels = train_set[torch.arange(batch_size) % len(train_set)]  # the recipe's own inputs
             with accelerator.autocast():
-                loss = F.cross_entropy(model(preprocess(images.to(accelerator.device))), labels.to(accelerator.device))
+                loss = loss_fn(model(preprocess(images.to(accelerator.device))), labels.to(accelerator.device))
             loss.backward()
             optimizer.step()
         except RuntimeError as error:  # leaving the except block drops the traceback and the memory it holds
@@ -54,5 +54,7 @@ def largest_batch_size(accelerator, start: int, train_set, new_model, new_optimi
             raise RecipeError("--auto_batch_size: not even a batch of 1 fits in memory: "
                               "use a smaller model, bf16.yaml, or a device with more memory") from None
         raise
+    if accelerator.device.type == "cuda":  # summary.json's peak_mem_mb is the run's, not the try that ran out
+        torch.cuda.reset_peak_memory_stats(accelerator.device)
     accelerator.print(f"--auto_batch_size: {batch_size} images per process fit (tried {', '.join(map(str, tried))})")
     return batch_size

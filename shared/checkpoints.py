@@ -16,6 +16,7 @@ import shlex
 import shutil
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ STEP_DIR = re.compile(r"step_(\d+)$")
 DATA_ORDER_KEYS = ("data", "synthetic", "train_size", "seed")  # change one, and the rest of the epoch is another
 BATCHING_KEYS = ("world_size", "batch_size", "grad_accum")  # these only cut the same order into other batches
 NOT_SETTINGS = ("resume", "resumed_step", "resumed_from", "run_id", "overwrite", "output_dir", "versions")
+STOP_CHECK_S = 1.0  # several processes agree on a stop about this often (seconds of training)
 
 
 class Progress:
@@ -58,11 +60,18 @@ class Checkpoints:
 
     SIGTERM (what SLURM and most schedulers send before they kill a job) or SIGINT (Ctrl-C) asks the run to
     stop: it finishes the optimizer step, saves a checkpoint and exits 0. Later signals change nothing
-    (torchrun forwards the first one again, and that must not cost the checkpoint); kill -9 stops at once."""
+    (torchrun forwards the first one again, and that must not cost the checkpoint); kill -9 stops at once.
+
+    How soon: one process stops after the step in flight. Several processes must first agree on a step, which they
+    do about every STOP_CHECK_S seconds of training; the stop then takes at most that, plus an evaluation if one
+    falls in between, plus the save. torchrun (what `accelerate launch` runs for several processes) kills its
+    workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (default 30) after it forwards a SIGTERM: set it higher if
+    your evaluation or save takes longer."""
 
     def __init__(self, accelerator, run_dir: Path, cfg):
         self.accelerator, self.run_dir, self.cfg = accelerator, Path(run_dir), cfg
         self.resumed_from = self.signal = None
+        self.next_check, self.last_check = 0, None  # the step of the processes' next agreement on a stop; the last's
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._on_signal)
 
@@ -116,15 +125,14 @@ class Checkpoints:
         this step and print the command that continues the run. True: stop now.
 
         Several processes must agree to stop, or one would wait in the checkpoint's barrier while another runs the
-        next all-reduce. They agree through a collective (accelerate's set_trigger/check_trigger), only where the
-        step already waits for the device (`synced`: log points, checkpoints), so the loop gains no GPU sync."""
+        next all-reduce. They agree where the step already waits for the device (`synced`: log points), at
+        checkpoints, and at least every STOP_CHECK_S seconds: log points alone can be minutes apart, and torchrun
+        kills the workers 30 s after a SIGTERM."""
         save_now = self.cfg.checkpoint_every > 0 and step % self.cfg.checkpoint_every == 0
         if self.accelerator.num_processes == 1:
             stopping = self.signal is not None
-        elif synced or save_now:
-            if self.signal:
-                self.accelerator.set_trigger()
-            stopping = self.accelerator.check_trigger()
+        elif synced or save_now or step >= self.next_check:
+            stopping = self._agree_to_stop(step)
         else:
             stopping = False
         if save_now or stopping:
@@ -133,6 +141,18 @@ class Checkpoints:
             self.accelerator.print(f"stopped by {self.signal or 'a signal to another process'} at step {step}, "
                                    f"checkpoint saved; continue with:\n  {self.resume_command()}")
         return stopping
+
+    def _agree_to_stop(self, step: int) -> bool:
+        """One gather over the processes: has any been asked to stop, and how many steps take STOP_CHECK_S seconds
+        on the slowest (the step of the next check, the same on every process). On a GPU: a sync about once a second."""
+        now, steps = time.monotonic(), 1  # every step until an interval has been measured
+        if self.last_check is not None:
+            seconds_per_step = (now - self.last_check[1]) / (step - self.last_check[0])
+            steps = max(1, int(STOP_CHECK_S / max(seconds_per_step, 1e-6)))
+        votes = self.accelerator.gather(torch.tensor([[int(self.signal is not None), steps]],
+                                                     device=self.accelerator.device))
+        self.next_check, self.last_check = step + int(votes[:, 1].min()), (step, now)
+        return bool(votes[:, 0].any())
 
     def save(self, model, step: int) -> Path:
         """The full training state in checkpoints/step_<step>, keeping the newest --keep_checkpoints. Weights that
@@ -288,7 +308,7 @@ def evaluate_weights(cfg, make_model, load_test_set, evaluate) -> None:
     `load_test_set()` and `evaluate(model, loader, accelerator)` are the recipe's."""
     check_launch()
     accelerator = Accelerator()
-    with accelerator.main_process_first():
+    with accelerator.local_main_process_first():  # the decode cache is per machine
         test_set = load_test_set()
     model = make_model(len(test_set.classes))
     load_weights(model, cfg.weights)

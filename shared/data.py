@@ -43,7 +43,9 @@ class ImageTensors(torch.utils.data.Dataset):
         return self.images[index], self.labels[index]
 
     def __getitems__(self, indices):  # a whole batch of indices from the DataLoader: one gather, no stack
-        indices = torch.as_tensor(indices)
+        # With --data_on_device the gather runs on the GPU: copy the indices without waiting for the GPU to finish
+        # the step in flight (a blocking copy would); on a CPU this is a no-op.
+        indices = torch.as_tensor(indices).to(self.labels.device, non_blocking=True)
         return self.images[indices], self.labels[indices]
 
     @staticmethod
@@ -60,7 +62,8 @@ class EpochOrder(torch.utils.data.Sampler):
     """Each epoch a permutation that depends only on (seed, epoch), served from sample `start` on. Kept in
     samples, not batches, a run can resume mid-epoch on another number of processes or batch size: the rest of
     the epoch is exactly the samples not yet trained on, cut into the new batches. (accelerate's seedable
-    sampler gives the same permutations, but its resume skips batches of the old size: accelerate #784.)"""
+    sampler seeds epoch e with seed + e, so seed 1 replays seed 0's orders one epoch later; and its resume skips
+    batches of the old size: accelerate #784.)"""
 
     def __init__(self, size: int, seed: int):
         self.size, self.seed, self.epoch, self.start = size, seed, 0, 0
@@ -69,11 +72,16 @@ class EpochOrder(torch.utils.data.Sampler):
         self.epoch, self.start = epoch, min(start, self.size)  # past the end: a smaller --data after a resume
 
     def __iter__(self):
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)  # as accelerate's SeedableRandomSampler
+        # (seed, epoch) hashed into one seed: no two pairs share an order, as seed + epoch would.
+        generator = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch))
         return iter(torch.randperm(self.size, generator=generator)[self.start:].tolist())
 
     def __len__(self):
         return self.size - self.start
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    return int(np.random.SeedSequence([seed, epoch]).generate_state(1)[0])
 
 
 def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: bool = False,

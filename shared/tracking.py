@@ -154,11 +154,12 @@ class TrainWindow:
         self.seconds = self.total_seconds = 0.0
         self.started = time.perf_counter()
 
-    def add(self, loss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> None:
+    def add(self, loss: torch.Tensor, correct: torch.Tensor, samples: int) -> None:
+        """One batch of this process: its mean loss, its right answers (the recipe's metric) and its size."""
         self.loss_sum += loss.detach()  # detach: summing `loss` itself would keep every step's graph alive
-        self.correct += (logits.detach().argmax(dim=1) == labels).sum()
+        self.correct += correct
         self.batches += 1
-        self.samples += len(labels) * self.accelerator.num_processes
+        self.samples += samples * self.accelerator.num_processes
 
     def add_grad_norm(self, grad_norm: torch.Tensor) -> None:
         """One step's norm before clipping; an infinite one (a step fp16's scaler skips) stays out of the mean."""
@@ -315,7 +316,8 @@ def save_pictures(accelerator, run_dir: Path, test_set, predictions: torch.Tenso
     if not accelerator.is_main_process:
         return
     plt = pyplot()
-    labels, classes, k = test_set.labels, test_set.classes, len(test_set.classes)
+    # On the CPU whatever device each came from (--data_on_device keeps the test set on the GPU), for NumPy and PNGs.
+    labels, predictions, classes, k = test_set.labels.cpu(), predictions.cpu(), test_set.classes, len(test_set.classes)
     counts = torch.bincount(labels * k + predictions, minlength=k * k).reshape(k, k).double()
     fractions = (counts / counts.sum(dim=1, keepdim=True).clamp(min=1)).numpy()  # rows: true class
     confusion, ax = plt.subplots(figsize=(4 + 0.5 * min(k, 20),) * 2)
@@ -334,7 +336,7 @@ def save_pictures(accelerator, run_dir: Path, test_set, predictions: torch.Tenso
     for ax in axes.flat:
         ax.axis("off")
     for ax, index in zip(axes.flat, wrong[:24].tolist()):  # the first 24 the model got wrong
-        image = test_set.images[index].permute(1, 2, 0).numpy()
+        image = test_set.images[index].permute(1, 2, 0).cpu().numpy()
         ax.imshow(image[..., 0] if image.shape[2] == 1 else image, cmap="gray" if image.shape[2] == 1 else None)
         ax.set_title(f"{classes[labels[index]]}\n-> {classes[predictions[index]]}", fontsize=8)
     misclassified.suptitle(f"misclassified test images: {min(len(wrong), 24)} shown of {len(wrong)}")

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from shared.checkpoints import Progress, check_resume
+from shared.data import epoch_seed
 from shared.schedule import SCHEDULE_RULE, one_cycle_lr
 
 from conftest import ROOT, launch, ok, read_json, read_jsonl
@@ -49,7 +50,7 @@ def batches(folder: Path, rank: int) -> list[list[int]]:
 
 def order(seed: int, epoch: int) -> list[int]:
     """The samples of an epoch in training order: a permutation that depends only on (seed, epoch)."""
-    return torch.randperm(64, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    return torch.randperm(64, generator=torch.Generator().manual_seed(epoch_seed(seed, epoch))).tolist()
 
 
 def lrs(run: Path) -> dict[int, float]:
@@ -153,3 +154,16 @@ def test_a_checkpoint_without_its_config_json_still_resumes_and_says_so(tmp_path
     assert capsys.readouterr().out.splitlines() == [
         f"resuming from {checkpoint}: step 16, epoch 3 after 32 of its 64 samples",
         f"no config.json beside {checkpoint}: what changed since it cannot be listed"]
+
+
+def test_no_two_seeds_share_an_epoch_order():
+    """Seeding epoch e of seed s with s + e gave seed 1 the orders of seed 0, one epoch later: "3 seeds" were not."""
+    from shared.data import EpochOrder
+
+    orders = set()
+    for seed in range(4):
+        sampler = EpochOrder(64, seed)
+        for epoch in range(4):
+            sampler.set_position(epoch)
+            orders.add(tuple(sampler))
+    assert len(orders) == 16

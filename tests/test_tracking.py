@@ -206,11 +206,47 @@ def test_logged_gradient_norm_is_the_mean_of_the_finite_steps():
     from shared.tracking import TrainWindow
 
     window = TrainWindow(Accelerator(cpu=True))
-    window.add(torch.tensor(0.5), torch.eye(2), torch.tensor([0, 0]))
+    window.add(torch.tensor(0.5), torch.tensor(1), 2)
     for norm in (2.0, float("inf"), 4.0):
         window.add_grad_norm(torch.tensor(norm))
     point = window.flush(step=3)
     assert point["grad_norm"] == 3.0 and point["train_loss"] == 0.5 and point["train_acc"] == 0.5
-    window.add(torch.tensor(0.5), torch.eye(2), torch.tensor([0, 1]))
+    window.add(torch.tensor(0.5), torch.tensor(2), 2)
     window.add_grad_norm(torch.tensor(1.0))
     assert window.flush(step=4)["grad_norm"] == 1.0  # a new window starts from zero
+
+
+class OnAnotherDevice(torch.Tensor):
+    """A CPU tensor that behaves as one on a GPU would: mixing it with CPU tensors or calling .numpy() fails, .cpu()
+    returns a plain tensor. (--data_on_device keeps the test set on the GPU; evaluate() returns CPU predictions.)"""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.cpu:
+            return args[0].as_subclass(torch.Tensor).clone()
+        if func is torch.Tensor.numpy:
+            raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() first.")
+        tensors = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+        if any(not isinstance(t, cls) for t in tensors):
+            raise RuntimeError("Expected all tensors to be on the same device, but found at least two devices")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize("on_the_gpu", ["test set", "predictions"])
+def test_pictures_are_drawn_from_tensors_on_any_device(tmp_path, on_the_gpu):
+    from accelerate import Accelerator
+
+    from shared.data import ImageTensors
+    from shared.tracking import save_pictures
+
+    images = torch.randint(0, 256, (12, 3, 8, 8), dtype=torch.uint8)
+    labels, predictions = torch.arange(12) % 3, torch.arange(12) % 2
+    if on_the_gpu == "test set":
+        images, labels = images.as_subclass(OnAnotherDevice), labels.as_subclass(OnAnotherDevice)
+    else:
+        predictions = predictions.as_subclass(OnAnotherDevice)
+    test_set = ImageTensors(images, labels, ["a", "b", "c"], "test")
+    save_pictures(Accelerator(cpu=True), tmp_path, test_set, predictions, step=1)
+    for name in ("confusion_matrix.png", "misclassified.png"):
+        with Image.open(tmp_path / name) as image:
+            assert image.format == "PNG" and image.size[0] >= 400
