@@ -15,6 +15,9 @@
 set -euo pipefail
 
 GPUS_PER_NODE=8
+# torchrun forwards the SIGTERM to the training processes, then kills them after this many seconds (its default,
+# 30, is less than the 120 s this job is given): time to finish a step, an evaluation and the checkpoint.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=100
 MAIN_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 MAIN_PORT=29500
 # A requeued job keeps its job id, so it finds its own run folder and continues it.

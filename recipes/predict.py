@@ -132,7 +132,7 @@ def predict(cfg: Config) -> None:
     fields = {f.name for f in dataclasses.fields(recipe.Config)}
     model = recipe.make_model(len(classes), recipe.Config(**{k: v for k, v in flags.items() if k in fields}))
     load_weights(model, cfg.weights)  # one line if the file is not this recipe's model
-    model.to(state.device).eval()
+    model.to(state.device).eval()  # float32 and NCHW, whatever --channels_last or precision trained it: same weights
     root = Path(cfg.images)
     images, skipped = find_images(root)
     output = Path(cfg.output)

@@ -53,7 +53,7 @@ def parse_config(cls: type, argv: list[str] | None = None):
 
 @dataclass
 class RunConfig:
-    """Flags every recipe shares (../shared/RECIPES.md). A recipe redeclares a field to set its own default;
+    """Flags every recipe shares (docs/recipe_contract.md). A recipe redeclares a field to set its own default;
     these are the only fields shared/ reads. `Config.parse()` reads them from the command line."""
 
     data: str = ""  # hub id, or a local save_to_disk / parquet / imagefolder folder

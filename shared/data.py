@@ -10,6 +10,8 @@ that tensor (`__getitems__`), not image by image. `EpochOrder` is the training o
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import json
 import logging
 import os
@@ -157,9 +159,10 @@ def find_columns(split: datasets.Dataset, source: str) -> tuple[str, str, list[s
 
 
 def decode_split(split, name, source, image_column, label_column, classes, image_shape) -> ImageTensors:
-    """Decode every image once into uint8 (N, C, H, W); cached on disk by the split's fingerprint."""
+    """Decode every image once into uint8 (N, C, H, W); cached on disk by what the tensors come from: the split's
+    fingerprint (datasets' own hash of its data; it has no public name), the shape, and the decoding code."""
     channels, height, width = image_shape
-    cache = CACHE_DIR / f"{split._fingerprint}-{name}-{channels}x{height}x{width}.safetensors"
+    cache = CACHE_DIR / f"{split._fingerprint}-{name}-{channels}x{height}x{width}-{decoder_hash()}.safetensors"
     if cache.exists():
         return ImageTensors(*_read_cache(cache, name), name=name)
     # Decode to one PIL mode: grayscale <-> colour, and a stray RGBA or CMYK image converts instead of failing.
@@ -182,6 +185,13 @@ def decode_split(split, name, source, image_column, label_column, classes, image
                           f"{len(classes)} classes: fix the '{label_column}' column or its ClassLabel names")
     _write_cache(cache, {name: (images, labels)}, classes, source)
     return ImageTensors(images, labels, classes, name)
+
+
+def decoder_hash() -> str:
+    """Changes whenever the code that turns images into tensors does (this decoder, fit(), torch's resize): a cache
+    keyed only by the data would hand back tensors made by the old code."""
+    code = inspect.getsource(decode_split) + inspect.getsource(fit) + torch.__version__
+    return hashlib.sha256(code.encode()).hexdigest()[:12]
 
 
 def check_conversion(first: Image.Image, source: str, image_shape: tuple[int, int, int]) -> None:

@@ -195,7 +195,7 @@ class TrainWindow:
         self.seconds, self.started = self.seconds + now - self.started, now
 
     def summary(self, progress, wall_s: float, epochs: float, data: str) -> dict:
-        """What summary.json reports beyond the last logged values (../shared/RECIPES.md)."""
+        """What summary.json reports beyond the last logged values (docs/recipe_contract.md)."""
         self._clock()
         device = self.accelerator.device
         peak_mem_mb = (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"  # else resident

@@ -19,13 +19,14 @@ from unittest import mock
 
 import pytest
 import torch
+from accelerate.utils import load as accelerate_load
 from safetensors.torch import load_file, save_file
 
 from recipes.cifar_cnn import make_model
 from shared.checkpoints import load_weights
 from shared.errors import RecipeError
 
-from conftest import ROOT, ema_state, exited_cleanly, launch, ok, read_json, read_jsonl
+from conftest import ROOT, ema_state, launch, ok, read_json, read_jsonl
 from tiny_data import save_to_disk_dataset
 
 RUN = ("--batch_size", "8", "--max_steps", "20", "--checkpoint_every", "2", "--keep_checkpoints", "20",
@@ -156,24 +157,35 @@ def test_sigterm_saves_the_current_step_exits_0_and_prints_a_working_resume_comm
     assert_bitwise_equal(weights(out), weights(reference[1]))
 
 
-def test_sigterm_to_both_processes_of_a_2_process_run(env, data, tmp_path):
+def test_sigterm_to_the_launcher_of_2_processes_stops_them_between_log_points(env, data, tmp_path):
+    """`accelerate launch` of several processes runs torchrun, which forwards a SIGTERM to every worker and kills
+    them TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds later (30 by default; 5 here). This run's only log point is its
+    last step, seconds after the signal: the processes must agree on a stop between log points, save a complete
+    checkpoint before the kill, and resume from it to the uninterrupted run's weights."""
+    args = ("--data", str(data), "--batch_size", "8", "--max_steps", "300", "--log_every", "300", "--seed", "5",
+            "--tracker", "none")
+    reference = tmp_path / "reference"
+    ok(launch(env, "cifar_cnn", *args, "--output_dir", str(reference), config="2gpu", use_cpu=True))
     out = tmp_path / "run"
     command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file",
-               "accelerate_configs/2gpu.yaml", "recipes/cifar_cnn.py", "--data", str(data), "--output_dir", str(out),
-               *RUN]
-    process = subprocess.Popen(command, cwd=ROOT, env=dict(env, ACCELERATE_USE_CPU="true"), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
-    wait_for(lambda: any(r.get("step", 0) >= 3 for r in safe_rows(out)), process)
-    workers = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()
-    assert len(workers) == 2
-    for pid in workers:  # what SLURM does: every training process gets the signal
-        os.kill(int(pid), signal.SIGTERM)
+               "accelerate_configs/2gpu.yaml", "recipes/cifar_cnn.py", *args, "--output_dir", str(out)]
+    process = subprocess.Popen(command, cwd=ROOT, env=dict(env, ACCELERATE_USE_CPU="true",
+                                                           TORCH_ELASTIC_SHUTDOWN_TIMEOUT="5"),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: (out / "config.json").exists(), process)  # written just before the first step
+    time.sleep(1.5)
+    process.send_signal(signal.SIGTERM)  # to torchrun, as Kubernetes or `kill <pid>` would
     stdout, stderr = process.communicate(timeout=120)
-    assert exited_cleanly(process.returncode, stderr), stderr
-    stopped = int(stdout.split("at step ")[1].split(",")[0])
-    assert (out / "checkpoints" / f"step_{stopped}").is_dir()
-    assert sorted(p.name for p in (out / "checkpoints" / f"step_{stopped}").glob("random_states_*")) == [
+    assert "stopped by SIGTERM at step " in stdout, stderr[-3000:]
+    stopped = int(stdout.split("stopped by SIGTERM at step ")[1].split(",")[0])
+    checkpoint = out / "checkpoints" / f"step_{stopped}"
+    assert stopped < 300 and sorted(p.name for p in checkpoint.glob("random_states_*")) == [
         "random_states_0.pkl", "random_states_1.pkl"]
+    # Each process draws its own crops and flips (set_seed(..., device_specific=True)).
+    states = [accelerate_load(checkpoint / f"random_states_{rank}.pkl") for rank in (0, 1)]
+    assert not torch.equal(states[0]["torch_manual_seed"], states[1]["torch_manual_seed"])
+    ok(launch(env, "cifar_cnn", *args, "--output_dir", str(out), "--resume", "latest", config="2gpu", use_cpu=True))
+    assert_bitwise_equal(weights(out), weights(reference))
 
 
 # ------------------------------------------------------------------ weights files of every layout

@@ -75,7 +75,7 @@ def test_cpu_yaml_on_a_save_to_disk_folder(env, disk_data, disk_run):
     check_run_files(disk_run, world_size=1, steps=6, test_size=20)
     # Decoded once, cached under the dataset's fingerprint for the next run.
     decoded = Path(env["HF_HOME"]) / "datasets" / "decoded"
-    cached = {p.name.split("-")[0] for p in decoded.glob("*-3x32x32.safetensors")}
+    cached = {p.name.split("-")[0] for p in decoded.glob("*-3x32x32-*.safetensors")}
     assert {datasets.load_from_disk(str(disk_data))[s]._fingerprint for s in ("train", "test")} <= cached
 
 

@@ -127,7 +127,7 @@ def test_the_three_training_loops_stay_in_step(recipe, name):
 
 @pytest.mark.parametrize("recipe", ["cifar_cnn", "resnet18_fmnist", "deep_mlp_ckpt"])
 def test_a_recipe_imports_at_most_12_names_from_shared(recipe):
-    """../shared/STYLE.md's budget: a reader learns a dozen helpers, not a framework."""
+    """docs/style.md's budget: a reader learns a dozen helpers, not a framework."""
     tree = ast.parse((ROOT / "recipes" / f"{recipe}.py").read_text())
     names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
              and (node.module or "").split(".")[0] == "shared" for alias in node.names]

@@ -1,4 +1,4 @@
-"""The layout budgets of ../shared/STYLE.md, counted: `python -m tools.budget`.
+"""The layout budgets of docs/style.md, counted: `python -m tools.budget`.
 
 For each recipe: the names it imports from shared/, the lines of shared/ in its import path (the modules it
 imports and the ones those import in turn, plus shared/__init__.py) and its own length. Budgets: 12 names,
