@@ -6,12 +6,12 @@ one linear map, and BatchNorm. Gradients are clipped to norm 1 with accelerator.
 Results (from real runs, 2-core CPU, float32; tables in benchmarks/BENCHMARKS.md):
   real CIFAR-10  not measured yet (no download here). On a GPU:
                    python benchmarks/accuracy.py --hub --config 1gpu --cases cifar_cnn/photos10/cpu
-  real photos    final test accuracy 0.946 +- 0.006 (3 seeds, 0.940-0.952) after 20 epochs, 3.6 s/epoch; the
-                 seed post's loop: 0.541 +- 0.142. 2 processes (2gpu.yaml, global batch 256): 0.936 +- 0.007.
-                 --lr x0.5 or x2: means 0.927-0.945, none diverged. 10 classes of 32x32 crops of photographs
-                 bundled with pip packages (5,000 train / 1,000 test; benchmarks/real_images.py), easier than
-                 CIFAR-10. python benchmarks/accuracy.py --lr_multipliers 0.5 1 2 --cases cifar_cnn/photos10/cpu \
-                   cifar_cnn/photos10/2gpu
+  real photos    final test accuracy 0.940 +- 0.003 (3 seeds, 0.937-0.942) after 20 epochs; 2 processes
+                 (2gpu.yaml, global batch 256): 0.940 +- 0.005. 10 classes of 32x32 crops of photographs bundled
+                 with pip packages (5,000 train / 1,000 test; benchmarks/real_images.py), easier than CIFAR-10.
+                   python benchmarks/accuracy.py --no_seed_loops --cases cifar_cnn/photos10/cpu cifar_cnn/photos10/2gpu
+                 Earlier, with overlapping seed orders: 3.6 s/epoch; --lr x0.5 or x2 0.927-0.945, none diverged;
+                 the seed post's loop 0.541 +- 0.142 (benchmarks/BENCHMARKS.md).
 
 Run it from the repository root (outputs in runs/cifar_cnn-<time>/: config.json, metrics.jsonl, summary.json,
 curves.png, model.safetensors, checkpoints/):
@@ -159,9 +159,7 @@ def train(cfg: Config) -> None:
         project_dir=run_dir,
         log_with=trackers,  # wandb or TensorBoard, and config.json, metrics.jsonl, summary.json, curves.png
     )
-    # One random stream per process (seed + rank), so the processes draw different crops, flips and dropout masks
-    # for their different images; DDP still starts every process from rank 0's initial weights.
-    set_seed(cfg.seed, device_specific=True)
+    set_seed(cfg.seed, device_specific=True)  # seed + rank: each process its own crops, flips and dropout masks
     with accelerator.local_main_process_first():  # one process per machine decodes into the machine's cache
         train_set, test_set = load_data(cfg)
     if cfg.data_on_device:  # one copy of the uint8 dataset now, instead of a host-to-GPU copy per batch
@@ -179,8 +177,7 @@ def train(cfg: Config) -> None:
     pin = train_set.images.device.type == "cpu" and accelerator.device.type == "cuda"  # page-locked: async copies
     train_loader = DataLoader(train_set, batch_size, sampler=order, drop_last=True, collate_fn=train_set.whole_batch,
                               generator=torch.Generator(), pin_memory=pin)
-    test_loader = DataLoader(test_set, 2 * batch_size, collate_fn=test_set.whole_batch, generator=torch.Generator(),
-                             pin_memory=pin)
+    test_loader = DataLoader(test_set, 2 * batch_size, collate_fn=test_set.whole_batch, generator=torch.Generator())
 
     global_batch_size = batch_size * accelerator.num_processes * cfg.grad_accum
     model = make_model(len(train_set.classes), cfg)

@@ -179,9 +179,7 @@ def train(cfg: Config) -> None:
         project_dir=run_dir,
         log_with=trackers,  # wandb or TensorBoard, and config.json, metrics.jsonl, summary.json, curves.png
     )
-    # One random stream per process (seed + rank), so the processes draw different crops, flips and dropout masks
-    # for their different images; DDP still starts every process from rank 0's initial weights.
-    set_seed(cfg.seed, device_specific=True)
+    set_seed(cfg.seed, device_specific=True)  # seed + rank: each process its own crops, flips and dropout masks
     with accelerator.local_main_process_first():  # one process per machine decodes into the machine's cache
         train_set, test_set = load_data(cfg)
     if cfg.data_on_device:  # one copy of the uint8 dataset now, instead of a host-to-GPU copy per batch
@@ -199,8 +197,7 @@ def train(cfg: Config) -> None:
     pin = train_set.images.device.type == "cpu" and accelerator.device.type == "cuda"  # page-locked: async copies
     train_loader = DataLoader(train_set, batch_size, sampler=order, drop_last=True, collate_fn=train_set.whole_batch,
                               generator=torch.Generator(), pin_memory=pin)
-    test_loader = DataLoader(test_set, 2 * batch_size, collate_fn=test_set.whole_batch, generator=torch.Generator(),
-                             pin_memory=pin)
+    test_loader = DataLoader(test_set, 2 * batch_size, collate_fn=test_set.whole_batch, generator=torch.Generator())
 
     global_batch_size = batch_size * accelerator.num_processes * cfg.grad_accum
     peak_lr = scaled_lr(cfg, global_batch_size)
