@@ -10,10 +10,11 @@ and projected to 1000 inputs by a fixed random matrix.
 Results (from real runs, 2-core CPU, float32; tables in benchmarks/BENCHMARKS.md):
   real CIFAR-100  not measured yet (no download here). On a GPU:
                     python benchmarks/accuracy.py --hub --config 1gpu --cases deep_mlp_ckpt/photos100/cpu
-  real photos     final test accuracy 0.271 +- 0.009 (3 seeds) after 5 epochs, 27.5 s/epoch; the seed's loop
-                  (plain stack, batch 16): 0.009, chance. --lr x0.5 or x2: 0.274, 0.271. 100 classes of 32x32
+  real photos     final test accuracy 0.289 +- 0.013 (3 seeds, 0.274-0.297) after 5 epochs. 100 classes of 32x32
                   crops of photographs (5,000 / 1,000; benchmarks/real_images.py).
-                  python benchmarks/accuracy.py --lr_multipliers 0.5 1 2 --cases deep_mlp_ckpt/photos100/cpu
+                  python benchmarks/accuracy.py --no_seed_loops --cases deep_mlp_ckpt/photos100/cpu
+                  Earlier, with overlapping seed orders: 27.5 s/epoch; --lr x0.5 or x2 0.274, 0.271; the seed's
+                  loop (plain stack, batch 16) 0.009, chance (benchmarks/BENCHMARKS.md).
   sweep           8 segments hold 0.15x the activations (125 of 836 MB at batch 1024) for 1.36x the step
                   time; 12 and 18 hold the least (0.13x). python recipes/deep_mlp_sweep.py --repeats 5
 

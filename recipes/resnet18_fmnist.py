@@ -7,12 +7,13 @@ rate must follow it (--lr_scaling), gradient accumulation makes a bigger batch o
 Results (from real runs, 2-core CPU, float32; tables in benchmarks/BENCHMARKS.md):
   real Fashion-MNIST  not measured yet (no download here). On a GPU:
                         python benchmarks/accuracy.py --hub --config 1gpu --cases resnet18_fmnist/digits/cpu
-  real digits   final test accuracy 0.996 +- 0.005 (3 seeds, 0.990-1.000) after 10 epochs, 24.8 s/epoch; d2l's
-                loop: 0.990 +- 0.006. --lr x0.5 or x2: 0.990. scikit-learn's digits at 28x28 (1,500 / 297).
-  real photos   converted to 28x28 grayscale, 1,500 train / 300 test, 5 epochs: 0.680 +- 0.047; d2l's loop:
-                0.160 +- 0.053. x0.5: 0.664; x2: 0.593 (too few steps for lr 0.2).
-                python benchmarks/accuracy.py --lr_multipliers 0.5 1 2 \
+  real digits   final test accuracy 0.992 +- 0.005 (3 seeds, 0.987-0.997) after 10 epochs. scikit-learn's digits
+                at 28x28 (1,500 / 297).
+  real photos   converted to 28x28 grayscale, 1,500 train / 300 test, 5 epochs: 0.688 +- 0.023.
+                python benchmarks/accuracy.py --no_seed_loops \
                   --cases resnet18_fmnist/digits/cpu resnet18_fmnist/photos10_small/cpu
+                Earlier, with overlapping seed orders: 24.8 s/epoch on digits; --lr x0.5 or x2 0.990 on digits, 0.664
+                and 0.593 on photos; d2l's loop 0.990 on digits, 0.160 on photos (benchmarks/BENCHMARKS.md).
 
 Run it from the repository root (outputs in runs/resnet18_fmnist-<time>/):
   accelerate launch --config_file accelerate_configs/2gpu.yaml recipes/resnet18_fmnist.py --sync_bn
