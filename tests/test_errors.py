@@ -68,6 +68,11 @@ def test_segments_out_of_range(env, segments, needle):
     one_line(launch(env, "deep_mlp_ckpt", "--segments", segments, config=None), needle, status=2)
 
 
+def test_the_mlp_refuses_channels_last_instead_of_ignoring_it(env):
+    one_line(launch(env, "deep_mlp_ckpt", "--channels_last", config=None),
+             "--channels_last is a layout for convolutions; this MLP has none: leave it out", status=2)
+
+
 def test_config_file_missing(env, tmp_path):
     # accelerate reads the config before the recipe starts: the message is accelerate's own.
     result = launch(env, "cifar_cnn", "--synthetic", "--output_dir", str(tmp_path / "run"), config="does_not_exist")
