@@ -75,15 +75,12 @@ class EpochOrder(torch.utils.data.Sampler):
 
     def __iter__(self):
         # (seed, epoch) hashed into one seed: no two pairs share an order, as seed + epoch would.
-        generator = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch))
+        seed = int(np.random.SeedSequence([self.seed, self.epoch]).generate_state(1)[0])
+        generator = torch.Generator().manual_seed(seed)
         return iter(torch.randperm(self.size, generator=generator)[self.start:].tolist())
 
     def __len__(self):
         return self.size - self.start
-
-
-def epoch_seed(seed: int, epoch: int) -> int:
-    return int(np.random.SeedSequence([seed, epoch]).generate_state(1)[0])
 
 
 def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: bool = False,
