@@ -1,34 +1,43 @@
-"""Where the training time goes, for each recipe, in one process and one run:
+"""Where the training time goes, for each recipe and each speed option, in one run:
 
   (a) model only:  forward, backward, gradient clipping and optimizer step on batches already in device memory
   (b) recipe:      the recipe's own `train()`: its data pipeline, accelerate loop, logging
   (c) seed-style:  torchvision per-image transforms (PIL -> RandomCrop/Flip -> ToTensor -> Normalize)
-                   in a DataLoader with 2 worker processes, as the seed posts did, then the same step
+                   in a DataLoader with 2 worker processes, as the seed posts did, then the same step (float32)
   (d) plain loop:  the pipeline of (b) in a hand-written PyTorch loop, without accelerate
 
-Same model, batch size, optimizer and precision in all four. Each is timed over `--repeats` windows
-of `--window` steps after one warm-up window; samples/s are the median (min-max in brackets), and
-the ratios b/a, b/c, d/b use the medians. (a) and (d) take turns window by window with (b) in the
-middle, so that a machine whose speed drifts treats them alike; (c) runs first, alone, because its
-worker processes keep preparing batches in the background. (b)'s windows are the recipe's own log
-windows (`samples_per_s` in metrics.jsonl): measured as a user's run reports itself.
+The options (each row; combinations too): float32, bf16 autocast (`cpu_bf16.yaml` / `bf16.yaml`),
+`--channels_last`, `--compile`. Same model, batch size and optimizer everywhere. Each is timed over
+`--repeats` windows of `--window` steps after one warm-up window (which holds the compilation);
+samples/s are medians, min-max in brackets. The machine's speed drifts (up to 2x within a minute
+here), so everything takes turns: in each round every option runs one window of (a), of (b) and of
+(d). (b) is a short run of the recipe's train() in this process, its first log window the warm-up;
+its windows are the recipe's own log windows (`samples_per_s` in metrics.jsonl): measured as a user's
+run reports itself. (c) runs first, alone, because its worker
+processes keep preparing batches in the background.
 
-    python benchmarks/throughput.py                                     # CPU: about 5 minutes
-    python benchmarks/throughput.py --data_on_device                    # GPU: data held on the GPU
-    python benchmarks/throughput.py --data_on_device --mixed_precision bf16 --batch_size 512
+GFLOP/s counts the model's forward and backward FLOPs per sample (torch.utils.flop_counter) times
+samples/s; "peak" is the fastest of two probes of this machine in the option's precision: a 2048 x 2048
+matmul, and a 128 -> 128 channel 3x3 convolution on 64 x 32 x 32 images (channels_last).
 
-Writes benchmarks/results/throughput-<device>.md (the table, hardware and versions).
+    python benchmarks/throughput.py                                      # CPU: about 30 minutes
+    python benchmarks/throughput.py --recipes cifar_cnn --options float32 bf16+channels_last
+    python benchmarks/throughput.py --data_on_device                     # GPU: data held on the GPU
+
+Writes benchmarks/results/throughput-<device>.md (the tables, hardware and versions).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import importlib
 import itertools
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -38,14 +47,14 @@ from pathlib import Path
 import datasets
 import numpy as np
 import torch
-import torch.nn.functional as F
+from accelerate.state import AcceleratorState, GradientState
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
+from torch.utils.flop_counter import FlopCounterMode
 from torchvision import transforms
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 from shared.data import make_synthetic
 from tools.measure import synchronize
 
@@ -55,6 +64,10 @@ RECIPES = {
     "resnet18_fmnist": (64, (1, 28, 28), 10, [transforms.RandomCrop(28, padding=2), transforms.RandomHorizontalFlip()]),
     "deep_mlp_ckpt": (128, (3, 32, 32), 100, []),  # no augmentation in the recipe
 }
+OPTIONS = ["float32", "bf16", "channels_last", "bf16+channels_last", "compile", "bf16+compile",
+           "channels_last+compile", "bf16+channels_last+compile"]
+# Dynamo keys its compiled code on the forward's code object, which every nn.Sequential shares: one entry per model.
+torch._dynamo.config.recompile_limit = 64
 
 
 def write_dataset(folder: Path, train_size: int, test_size: int, shape=(1, 28, 28), num_classes: int = 10) -> Path:
@@ -101,145 +114,228 @@ def samples_per_s(step, batch_size: int, window: int, device) -> float:
     return window * batch_size / (time.perf_counter() - start)
 
 
-def run_recipe(recipe, cfg, mixed_precision: str) -> list[float]:
-    """(b): the recipe's own train(), in this process; its log windows after the first (the warm-up)."""
-    os.environ["ACCELERATE_MIXED_PRECISION"] = mixed_precision
+def peak_gflops(device: torch.device) -> dict[str, float]:
+    """This machine's GFLOP/s in each precision: the faster of a large matmul and a large convolution."""
+    peaks = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = (torch.randn(2048, 2048, device=device, dtype=dtype) for _ in range(2))
+        matmul = 2 * 2048**3 / (min(timed(lambda: a @ b, device) for _ in range(5)))
+        conv = torch.nn.Conv2d(128, 128, 3, padding=1).to(device, dtype, memory_format=torch.channels_last)
+        x = torch.randn(64, 128, 32, 32, device=device, dtype=dtype).contiguous(memory_format=torch.channels_last)
+        with torch.no_grad():
+            conv_flops = 2 * 64 * 128 * 32 * 32 * 128 * 9 / min(timed(lambda: conv(x), device) for _ in range(5))
+        peaks[str(dtype).removeprefix("torch.")] = {"matmul": matmul / 1e9, "conv": conv_flops / 1e9}
+    return peaks
+
+
+def timed(fn, device) -> float:
+    fn()
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def flops_per_sample(model, inputs, labels, loss_fn) -> float:
+    """Forward + backward FLOPs of one training sample, as torch counts them (matmuls and convolutions)."""
+    with FlopCounterMode(display=False) as counter:
+        loss_fn(model(inputs), labels).backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops() / len(inputs)
+
+
+def recipe_windows(recipe, option: str, data: Path, batch_size: int, window: int) -> list[float]:
+    """(b): the recipe's own train() in this process, for one warm-up log window and one timed one. A new Accelerator
+    each time; mixed precision is read from the environment, as `accelerate launch` passes it."""
+    AcceleratorState._reset_state(reset_partial_state=True)  # the state is a singleton; a new precision needs a reset
+    GradientState._reset_state()
+    os.environ["ACCELERATE_MIXED_PRECISION"] = "bf16" if "bf16" in option else "no"
+    out = Path(tempfile.mkdtemp(prefix=f"bench-{recipe.RECIPE}-"))
+    cfg = recipe.Config(data=str(data), batch_size=batch_size, max_steps=2 * window, log_every=window, tracker="none",
+                        output_dir=str(out), channels_last="channels_last" in option, compile="compile" in option)
     with contextlib.redirect_stdout(sys.stderr):
         recipe.train(cfg)
-    rows = [json.loads(line) for line in (Path(cfg.output_dir) / "metrics.jsonl").read_text().splitlines()]
-    return [row["samples_per_s"] for row in rows if "samples_per_s" in row][1:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    shutil.rmtree(out)
+    return [row["samples_per_s"] for row in rows if "train_loss" in row][1:]  # log windows, not the summary
 
 
 def bench_recipe(name: str, args, data: Path, device: torch.device) -> dict:
     recipe = importlib.import_module(f"recipes.{name}")
     cpu_batch, _, _, seed_augment = RECIPES[name]
     batch_size = args.batch_size or (cpu_batch if device.type == "cpu" else 512)
-    cfg = recipe.Config(data=str(data), batch_size=batch_size, max_steps=(1 + args.repeats) * args.window,
-                        log_every=args.window, tracker="none",
-                        data_on_device=args.data_on_device, output_dir=tempfile.mkdtemp(prefix=f"bench-{name}-"))
+    options = [o for o in args.options if not (name == "deep_mlp_ckpt" and "channels_last" in o)]  # no convolutions
+    cfg = recipe.Config(data=str(data), batch_size=batch_size, tracker="none", data_on_device=args.data_on_device)
     train_set, _ = recipe.load_data(cfg)
     if args.data_on_device:
         train_set = train_set.to(device)
     augment = name != "deep_mlp_ckpt"
-    preprocess = (lambda images: recipe.preprocess(images, augment)) if augment else recipe.preprocess
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if args.mixed_precision == "bf16" \
-        else contextlib.nullcontext
 
-    def new_training():
+    def preprocess(images, channels_last):
+        inputs = recipe.preprocess(images, augment)
+        return inputs.contiguous(memory_format=torch.channels_last) if channels_last else inputs
+
+    def new_training(option):
         torch.manual_seed(0)
         model = (recipe.make_model(len(train_set.classes), cfg) if name == "deep_mlp_ckpt"
                  else recipe.make_model(len(train_set.classes))).to(device)
+        if "channels_last" in option:
+            model = model.to(memory_format=torch.channels_last)
+        if "compile" in option:
+            model.compile()
         optimizer = (recipe.make_optimizer(model, cfg, cfg.lr) if name == "resnet18_fmnist"
                      else recipe.make_optimizer(model, cfg))
         return model.train(), optimizer
 
-    def train_step(model, optimizer, inputs, labels):
-        with autocast():
-            loss = F.cross_entropy(model(inputs), labels)
+    def train_step(option, model, optimizer, inputs, labels):
+        autocast = torch.autocast(device.type, dtype=torch.bfloat16) if "bf16" in option else contextlib.nullcontext()
+        with autocast:
+            loss = recipe.loss_fn(model(inputs), labels)
         loss.backward()  # no loss.item() per step: that would wait for the device
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)  # as the recipe does
         optimizer.step()
         optimizer.zero_grad()
 
-    # (a) model only: a few preprocessed batches, already on the device, used in turn.
-    model_a, optimizer_a = new_training()
-    fixed = [train_set[torch.arange(i * batch_size, (i + 1) * batch_size)] for i in range(4)]
-    fixed = itertools.cycle([(preprocess(images.to(device)), labels.to(device)) for images, labels in fixed])
+    fixed_batches = [train_set[torch.arange(i * batch_size, (i + 1) * batch_size)] for i in range(4)]
 
-    def model_step():
-        train_step(model_a, optimizer_a, *next(fixed))
+    def model_only(option):
+        """(a): a few preprocessed batches, already on the device, used in turn."""
+        model, optimizer = new_training(option)
+        fixed = itertools.cycle([(preprocess(images.to(device), "channels_last" in option), labels.to(device))
+                                 for images, labels in fixed_batches])
+        return lambda: train_step(option, model, optimizer, *next(fixed))
 
-    # (c) seed-style: per-image PIL transforms in 2 DataLoader workers, then the same step.
-    transform = transforms.Compose([*seed_augment, transforms.ToTensor(),
-                                    transforms.Normalize(recipe.MEAN, recipe.STD)])
-    seed_set = SeedStyleImages(train_set.images.cpu(), train_set.labels.cpu(), transform)
-    seed_batches = forever(DataLoader(seed_set, batch_size, shuffle=True, drop_last=True, num_workers=2,
-                                      pin_memory=device.type == "cuda", persistent_workers=True))
-    model_c, optimizer_c = new_training()
-    finish = (lambda x: x.flatten(1) @ recipe.projection(device)) if name == "deep_mlp_ckpt" else (lambda x: x)
+    def plain_loop(option):
+        """(d): the recipe's pipeline in a hand-written loop: uint8 batches by index, preprocessed on the device."""
+        model, optimizer = new_training(option)
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=cfg.lr, total_steps=10**6)
+        batches = forever(DataLoader(train_set, batch_size, shuffle=True, drop_last=True,
+                                     collate_fn=train_set.whole_batch))
 
-    def seed_step():
-        images, labels = next(seed_batches)
-        train_step(model_c, optimizer_c, finish(images.to(device, non_blocking=True)),
-                   labels.to(device, non_blocking=True))
-
-    # (d) the recipe's pipeline in a hand-written loop: uint8 batches by index, preprocessed on the device.
-    model_d, optimizer_d = new_training()
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer_d, max_lr=cfg.lr, total_steps=10**6)
-    plain_batches = forever(DataLoader(train_set, batch_size, shuffle=True, drop_last=True,
-                                       collate_fn=train_set.whole_batch))
-
-    def plain_step():
-        images, labels = next(plain_batches)
-        train_step(model_d, optimizer_d, preprocess(images.to(device, non_blocking=True)),
-                   labels.to(device, non_blocking=True))
-        scheduler.step()
+        def step():
+            images, labels = next(batches)
+            train_step(option, model, optimizer, preprocess(images.to(device, non_blocking=True),
+                                                            "channels_last" in option),
+                       labels.to(device, non_blocking=True))
+            scheduler.step()
+        return step
 
     def windows(step, count: int) -> list[float]:
         return [samples_per_s(step, batch_size, args.window, device) for _ in range(count)]
 
-    # (c) first and alone: its workers prepare batches in the background, which would slow the others.
-    rates = {"c": windows(seed_step, 1 + args.repeats)[1:]}  # the first window is the warm-up
-    seed_batches.close()  # stops its worker processes
-    # The machine's speed drifts: (a) and (d) take turns window by window, with (b) in the middle.
-    windows(model_step, 1)  # warm-up windows
-    windows(plain_step, 1)
-    rates["a"], rates["d"] = [], []
+    rates = {option: {"a": [], "b": [], "d": []} for option in options}
+    if args.seed_style:  # (c) first and alone: its workers prepare batches in the background, slowing the others
+        transform = transforms.Compose([*seed_augment, transforms.ToTensor(),
+                                        transforms.Normalize(recipe.MEAN, recipe.STD)])
+        seed_set = SeedStyleImages(train_set.images.cpu(), train_set.labels.cpu(), transform)
+        seed_batches = forever(DataLoader(seed_set, batch_size, shuffle=True, drop_last=True, num_workers=2,
+                                          pin_memory=device.type == "cuda", persistent_workers=True))
+        model_c, optimizer_c = new_training("float32")
+        finish = (lambda x: x.flatten(1) @ recipe.projection(device)) if name == "deep_mlp_ckpt" else (lambda x: x)
+
+        def seed_step():
+            images, labels = next(seed_batches)
+            train_step("float32", model_c, optimizer_c, finish(images.to(device, non_blocking=True)),
+                       labels.to(device, non_blocking=True))
+        rates["float32"]["c"] = windows(seed_step, 1 + args.repeats)[1:]  # the first window is the warm-up
+        seed_batches.close()  # stops its worker processes
+
+    steps = {option: (model_only(option), plain_loop(option)) for option in options}
+    compile_s = {}
+    for option, (a_step, d_step) in steps.items():  # warm-up windows; the first steps compile
+        start = time.perf_counter()
+        windows(a_step, 1)
+        compile_s[option] = time.perf_counter() - start
+        windows(d_step, 1)
     for round_ in range(args.repeats):
-        if round_ == args.repeats // 2:
-            rates["b"] = run_recipe(recipe, cfg, args.mixed_precision)
-        rates["a"] += windows(model_step, 1)
-        rates["d"] += windows(plain_step, 1)
-    median = {key: statistics.median(values) for key, values in rates.items()}
-    rates = dict(sorted(rates.items()))
-    return {"recipe": name, "batch_size": batch_size, "rates": rates, "median": median}
+        for option, (a_step, d_step) in steps.items():
+            rates[option]["a"] += windows(a_step, 1)
+            rates[option]["b"] += recipe_windows(recipe, option, data, batch_size, args.window)
+            rates[option]["d"] += windows(d_step, 1)
+        print(f"{name}: round {round_ + 1}/{args.repeats} done", file=sys.stderr, flush=True)
+
+    images, labels = fixed_batches[0]
+    model, _ = new_training("float32")
+    flops = flops_per_sample(model, preprocess(images.to(device), False), labels.to(device), recipe.loss_fn)
+    return {"recipe": name, "batch_size": batch_size, "window": args.window, "rates": rates,
+            "median": {o: {k: statistics.median(v) for k, v in r.items() if v} for o, r in rates.items()},
+            "flops_per_sample": flops, "first_window_s": compile_s}
 
 
 def cell(values: list[float]) -> str:
     return f"{statistics.median(values):,.0f} ({min(values):,.0f}-{max(values):,.0f})"
 
 
+def recipe_table(result: dict, peaks: dict) -> str:
+    m, rates = result["median"], result["rates"]
+    lines = [f"**{result['recipe']}**, batch {result['batch_size']}, {result['flops_per_sample'] / 1e6:,.1f} MFLOP "
+             f"per sample (forward + backward)\n",
+             "| option | (a) model only | (b) recipe | (d) plain loop | b/a | d/b | (b) vs float32 | (b) GFLOP/s, "
+             "% of peak | first window |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for option, r in rates.items():
+        peak = max(peaks["bfloat16" if "bf16" in option else "float32"].values())
+        gflops = m[option]["b"] * result["flops_per_sample"] / 1e9
+        lines.append(f"| {option} | {cell(r['a'])} | {cell(r['b'])} | {cell(r['d'])} | "
+                     f"{m[option]['b'] / m[option]['a']:.2f} | {m[option]['d'] / m[option]['b']:.2f} | "
+                     f"x{m[option]['b'] / m['float32']['b']:.2f} | {gflops:,.0f}, {100 * gflops / peak:.0f}% | "
+                     f"{result['first_window_s'][option]:.1f} s |")
+    if "c" in m.get("float32", {}):
+        lines.append(f"\n(c) seed-style pipeline, float32: {cell(rates['float32']['c'])} samples/s; "
+                     f"b/c = {m['float32']['b'] / m['float32']['c']:.2f}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
+    parser.add_argument("--options", nargs="+", default=OPTIONS, choices=OPTIONS,
+                        help="speed options to compare; float32 is always measured (the ratios' base)")
     parser.add_argument("--batch_size", type=int, default=None,
                         help="images per step (default: per recipe on CPU, 512 on GPU)")
-    parser.add_argument("--window", type=int, default=None, help="steps per timed window (default: 10 CPU, 50 GPU)")
+    parser.add_argument("--window", type=int, default=None,
+                        help="steps per window (default: CPU 20 cifar_cnn, 5 others; GPU 50)")
     parser.add_argument("--repeats", type=int, default=5, help="timed windows, after one warm-up window")
-    parser.add_argument("--mixed_precision", choices=["no", "bf16"], default="no")
+    parser.add_argument("--no_seed_style", dest="seed_style", action="store_false", help="skip (c)")
     parser.add_argument("--data_on_device", action="store_true",
                         help="hold the uint8 dataset on the GPU, as the recipe flag")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="folder for the markdown table")
     args = parser.parse_args()
+    args.options = ["float32"] + [o for o in args.options if o != "float32"]
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    args.window = args.window or (10 if device.type == "cpu" else 50)
+    if device.type == "cpu" and sys.platform == "linux":  # as the recipes do: (a) and (d) alike (cpu_allocator.py)
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-3, 1 << 30), libc.mallopt(-1, 1 << 30)  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD: 1 GiB
+    # An empty compile cache: the first compilation as long as in a user's first run.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-"))
+    args.window = args.window or (20 if device.type == "cpu" else 50)
+    peaks = peak_gflops(device)
+    print("peak GFLOP/s: " + json.dumps(peaks), flush=True)
     data_root = Path(tempfile.gettempdir()) / "recipes-benchmark-data"
     results = []
     for name in args.recipes:
         _, shape, classes, _ = RECIPES[name]
         data = write_dataset(data_root / f"{name}-{'x'.join(map(str, shape))}-{classes}", 10_000, 256, shape, classes)
-        window = args.window if name == "cifar_cnn" or device.type != "cpu" else max(3, args.window // 3)
+        window = args.window if name == "cifar_cnn" or device.type != "cpu" else max(3, args.window // 4)
         results.append(bench_recipe(name, argparse.Namespace(**{**vars(args), "window": window}), data, device))
-        print(f"{name}: " + ", ".join(f"({k}) {v:,.0f}" for k, v in results[-1]["median"].items()) + " samples/s",
-              flush=True)
+        print(recipe_table(results[-1], peaks) + "\n", flush=True)
 
     cpu = f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores"
     hardware = torch.cuda.get_device_name(0) if device.type == "cuda" else cpu
-    lines = ["| recipe | batch | (a) model only | (b) recipe | (c) seed-style | (d) plain loop | b/a | b/c | d/b |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        m = r["median"]
-        lines.append(f"| {r['recipe']} | {r['batch_size']} | " + " | ".join(cell(r["rates"][k]) for k in "abcd")
-                     + f" | {m['b'] / m['a']:.2f} | {m['b'] / m['c']:.2f} | {m['d'] / m['b']:.2f} |")
-    table = "\n".join(lines)
-    notes = (f"\nsamples/s, median (min-max) of {args.repeats} windows. {hardware}; precision {args.mixed_precision}; "
-             f"data on device: {args.data_on_device}; torch {torch.__version__}, Python {platform.python_version()}.\n"
+    peak_line = "; ".join(f"{dtype}: matmul {p['matmul']:,.0f}, convolution {p['conv']:,.0f}"
+                          for dtype, p in peaks.items())
+    notes = (f"samples/s, median (min-max) of {args.repeats} windows. {hardware}; data on device: "
+             f"{args.data_on_device}; torch {torch.__version__}, Python {platform.python_version()}.\n"
+             f"Measured peak GFLOP/s: {peak_line}. First window: the warm-up window of (a), compilation included.\n"
              f"Command: python benchmarks/throughput.py {' '.join(sys.argv[1:])}\n")
-    print("\n" + table + notes)
+    text = "\n\n".join(recipe_table(r, peaks) for r in results) + "\n\n" + notes
+    print(notes)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"throughput-{device.type}.md").write_text(table + "\n" + notes)
+    (out / f"throughput-{device.type}.md").write_text(text)
+    (out / f"throughput-{device.type}.json").write_text(json.dumps({"peaks": peaks, "results": results}, indent=1))
     print(f"wrote {out / f'throughput-{device.type}.md'}")
 
 
