@@ -7,7 +7,7 @@ The seed's network (Linear 1000->1000, 70 x 1000->1000, 1000->100; Adam lr 0.002
 hidden layer made a residual branch with a gate starting at 0 (ReZero; see HiddenLayer). Images are flattened
 and projected to 1000 inputs by a fixed random matrix.
 
-Results (from real runs, 2-core CPU, float32; tables in benchmarks/BENCHMARKS.md):
+Results (from real runs, 2-core CPU, float32 unless said; tables in benchmarks/BENCHMARKS.md):
   real CIFAR-100  not measured yet (no download here). On a GPU:
                     python benchmarks/accuracy.py --hub --config 1gpu --cases deep_mlp_ckpt/photos100/cpu
   real photos     final test accuracy 0.289 +- 0.013 (3 seeds, 0.274-0.297) after 5 epochs. 100 classes of 32x32
@@ -23,6 +23,7 @@ Run it from the repository root (outputs in runs/deep_mlp_ckpt-<time>/):
   python recipes/deep_mlp_ckpt.py --synthetic --max_steps 200      # offline smoke run, no download
 """
 
+import ctypes
 import functools
 import math
 import sys
@@ -192,6 +193,11 @@ def train(cfg: Config) -> None:
         project_dir=run_dir,
         log_with=trackers,  # wandb or TensorBoard, and config.json, metrics.jsonl, summary.json, curves.png
     )
+    if accelerator.device.type == "cpu" and sys.platform == "linux":
+        # glibc hands freed blocks over 128 KiB back to the kernel, so every step faults its activations in again as
+        # fresh zeroed pages: up to a quarter of a CPU step here (benchmarks/BENCHMARKS.md). Keep freed memory instead.
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-3, 1 << 30), libc.mallopt(-1, 1 << 30)  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD: 1 GiB
     set_seed(cfg.seed, device_specific=True)  # seed + rank: each process its own crops, flips and dropout masks
     with accelerator.local_main_process_first():  # one process per machine decodes into the machine's cache
         train_set, test_set = load_data(cfg)

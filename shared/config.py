@@ -74,8 +74,8 @@ class RunConfig:
     eval_only: bool = False  # evaluate --weights on the test split, no training
     weights: str | None = None  # weights for --eval_only: .safetensors, .pt/.pth or a checkpoint folder
     tracker: Literal["wandb", "tensorboard", "none"] = "wandb"  # wandb is offline without an API key
-    compile: bool = False  # torch.compile the model (GPU; the first steps are slow while it compiles)
-    channels_last: bool = False  # NHWC memory layout for convolutions (GPU, faster with mixed precision)
+    compile: bool = False  # torch.compile the model (the first steps wait 10-40 s while it compiles)
+    channels_last: bool = False  # NHWC memory layout for convolutions (faster on CPUs; GPUs with bf16/fp16)
     data_on_device: bool = False  # hold the whole uint8 dataset in GPU memory: no host-to-GPU copy per batch
     auto_batch_size: bool = False  # halve --batch_size until a training step fits in memory (all processes agree)
     ema: float | None = None  # also keep an average of the weights over the last ~1/(1 - EMA) steps, e.g. 0.99

@@ -48,7 +48,8 @@ class ImageTensors(torch.utils.data.Dataset):
         # With --data_on_device the gather runs on the GPU: copy the indices without waiting for the GPU to finish
         # the step in flight (a blocking copy would); on a CPU this is a no-op.
         indices = torch.as_tensor(indices).to(self.labels.device, non_blocking=True)
-        return self.images[indices], self.labels[indices]
+        # index_select copies whole images; `images[indices]` indexes every pixel (10-20x slower on a CPU here).
+        return self.images.index_select(0, indices), self.labels.index_select(0, indices)
 
     @staticmethod
     def whole_batch(batch):

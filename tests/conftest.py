@@ -29,10 +29,10 @@ def env(tmp_path_factory) -> dict:
 
 
 def launch(env: dict, recipe: str, *args: str, config: str | None = None, use_cpu: bool = False,
-           timeout: int = 600) -> subprocess.CompletedProcess:
+           launcher_args: tuple[str, ...] = (), timeout: int = 600) -> subprocess.CompletedProcess:
     """`python recipes/<recipe>.py args` (one process), or with `config`:
     `accelerate launch --config_file accelerate_configs/<config>.yaml recipes/<recipe>.py args`
-    (`--config_file <config>` when it is a path to a .yaml file).
+    (`--config_file <config>` when it is a path to a .yaml file), `launcher_args` before the script.
 
     One process runs the same code either way; the launcher adds about 3 s to every run, so tests name
     a config where the launch itself is what they check, or where it starts several processes."""
@@ -43,7 +43,7 @@ def launch(env: dict, recipe: str, *args: str, config: str | None = None, use_cp
         # Exactly what the `accelerate launch` command runs, with this interpreter.
         config_file = config if config.endswith(".yaml") else f"accelerate_configs/{config}.yaml"
         command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file",
-                   config_file, script, *args]
+                   config_file, *launcher_args, script, *args]
     run_env = dict(env, ACCELERATE_USE_CPU="true") if use_cpu else env
     return subprocess.run(command, cwd=ROOT, env=run_env, capture_output=True, text=True, timeout=timeout)
 

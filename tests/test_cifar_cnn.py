@@ -88,10 +88,10 @@ def test_2gpu_yaml_as_two_cpu_processes_on_parquet(env, tmp_path):
     check_run_files(out, world_size=2, steps=6, test_size=21)
 
 
-def test_bf16_yaml_runs_on_cpu_with_imagefolder(env, tmp_path):
+def test_cpu_bf16_yaml_with_imagefolder(env, tmp_path):
     data = imagefolder_dataset(tmp_path / "imagefolder")
     out = tmp_path / "run"
-    ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out), *SHORT, config="bf16"))
+    ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out), *SHORT, config="cpu_bf16"))
     check_run_files(out, world_size=1, steps=6, test_size=20, mixed_precision="bf16")
 
 

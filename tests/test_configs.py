@@ -13,6 +13,7 @@ from conftest import ROOT
 CONFIGS = ROOT / "accelerate_configs"
 EXPECTED = {  # name: (distributed_type, processes, mixed_precision, use_cpu)
     "cpu": (DistributedType.NO, 1, "no", True),
+    "cpu_bf16": (DistributedType.NO, 1, "bf16", True),
     "1gpu": (DistributedType.NO, 1, "no", False),
     "2gpu": (DistributedType.MULTI_GPU, 2, "no", False),
     "fp16": (DistributedType.NO, 1, "fp16", False),

@@ -121,15 +121,16 @@ def data(tmp_path_factory):
     return save_to_disk_dataset(tmp_path_factory.mktemp("mlp") / "data", sizes={"train": 64, "test": 20})
 
 
-def test_trains_on_two_processes(env, data, tmp_path):
+def test_trains_on_two_processes_in_bf16(env, data, tmp_path):
     """One process with --ckpt sequential and dropout trains (and resumes bitwise) in test_checkpoints.py's kill -9
     test."""
     out = tmp_path / "run"
     ok(launch(env, "deep_mlp_ckpt", "--data", str(data), "--ckpt", "sequential", "--segments", "8", "--dropout", "0.1",
               "--batch_size", "8", "--max_steps", "4", "--log_every", "2", "--ema", "0.9", "--tracker", "none",
-              "--output_dir", str(out), config="2gpu", use_cpu=True))
+              "--output_dir", str(out), config="2gpu", use_cpu=True, launcher_args=("--mixed_precision", "bf16")))
     summary = read_json(out / "summary.json")
     assert summary["steps"] == 4 and summary["world_size"] == 2 and "eval_acc_ema" in summary
+    assert read_json(out / "config.json")["mixed_precision"] == "bf16"
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "train_loss" in r] == [2, 4]
     assert set(load_file(out / "model.safetensors")) == set(DeepMLP(10).state_dict())
 

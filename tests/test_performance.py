@@ -67,3 +67,45 @@ def test_random_crop_cuts_each_image_at_its_own_offset():
         assert matches, "a crop that is no window of the padded image"
         offsets.add(matches[0])
     assert len(offsets) > 10  # offsets differ from image to image
+
+
+def test_random_crop_pads_with_one_colour_per_channel():
+    from shared.augment import random_crop
+
+    crops = random_crop(torch.full((32, 3, 4, 4), 255, dtype=torch.uint8), padding=4, fill=(1, 2, 3))
+    for channel, value in enumerate((1, 2, 3)):  # a shift of 4 or more leaves only the border in view
+        assert set(crops[:, channel].unique().tolist()) <= {value, 255}
+        assert value in crops[:, channel].unique().tolist()
+
+
+@pytest.mark.parametrize("recipe", ["cifar_cnn", "resnet18_fmnist"])
+def test_uint8_augmentation_shows_the_model_what_the_float_pipeline_did(recipe):
+    """Crop and flip now move uint8 pixels before normalizing (BENCHMARKS.md, "On a CPU"). With the same random draws,
+    the model sees the float32 pipeline's values bitwise, except the crops' border: the exact mean before (0 after
+    normalizing), the mean on the 8-bit grid now (within 0.5 / 255 / std of 0)."""
+    import importlib
+
+    module = importlib.import_module(f"recipes.{recipe}")
+    padding = {"cifar_cnn": 4, "resnet18_fmnist": 2}[recipe]
+    images = torch.randint(0, 256, (256, *module.IMAGE_SHAPE), dtype=torch.uint8)
+    mean, std = torch.tensor(module.MEAN).view(1, -1, 1, 1), torch.tensor(module.STD).view(1, -1, 1, 1)
+
+    def float_pipeline(x):  # the earlier preprocess: normalize, then pad with 0, crop and flip the floats
+        x = (x.float() / 255 - mean) / std
+        n, _, h, w = x.shape
+        crops = F.pad(x, (padding,) * 4).unfold(2, h, 1).unfold(3, w, 1)
+        dy, dx = torch.randint(0, 2 * padding + 1, (n,)), torch.randint(0, 2 * padding + 1, (n,))
+        x = crops[torch.arange(n), :, dy, dx]
+        return torch.where(torch.rand(n, 1, 1, 1) < 0.5, x.flip(3), x)
+
+    torch.manual_seed(0)
+    before = float_pipeline(images)
+    torch.manual_seed(0)
+    now = module.preprocess(images, training=True)
+    assert now.dtype == torch.float32 and now.shape == before.shape
+    border = before == 0  # no normalized pixel value is exactly 0 for these means and stds
+    assert 0.05 < border.float().mean() < 0.3  # the crops did shift
+    assert torch.equal(now[~border], before[~border])
+    assert (now[border].abs() <= 0.5 / 255 / std.min() + 1e-6).all()
+    torch.manual_seed(0)
+    assert torch.equal(module.preprocess(images, training=False), (images.float() / 255 - mean) / std)

@@ -1,0 +1,88 @@
+"""The CPU speed settings (benchmarks/BENCHMARKS.md, "On a CPU"): bf16 autocast through accelerate on 1 and 2 CPU
+processes for every recipe, and channels_last inputs reaching the convolutions. Speeds themselves are measured in
+benchmarks/throughput.py, not here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, launch, ok, read_json
+from tiny_data import save_to_disk_dataset
+
+SHAPES = {"cifar_cnn": (3, 32, 32), "resnet18_fmnist": (1, 28, 28), "deep_mlp_ckpt": (3, 32, 32)}
+
+
+@pytest.fixture(scope="module")
+def datasets_by_recipe(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cpu_speed")
+    return {recipe: save_to_disk_dataset(root / recipe, shape=shape, sizes={"train": 32, "test": 12})
+            for recipe, shape in SHAPES.items()}
+
+
+# cifar_cnn on 1 process: test_cifar_cnn.py's cpu_bf16.yaml test; deep_mlp_ckpt on 2: test_deep_mlp_ckpt.py.
+@pytest.mark.parametrize("recipe, processes", [("cifar_cnn", 2), ("resnet18_fmnist", 1), ("resnet18_fmnist", 2),
+                                               ("deep_mlp_ckpt", 1)])
+def test_bf16_autocast_trains_every_recipe_on_cpu_processes(env, datasets_by_recipe, tmp_path, recipe, processes):
+    out = tmp_path / "run"
+    args = ("--data", str(datasets_by_recipe[recipe]), "--batch_size", "4", "--max_steps", "3", "--log_every", "1",
+            "--tracker", "none", "--output_dir", str(out))
+    if processes == 1:
+        result = ok(launch(env, recipe, *args, config="cpu_bf16"))
+    else:  # the 2-process config with its precision overridden, as a user would on the command line
+        result = ok(launch(env, recipe, *args, config="2gpu", use_cpu=True,
+                           launcher_args=("--mixed_precision", "bf16")))
+    assert "precision bf16" in result.stdout
+    config, summary = read_json(out / "config.json"), read_json(out / "summary.json")
+    assert config["mixed_precision"] == "bf16" and config["world_size"] == processes
+    assert summary["steps"] == 3 and 0 <= summary["eval_acc"] <= 1
+    # autocast computes in bfloat16 but the weights it updates stay float32
+    weights = [t for t in load_file(out / "model.safetensors").values() if t.is_floating_point()]
+    assert weights and all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in weights)
+
+
+PROBE = """
+    import json, sys
+    import torch
+    from recipes import {recipe} as recipe
+
+    seen = []  # (training?, channels_last input?) at every convolution with more than one input channel
+
+    def probe(module, inputs):
+        if module.in_channels > 1:
+            seen.append((module.training, inputs[0].is_contiguous(memory_format=torch.channels_last)))
+
+    make_model = recipe.make_model
+    def make_probed_model(*args, **kwargs):
+        model = make_model(*args, **kwargs)
+        for module in model.modules():
+            if isinstance(module, torch.nn.Conv2d):
+                module.register_forward_pre_hook(probe)
+        return model
+
+    recipe.make_model = make_probed_model
+    recipe.train(recipe.Config.parse(sys.argv[1:]))
+    print(json.dumps(seen))
+"""
+
+
+@pytest.mark.parametrize("recipe, flag, channels_last", [
+    ("cifar_cnn", "--channels_last", True), ("cifar_cnn", "--no-channels_last", False),
+    ("resnet18_fmnist", "--channels_last", True),  # its first convolution sees 1 channel: the others are probed
+])
+def test_channels_last_inputs_reach_every_convolution_in_training_and_evaluation(env, datasets_by_recipe, tmp_path,
+                                                                                  recipe, flag, channels_last):
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(PROBE.format(recipe=recipe)),
+                             "--data", str(datasets_by_recipe[recipe]), "--batch_size", "8", "--max_steps", "1",
+                             "--tracker", "none", "--output_dir", str(tmp_path / "run"), flag],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    seen = json.loads(result.stdout.splitlines()[-1])
+    assert {training for training, _ in seen} == {True, False}  # a training step and an evaluation were probed
+    assert all(layout == channels_last for _, layout in seen), seen
