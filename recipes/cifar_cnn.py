@@ -12,9 +12,9 @@ Results (from real runs, 2-core CPU, float32 unless said; tables in benchmarks/B
                    python benchmarks/accuracy.py --no_seed_loops --cases cifar_cnn/photos10/cpu cifar_cnn/photos10/2gpu
                  Earlier, with overlapping seed orders: 3.6 s/epoch; --lr x0.5 or x2 0.927-0.945, none diverged;
                  the seed post's loop 0.541 +- 0.142 (benchmarks/BENCHMARKS.md).
-  CPU speed      cpu_bf16.yaml (bf16 autocast) with the default --channels_last: 1.84x the samples/s of float32
-                 NCHW on this AVX512-BF16 CPU; real photos in bf16: 0.948 +- 0.002 (3 seeds).
-                   python benchmarks/throughput.py --recipes cifar_cnn
+  CPU speed      cpu_bf16.yaml (bf16 autocast) with the default --channels_last: 2.06-2.07x the samples/s of
+                 float32 NCHW on this AVX512-BF16 CPU; real photos 0.948 +- 0.002 in bf16, 0.948 +- 0.007 float32.
+                   python benchmarks/throughput.py --recipes cifar_cnn --options float32 bf16+channels_last
 
 Run it from the repository root (outputs in runs/cifar_cnn-<time>/: config.json, metrics.jsonl, summary.json,
 curves.png, model.safetensors, checkpoints/):
