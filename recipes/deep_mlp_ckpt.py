@@ -15,7 +15,7 @@ Results (from real runs, 2-core CPU, float32 unless said; tables in benchmarks/B
                   python benchmarks/accuracy.py --no_seed_loops --cases deep_mlp_ckpt/photos100/cpu
                   Earlier, with overlapping seed orders: 27.5 s/epoch; --lr x0.5 or x2 0.274, 0.271; the seed's
                   loop (plain stack, batch 16) 0.009, chance (benchmarks/BENCHMARKS.md).
-  CPU speed       cpu_bf16.yaml (bf16 autocast): 1.58x the samples/s of float32 on this AVX512-BF16 CPU; photos
+  CPU speed       cpu_bf16.yaml (bf16 autocast): 1.48-1.58x the samples/s of float32 on this AVX512-BF16 CPU; photos
                   in bf16: 0.292 +- 0.008 (3 seeds). python benchmarks/throughput.py --recipes deep_mlp_ckpt
   sweep           8 segments hold 0.15x the activations (125 of 836 MB at batch 1024) for 1.36x the step
                   time; 12 and 18 hold the least (0.13x). python recipes/deep_mlp_sweep.py --repeats 5

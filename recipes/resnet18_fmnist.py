@@ -14,7 +14,7 @@ Results (from real runs, 2-core CPU, float32 unless said; tables in benchmarks/B
                   --cases resnet18_fmnist/digits/cpu resnet18_fmnist/photos10_small/cpu
                 Earlier, with overlapping seed orders: 24.8 s/epoch on digits; --lr x0.5 or x2 0.990 on digits, 0.664
                 and 0.593 on photos; d2l's loop 0.990 on digits, 0.160 on photos (benchmarks/BENCHMARKS.md).
-  CPU speed     cpu_bf16.yaml (bf16 autocast) with the default --channels_last: 1.95x the samples/s of float32
+  CPU speed     cpu_bf16.yaml (bf16 autocast) with the default --channels_last: 1.95-1.97x the samples/s of float32
                 NCHW on this AVX512-BF16 CPU; photos in bf16: 0.690 +- 0.033 (3 seeds). python benchmarks/throughput.py
 
 Run it from the repository root (outputs in runs/resnet18_fmnist-<time>/):
