@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import importlib
 import json
 import statistics
@@ -30,21 +29,18 @@ from torch.utils.data import DataLoader
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from throughput import RECIPES, write_dataset  # noqa: E402  (after the path setup)
+from throughput import RECIPES, benchmark_data, keep_freed_memory  # noqa: E402  (after the path setup)
 
 
 def child(args) -> None:
     if args.keep_freed:
-        libc = ctypes.CDLL(None)
-        libc.mallopt(-3, 1 << 30), libc.mallopt(-1, 1 << 30)  # as the recipes: M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+        keep_freed_memory()
     recipe = importlib.import_module(f"recipes.{args.recipe}")
-    batch_size, shape, classes, _ = RECIPES[args.recipe]
-    data = write_dataset(Path("/tmp/recipes-benchmark-data") / f"{args.recipe}-{'x'.join(map(str, shape))}-{classes}",
-                         10_000, 256, shape, classes)
-    cfg = recipe.Config(data=str(data))
+    batch_size, _, classes, _ = RECIPES[args.recipe]
+    cfg = recipe.Config(data=str(benchmark_data(args.recipe)))
     train_set, _ = recipe.load_data(cfg)
     torch.manual_seed(0)
-    model = recipe.make_model(classes, cfg) if args.recipe == "deep_mlp_ckpt" else recipe.make_model(classes)
+    model = recipe.make_model(classes, cfg)
     channels_last = "channels_last" in args.option
     if channels_last:
         model = model.to(memory_format=torch.channels_last)

@@ -13,8 +13,8 @@ samples/s are medians, min-max in brackets. The machine's speed drifts (up to 2x
 here), so everything takes turns: in each round every option runs one window of (a), of (b) and of
 (d). (b) is a short run of the recipe's train() in this process, its first log window the warm-up;
 its windows are the recipe's own log windows (`samples_per_s` in metrics.jsonl): measured as a user's
-run reports itself. (c) runs first, alone, because its worker
-processes keep preparing batches in the background.
+run reports itself. (c) runs first, alone, because its worker processes keep preparing batches in the
+background.
 
 GFLOP/s counts the model's forward and backward FLOPs per sample (torch.utils.flop_counter) times
 samples/s; "peak" is the fastest of two probes of this machine in the option's precision: a 2048 x 2048
@@ -68,6 +68,19 @@ OPTIONS = ["float32", "bf16", "channels_last", "bf16+channels_last", "compile", 
            "channels_last+compile", "bf16+channels_last+compile"]
 # Dynamo keys its compiled code on the forward's code object, which every nn.Sequential shares: one entry per model.
 torch._dynamo.config.recompile_limit = 64
+
+
+def keep_freed_memory() -> None:
+    """What the recipes do on a Linux CPU (see their train()): glibc keeps freed memory instead of returning it."""
+    libc = ctypes.CDLL(None)
+    libc.mallopt(-3, 1 << 30), libc.mallopt(-1, 1 << 30)  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD: 1 GiB
+
+
+def benchmark_data(name: str) -> Path:
+    """The recipe's synthetic stand-in (10,000 training images), written once under the temp folder."""
+    _, shape, classes, _ = RECIPES[name]
+    folder = Path(tempfile.gettempdir()) / "recipes-benchmark-data" / f"{name}-{'x'.join(map(str, shape))}-{classes}"
+    return write_dataset(folder, 10_000, 256, shape, classes)
 
 
 def write_dataset(folder: Path, train_size: int, test_size: int, shape=(1, 28, 28), num_classes: int = 10) -> Path:
@@ -145,7 +158,7 @@ def flops_per_sample(model, inputs, labels, loss_fn) -> float:
     return counter.get_total_flops() / len(inputs)
 
 
-def recipe_windows(recipe, option: str, data: Path, batch_size: int, window: int) -> list[float]:
+def recipe_windows(recipe, option: str, data: Path, batch_size: int, window: int, data_on_device: bool) -> list[float]:
     """(b): the recipe's own train() in this process, for one warm-up log window and one timed one. A new Accelerator
     each time; mixed precision is read from the environment, as `accelerate launch` passes it."""
     AcceleratorState._reset_state(reset_partial_state=True)  # the state is a singleton; a new precision needs a reset
@@ -153,7 +166,8 @@ def recipe_windows(recipe, option: str, data: Path, batch_size: int, window: int
     os.environ["ACCELERATE_MIXED_PRECISION"] = "bf16" if "bf16" in option else "no"
     out = Path(tempfile.mkdtemp(prefix=f"bench-{recipe.RECIPE}-"))
     cfg = recipe.Config(data=str(data), batch_size=batch_size, max_steps=2 * window, log_every=window, tracker="none",
-                        output_dir=str(out), channels_last="channels_last" in option, compile="compile" in option)
+                        output_dir=str(out), channels_last="channels_last" in option, compile="compile" in option,
+                        data_on_device=data_on_device)
     with contextlib.redirect_stdout(sys.stderr):
         recipe.train(cfg)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -178,8 +192,7 @@ def bench_recipe(name: str, args, data: Path, device: torch.device) -> dict:
 
     def new_training(option):
         torch.manual_seed(0)
-        model = (recipe.make_model(len(train_set.classes), cfg) if name == "deep_mlp_ckpt"
-                 else recipe.make_model(len(train_set.classes))).to(device)
+        model = recipe.make_model(len(train_set.classes), cfg).to(device)
         if "channels_last" in option:
             model = model.to(memory_format=torch.channels_last)
         if "compile" in option:
@@ -251,7 +264,7 @@ def bench_recipe(name: str, args, data: Path, device: torch.device) -> dict:
     for round_ in range(args.repeats):
         for option, (a_step, d_step) in steps.items():
             rates[option]["a"] += windows(a_step, 1)
-            rates[option]["b"] += recipe_windows(recipe, option, data, batch_size, args.window)
+            rates[option]["b"] += recipe_windows(recipe, option, data, batch_size, args.window, args.data_on_device)
             rates[option]["d"] += windows(d_step, 1)
         print(f"{name}: round {round_ + 1}/{args.repeats} done", file=sys.stderr, flush=True)
 
@@ -305,19 +318,16 @@ def main() -> None:
     args.options = ["float32"] + [o for o in args.options if o != "float32"]
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and sys.platform == "linux":  # as the recipes do: (a) and (d) alike (cpu_allocator.py)
-        libc = ctypes.CDLL(None)
-        libc.mallopt(-3, 1 << 30), libc.mallopt(-1, 1 << 30)  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD: 1 GiB
+    if device.type == "cpu" and sys.platform == "linux":  # (a) and (d) as the recipe's (b): cpu_allocator.py
+        keep_freed_memory()
     # An empty compile cache: the first compilation as long as in a user's first run.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-"))
     args.window = args.window or (20 if device.type == "cpu" else 50)
     peaks = peak_gflops(device)
     print("peak GFLOP/s: " + json.dumps(peaks), flush=True)
-    data_root = Path(tempfile.gettempdir()) / "recipes-benchmark-data"
     results = []
     for name in args.recipes:
-        _, shape, classes, _ = RECIPES[name]
-        data = write_dataset(data_root / f"{name}-{'x'.join(map(str, shape))}-{classes}", 10_000, 256, shape, classes)
+        data = benchmark_data(name)
         window = args.window if name == "cifar_cnn" or device.type != "cpu" else max(3, args.window // 4)
         results.append(bench_recipe(name, argparse.Namespace(**{**vars(args), "window": window}), data, device))
         print(recipe_table(results[-1], peaks) + "\n", flush=True)
