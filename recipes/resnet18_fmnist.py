@@ -54,7 +54,7 @@ REFERENCE_BATCH = 128  # the global batch size that --lr is given for
 
 @dataclass
 class Config(RunConfig):
-    data: str = "zalando-datasets/fashion_mnist"  # hub id, or a local save_to_disk / parquet / imagefolder folder
+    data: str = "zalando-datasets/fashion_mnist"  # hub id, or a folder: save_to_disk, parquet, imagefolder, IDX
     epochs: int = 30  # passes over the training set
     batch_size: int = 128  # images per process per step; global batch = batch_size x processes x grad_accum
     grad_accum: int = 1  # batches whose gradients are summed into one optimizer step
@@ -64,7 +64,8 @@ class Config(RunConfig):
     momentum: float = 0.9  # SGD Nesterov momentum
     weight_decay: float = 5e-4  # L2 penalty on conv and linear weights (not on biases)
     max_grad_norm: float = 1.0  # clip the gradient's global L2 norm to this before each step; inf: only measure it
-    augment: bool = True  # random crop (2 px padding) and horizontal flip, on the device
+    augment: bool = True  # random crop (2 px padding), horizontal flip and --erase, on the device
+    erase: float = 0.5  # random erasing: the share of training images with a random rectangle blanked (0: off)
     tta: bool = False  # also evaluate each test image's logits averaged with its mirror's (eval_acc_tta)
     channels_last: bool = True  # NHWC layout for the convolutions: faster on CPUs and on GPUs with bf16 (BENCHMARKS)
 
@@ -72,6 +73,8 @@ class Config(RunConfig):
         super().__post_init__()
         if self.momentum < 0 or self.weight_decay < 0:
             raise ValueError(f"--momentum and --weight_decay must be >= 0, got {self.momentum} and {self.weight_decay}")
+        if not 0 <= self.erase <= 1:
+            raise ValueError(f"--erase is a share of the images, from 0 to 1, got {self.erase}")
 
 
 # ----------------------------------------------------------------------------- data
@@ -85,12 +88,16 @@ def load_data(cfg: Config):
     return load_image_data(cfg.data, IMAGE_SHAPE, cfg.synthetic, synthetic_sizes=(60_000, 10_000))
 
 
-def preprocess(images: torch.Tensor, training: bool) -> torch.Tensor:
+def preprocess(images: torch.Tensor, training: bool, erase: float = 0.0) -> torch.Tensor:
     """uint8 batch on the device -> normalized float batch, augmented for training (in uint8: fewer bytes to move).
-    The padding is the mean colour on the 8-bit grid, which normalizes to 0 (within 0.5/255/std)."""
+    The padding and the erased rectangles are the mean colour on the 8-bit grid, which normalizes to 0 (within
+    0.5/255/std)."""
     if training:
-        # Clothes are left-right symmetric enough to mirror; a 2 px shift suits 28 px images.
+        # Clothes are left-right symmetric enough to mirror; a 2 px shift suits 28 px images. Erasing a part of the
+        # garment makes the network use all of it (the best Fashion-MNIST results use it; BENCHMARKS.md).
         images = augment.random_flip(augment.random_crop(images, padding=2, fill=PAD_FILL))
+        if erase:
+            images = augment.random_erase(images, erase, fill=PAD_FILL)
     return augment.normalize(images, MEAN, STD)
 
 
@@ -200,7 +207,7 @@ def train(cfg: Config) -> None:
         batch_size = largest_batch_size(accelerator, batch_size, train_set,
                                         lambda: make_model(len(train_set.classes), cfg),
                                         lambda model: make_optimizer(model, cfg, cfg.lr),
-                                        lambda images: preprocess(images, cfg.augment), loss_fn)
+                                        lambda images: preprocess(images, cfg.augment, cfg.erase), loss_fn)
     # Each epoch's order is a function of (seed, epoch), resumable at any sample (see EpochOrder). Own generators:
     # every new DataLoader iterator draws a seed, and drawing it from the global RNG would shift the augmentation's
     # random numbers after a mid-epoch resume (no longer bitwise exact).
@@ -278,7 +285,7 @@ def train(cfg: Config) -> None:
             for group in optimizer.param_groups:
                 group["lr"] = lr
             with accelerator.accumulate(model):  # DDP syncs gradients only on the last batch of each accumulation
-                inputs = preprocess(images, cfg.augment)
+                inputs = preprocess(images, cfg.augment, cfg.erase)
                 if cfg.channels_last:  # after preprocessing: the crop's gather returns a plain NCHW tensor
                     inputs = inputs.contiguous(memory_format=torch.channels_last)
                 logits = model(inputs)

@@ -2,10 +2,12 @@
 
 `load_image_data(source, image_shape)` returns (train, test) `ImageTensors` from a hub id
 (datasets.load_dataset), a `save_to_disk` folder (load_from_disk), a folder of parquet files or an imagefolder
-(load_dataset(path)), or, with `synthetic=True`, generated patterns (never a fallback). Images are decoded once
-into one uint8 tensor (N, C, H, W), cached on disk by the dataset's fingerprint, and converted to the recipe's
-channels and size as they are decoded (one printed line says so). A DataLoader takes whole batches by indexing
-that tensor (`__getitems__`), not image by image. `EpochOrder` is the training order, resumable at any sample.
+(load_dataset(path)), a folder of IDX files or CIFAR batches (shared/dataset_files.py), or, with
+`synthetic=True`, generated patterns (never a fallback). Images are decoded once into one uint8 tensor
+(N, C, H, W), cached on disk by the dataset's fingerprint (or the files' paths, sizes and times), and converted
+to the recipe's channels and size as they are decoded (one printed line says so). A DataLoader takes whole
+batches by indexing that tensor (`__getitems__`), not image by image. `EpochOrder` is the training order,
+resumable at any sample.
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ import datasets
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from shared.dataset_files import DatasetFiles, find_dataset_files
 from shared.errors import RecipeError, first_line, is_main_process
 
 GRAYSCALE_MODES = {"1", "L", "LA"}
@@ -90,9 +92,16 @@ def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: b
     """(train, test) with images of `image_shape` (C, H, W); the synthetic stand-in has the real set's sizes."""
     if synthetic:
         return make_synthetic(image_shape, *synthetic_sizes, num_classes=synthetic_classes)
+    path = Path(source).expanduser()
+    if path.is_dir() and (files := find_dataset_files(path)):
+        return load_dataset_files(files, source, image_shape)
     train, test = pick_splits(open_dataset(source), source)
     image_column, label_column, classes = find_columns(train, source)
-    check_conversion(train[0][image_column], source, image_shape)
+    first = train[0][image_column]
+    if first.mode in WIDE_MODES:
+        raise RecipeError(f"{source} has {first.mode} images (16-bit, 32-bit or float pixels): converting them to "
+                          "8 bits would clip or guess a range; scale them to 8-bit L or RGB when building the dataset")
+    check_conversion(source, image_shape, 1 if first.mode in GRAYSCALE_MODES else 3, (first.height, first.width))
     return tuple(decode_split(split, name, source, image_column, label_column, classes, image_shape)
                  for name, split in (("train", train), ("test", test)))
 
@@ -108,8 +117,8 @@ def open_dataset(source: str) -> datasets.DatasetDict:
                 loaded = datasets.load_dataset(str(path))  # parquet files or an imagefolder
         except Exception as error:
             raise RecipeError(f"could not read a dataset from {path} ({type(error).__name__}: {first_line(error)}): "
-                              "expected a save_to_disk folder, parquet files, or an imagefolder (one subfolder per "
-                              "class), with examples in every split") from None
+                              "expected a save_to_disk folder, parquet files, an imagefolder (one subfolder per "
+                              "class) with examples in every split, IDX files or CIFAR batches") from None
         return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict(train=loaded)
     if source.startswith((".", "/", "~")) or source.count("/") > 1:
         raise RecipeError(f"--data {source}: no such folder; pass --data PATH of a local dataset, or --synthetic")
@@ -120,7 +129,8 @@ def open_dataset(source: str) -> datasets.DatasetDict:
     except (ConnectionError, OSError, datasets.exceptions.DatasetNotFoundError) as error:
         raise RecipeError(f"--data {source}: not a local folder, and the Hugging Face hub could not provide it "
                           f"({type(error).__name__}: {first_line(error)}): pass --data PATH of a local copy "
-                          "(save_to_disk, parquet or imagefolder), or --synthetic for an offline run") from None
+                          "(save_to_disk, parquet, imagefolder, IDX or CIFAR batches), or --synthetic for an offline "
+                          "run") from None
 
 
 def pick_splits(splits: datasets.DatasetDict, source: str):
@@ -186,41 +196,67 @@ def decode_split(split, name, source, image_column, label_column, classes, image
 
 
 def decoder_hash() -> str:
-    """Changes whenever the code that turns images into tensors does (this decoder, fit(), torch's resize): a cache
+    """Changes whenever the code that turns images into tensors does (the decoders, fit(), torch's resize): a cache
     keyed only by the data would hand back tensors made by the old code."""
-    code = inspect.getsource(decode_split) + inspect.getsource(fit) + torch.__version__
+    code = "".join(inspect.getsource(f) for f in (decode_split, load_dataset_files, to_channels, fit))
+    code += torch.__version__
     return hashlib.sha256(code.encode()).hexdigest()[:12]
 
 
-def check_conversion(first: Image.Image, source: str, image_shape: tuple[int, int, int]) -> None:
-    """Say how images unlike the recipe's are converted, from the first one; refuse pixels that 8 bits cannot hold."""
-    channels, height, width = image_shape
-    if first.mode in WIDE_MODES:
-        raise RecipeError(f"{source} has {first.mode} images (16-bit, 32-bit or float pixels): converting them to "
-                          "8 bits would clip or guess a range; scale them to 8-bit L or RGB when building the dataset")
-    changes = ["grayscale -> colour" if channels == 3 else "colour -> grayscale"] * (
-        (first.mode in GRAYSCALE_MODES) != (channels == 1))
-    if (first.height, first.width) != (height, width):
-        changes.append(f"{first.width}x{first.height} -> {width}x{height} (shorter side resized with antialiasing, "
-                       "then centre-cropped)")
+def load_dataset_files(files: DatasetFiles, source: str, image_shape) -> tuple[ImageTensors, ImageTensors]:
+    """IDX files or CIFAR batches, converted to `image_shape` as a dataset's images would be (tested); cached by
+    the files' paths, sizes and modification times."""
+    stamps = [(str(file.resolve()), file.stat().st_size, file.stat().st_mtime_ns) for file in files.all_files()]
+    key = hashlib.sha256(json.dumps([stamps, image_shape, decoder_hash()]).encode()).hexdigest()[:16]
+    cache = CACHE_DIR / f"files-{key}-{'x'.join(map(str, image_shape))}.safetensors"
+    if not cache.exists():
+        splits, classes = files.read()
+        images = splits["train"][0]
+        check_conversion(source, image_shape, images.shape[1], tuple(images.shape[2:]))
+        for name, (_, labels) in splits.items():
+            if labels.min() < 0 or labels.max() >= len(classes):
+                raise RecipeError(f"{source} '{name}' has labels outside 0..{len(classes) - 1}: download it again")
+        _write_cache(cache, {name: (fit(to_channels(images, image_shape[0]), *image_shape[1:]).contiguous(), labels)
+                             for name, (images, labels) in splits.items()}, classes, source)
+    return tuple(ImageTensors(*_read_cache(cache, name), name=name) for name in ("train", "test"))
+
+
+def to_channels(images: torch.Tensor, channels: int) -> torch.Tensor:
+    """uint8 (N, C, H, W) with 1 or 3 channels -> `channels`, as PIL converts L <-> RGB."""
+    if images.shape[1] == channels:
+        return images
+    if channels == 3:
+        return images.expand(-1, 3, -1, -1)
+    r, g, b = images.to(torch.int32).unbind(1)  # ITU-R 601-2 luma in PIL's 16-bit fixed point
+    return ((r * 19595 + g * 38470 + b * 7471 + 0x8000) >> 16).to(torch.uint8)[:, None]
+
+
+def check_conversion(source: str, image_shape: tuple[int, int, int], channels: int, size: tuple[int, int]) -> None:
+    """Say how images unlike the recipe's are converted, from the first one."""
+    changes = ["grayscale -> colour" if image_shape[0] == 3 else "colour -> grayscale"] * (channels != image_shape[0])
+    if size != tuple(image_shape[1:]):
+        changes.append(f"{size[1]}x{size[0]} -> {image_shape[2]}x{image_shape[1]} (shorter side resized with "
+                       "antialiasing, then centre-cropped)")
     if changes and is_main_process():
-        print(f"{source}: converting the images to this recipe's {channels}x{height}x{width} input: "
+        print(f"{source}: converting the images to this recipe's {'x'.join(map(str, image_shape))} input: "
               + "; ".join(changes), flush=True)
 
 
 def fit(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """uint8 (C, h, w) -> (C, height, width): shorter side resized with antialiasing, centre crop. The same pixels
-    as torchvision's v2 resize + center_crop (tested), without its import: 1.3 s of every start of every process."""
-    h, w = image.shape[1:]
+    """uint8 (C, h, w), or a batch (N, C, h, w) -> (..., C, height, width): shorter side resized with antialiasing,
+    centre crop. The same pixels as torchvision's v2 resize + center_crop (tested), without its import: 1.3 s of
+    every start of every process."""
+    h, w = image.shape[-2:]
     if (h, w) == (height, width):
         return image
     size = max(height, width)  # the shorter side's new length; the longer keeps the aspect ratio
     new_h, new_w = (int(size * h / w), size) if w <= h else (size, int(size * w / h))
     if (new_h, new_w) != (h, w):  # bilinear with antialiasing, computed on the uint8 pixels as torchvision does
-        image = F.interpolate(image[None], size=(new_h, new_w), mode="bilinear", align_corners=False,
-                              antialias=True)[0]
+        batch = F.interpolate(image if image.ndim == 4 else image[None], size=(new_h, new_w), mode="bilinear",
+                              align_corners=False, antialias=True)
+        image = batch if image.ndim == 4 else batch[0]
     top, left = int(round((new_h - height) / 2.0)), int(round((new_w - width) / 2.0))
-    return image[:, top:top + height, left:left + width]
+    return image[..., top:top + height, left:left + width]
 
 
 def _read_cache(path: Path, split: str) -> tuple[torch.Tensor, torch.Tensor, list[str]]:

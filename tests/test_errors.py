@@ -57,6 +57,7 @@ def test_unknown_flag(env, recipe):
     (("--eval_only",), "--eval_only needs --weights PATH"),
     (("--max_grad_norm", "0"), "--max_grad_norm must be > 0, got 0.0"),
     (("--ema", "1"), "--ema is the average's decay per step, between 0 and 1 (e.g. 0.99); got 1.0"),
+    (("--erase", "1.5"), "--erase is a share of the images, from 0 to 1, got 1.5"),
 ])
 def test_flag_of_the_wrong_type_or_out_of_range(env, args, needle):
     one_line(launch(env, "resnet18_fmnist", *args, config=None), needle, status=2)

@@ -37,7 +37,9 @@ def test_a_copied_recipe_runs_outside_the_repository(env, tmp_path, layout):
 INTENDED = {
     ("resnet18_fmnist", "train"): """
     - lambda model: make_optimizer(model, cfg),
+    - lambda images: preprocess(images, cfg.augment), loss_fn)
     + lambda model: make_optimizer(model, cfg, cfg.lr),
+    + lambda images: preprocess(images, cfg.augment, cfg.erase), loss_fn)
     + peak_lr = scaled_lr(cfg, global_batch_size)
     + if cfg.sync_bn and accelerator.num_processes > 1:
     + # BatchNorm normalizes each process's own b images: 2 processes x b do not normalize like 1 x 2b (the
@@ -56,6 +58,8 @@ INTENDED = {
     + global_batch_size=global_batch_size, effective_lr=peak_lr, total_steps=total_steps,
     - lr = schedule.one_cycle_lr(progress.step, total_steps, cfg.lr)  # a function of the step, no state
     + lr = schedule.one_cycle_lr(progress.step, total_steps, peak_lr)  # a function of the step, no state
+    - inputs = preprocess(images, cfg.augment)
+    + inputs = preprocess(images, cfg.augment, cfg.erase)
     - # One bad batch can take a step large enough to kill every ReLU; the clip bounds it.
     + # Early steps at the peak rate moved the weights faster than BatchNorm's running statistics could
     + # follow (test loss 102 at the peak); the clip bounds each step.

@@ -78,6 +78,29 @@ def test_random_crop_pads_with_one_colour_per_channel():
         assert value in crops[:, channel].unique().tolist()
 
 
+def test_random_erasing_blanks_one_rectangle_in_the_share_of_images_asked():
+    from shared.augment import random_erase
+
+    images = torch.full((4000, 3, 28, 28), 200, dtype=torch.uint8)
+    erased = random_erase(images, 0.5, fill=(1, 2, 3))
+    assert (images == 200).all()  # the input is left as it was
+    changed = erased != 200
+    hit = changed.flatten(1).any(1)
+    assert 0.45 < hit.float().mean() < 0.55
+    for channel, value in enumerate((1, 2, 3)):
+        assert set(erased[:, channel][changed[:, channel]].unique().tolist()) == {value}
+    areas, boxes = [], set()
+    for mask in changed[hit, 0]:
+        rows, cols = mask.any(1).nonzero()[:, 0], mask.any(0).nonzero()[:, 0]
+        box = (rows[0].item(), rows[-1].item() + 1, cols[0].item(), cols[-1].item() + 1)
+        assert mask.sum() == (box[1] - box[0]) * (box[3] - box[2])  # one solid rectangle
+        areas.append(mask.float().mean().item())
+        boxes.add(box)
+    assert len(boxes) > 500  # each image its own rectangle
+    assert 0.02 * 0.8 < min(areas) and max(areas) < 0.33 * 1.2 and 0.13 < sum(areas) / len(areas) < 0.22
+    assert torch.equal(random_erase(images, 0.0), images) and (random_erase(images, 1.0) != 200).flatten(1).any(1).all()
+
+
 @pytest.mark.parametrize("recipe", ["cifar_cnn", "resnet18_fmnist"])
 def test_uint8_augmentation_shows_the_model_what_the_float_pipeline_did(recipe):
     """Crop and flip now move uint8 pixels before normalizing (BENCHMARKS.md, "On a CPU"). With the same random draws,

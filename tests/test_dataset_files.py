@@ -1,0 +1,263 @@
+"""--data DIR with the files datasets are published in: the MNIST family's IDX files (the real Fashion-MNIST, as
+Debian's dataset-fashion-mnist installs it, when it is there) and CIFAR's python batches, read without running
+the pickles' code. The same images as a save_to_disk dataset give the same tensors."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import pickle
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from test_errors import one_line
+
+from conftest import launch, ok, read_json
+
+FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
+needs_fashion_mnist = pytest.mark.skipif(not FASHION_MNIST.is_dir(), reason=(
+    f"no real Fashion-MNIST at {FASHION_MNIST}: apt-get install dataset-fashion-mnist (Debian, Ubuntu)"))
+
+
+def write_idx(path: Path, array: np.ndarray) -> None:
+    """The IDX format: 0, 0, 0x08 (unsigned bytes), the number of dimensions, each size as a big-endian uint32."""
+    raw = bytes([0, 0, 8, array.ndim]) + np.array(array.shape, ">u4").tobytes() + array.astype(np.uint8).tobytes()
+    path.write_bytes(gzip.compress(raw) if path.suffix == ".gz" else raw)
+
+
+def idx_folder(folder: Path, splits: dict, suffix: str = ".gz") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, prefix in (("train", "train"), ("test", "t10k")):
+        images, labels = splits[split]
+        write_idx(folder / f"{prefix}-images-idx3-ubyte{suffix}", images)
+        write_idx(folder / f"{prefix}-labels-idx1-ubyte{suffix}", labels)
+    return folder
+
+
+def cifar_folder(folder: Path, splits: dict, classes: list[str], hundred: bool = False) -> Path:
+    """As torchvision downloads CIFAR: pickled dicts with the images as rows of 3,072 bytes (R, G, B planes)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    labels_key, names_key = ("fine_labels", "fine_label_names") if hundred else ("labels", "label_names")
+    train_files = ["train"] if hundred else [f"data_batch_{i}" for i in range(1, 6)]
+    files = {"train": train_files, "test": ["test"] if hundred else ["test_batch"]}
+    for split, names in files.items():
+        images, labels = splits[split]
+        for name, part in zip(names, np.array_split(np.arange(len(labels)), len(names))):
+            batch = {"batch_label": name, "data": images[part].reshape(len(part), -1),
+                     labels_key: labels[part].tolist(), "filenames": [f"{i}.png" for i in part]}
+            (folder / name).write_bytes(pickle.dumps(batch, protocol=2))
+    (folder / ("meta" if hundred else "batches.meta")).write_bytes(pickle.dumps({names_key: classes}, protocol=2))
+    return folder
+
+
+def random_splits(shape, sizes=(50, 20), classes=10, seed=0) -> dict:
+    rng = np.random.default_rng(seed)
+    return {split: (rng.integers(0, 256, (size, *shape), dtype=np.uint8), rng.integers(0, classes, size))
+            for split, size in zip(("train", "test"), sizes)}
+
+
+def saved_dataset(folder: Path, splits: dict, classes: list[str], channels_first: bool) -> Path:
+    """The same images as a save_to_disk dataset of PIL images: the path every other format takes."""
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=classes)})
+    images = {split: [Image.fromarray(a.transpose(1, 2, 0) if channels_first else a) for a in arrays]
+              for split, (arrays, _) in splits.items()}
+    datasets.DatasetDict({split: datasets.Dataset.from_dict({"image": images[split], "label": labels.tolist()},
+                                                            features=features)
+                          for split, (_, labels) in splits.items()}).save_to_disk(str(folder))
+    return folder
+
+
+@pytest.fixture
+def data_module(tmp_path, monkeypatch):
+    from shared import data
+
+    monkeypatch.setattr(data, "CACHE_DIR", tmp_path / "cache")
+    return data
+
+
+@pytest.mark.parametrize("shape", [(1, 28, 28), (3, 32, 32)])
+def test_idx_files_give_the_tensors_of_the_same_images_saved_as_a_dataset(tmp_path, data_module, shape):
+    splits = random_splits((28, 28))
+    classes = [str(i) for i in range(10)]
+    from_idx = data_module.load_image_data(str(idx_folder(tmp_path / "idx", splits)), shape)
+    from_saved = data_module.load_image_data(str(saved_dataset(tmp_path / "saved", splits, classes, False)), shape)
+    for idx_split, saved_split in zip(from_idx, from_saved):
+        assert idx_split.images.shape[1:] == shape
+        assert torch.equal(idx_split.images, saved_split.images) and torch.equal(idx_split.labels, saved_split.labels)
+    assert from_idx[0].classes == classes  # not Fashion-MNIST: the label numbers
+
+
+@pytest.mark.parametrize("shape", [(1, 28, 28), (3, 32, 32)])
+def test_cifar_batches_give_the_tensors_of_the_same_images_saved_as_a_dataset(tmp_path, data_module, shape):
+    splits = random_splits((3, 32, 32), sizes=(60, 20))
+    classes = [f"class {i}" for i in range(10)]
+    folder = cifar_folder(tmp_path / "cifar-10-batches-py", splits, classes)
+    from_files = data_module.load_image_data(str(folder), shape)
+    from_saved = data_module.load_image_data(str(saved_dataset(tmp_path / "saved", splits, classes, True)), shape)
+    for files_split, saved_split in zip(from_files, from_saved):
+        assert files_split.images.shape[1:] == shape
+        assert torch.equal(files_split.images, saved_split.images)
+        assert torch.equal(files_split.labels, saved_split.labels)
+    assert from_files[0].classes == classes and len(from_files[0]) == 60
+
+
+def test_torchvision_download_folders_are_found_from_their_root(tmp_path, data_module):
+    # torchvision: <root>/FashionMNIST/raw/ with each .gz beside the file it unpacked; <root>/cifar-100-python/.
+    splits = random_splits((28, 28))
+    idx_folder(tmp_path / "fmnist" / "FashionMNIST" / "raw", splits, suffix="")
+    idx_folder(tmp_path / "fmnist" / "FashionMNIST" / "raw", splits, suffix=".gz")
+    train, test = data_module.load_image_data(str(tmp_path / "fmnist"), (1, 28, 28))
+    assert torch.equal(train.images[:, 0], torch.from_numpy(splits["train"][0])) and len(test) == 20
+    assert train.classes[0] == "T-shirt/top" and train.classes[9] == "Ankle boot"  # a Fashion-MNIST folder
+
+    hundred = random_splits((3, 32, 32), classes=100)
+    cifar_folder(tmp_path / "c100" / "cifar-100-python", hundred, [f"c{i}" for i in range(100)], hundred=True)
+    train, _ = data_module.load_image_data(str(tmp_path / "c100"), (3, 32, 32))
+    assert torch.equal(train.labels, torch.from_numpy(hundred["train"][1])) and len(train.classes) == 100
+
+
+class RunsCode:
+    def __reduce__(self):  # what a malicious pickle does: unpickling it calls os.system
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_pickle_that_would_run_code_is_refused_in_one_line(env, tmp_path):
+    folder = cifar_folder(tmp_path / "cifar-10-batches-py", random_splits((3, 32, 32)), [str(i) for i in range(10)])
+    bomb = RunsCode()
+    bomb.marker = tmp_path / "code-ran"
+    (folder / "data_batch_3").write_bytes(pickle.dumps({"data": bomb}, protocol=2))
+    assert pickle.loads((folder / "data_batch_3").read_bytes()) == {"data": 0} and bomb.marker.exists()  # it works
+    bomb.marker.unlink()
+    line = one_line(launch(env, "cifar_cnn", "--data", str(folder), "--tracker", "none"),
+                    "data_batch_3 is not a plain CIFAR batch, refused", "system", "download the dataset again")
+    assert not bomb.marker.exists(), line
+
+
+def truncated_gz(folder: Path) -> str:
+    raw = (folder / "train-images-idx3-ubyte.gz").read_bytes()
+    (folder / "train-images-idx3-ubyte.gz").write_bytes(raw[:len(raw) // 2])
+    return "train-images-idx3-ubyte.gz cannot be read"
+
+
+def truncated_raw(folder: Path) -> str:
+    (folder / "t10k-labels-idx1-ubyte.gz").unlink()
+    write_idx(folder / "t10k-labels-idx1-ubyte", np.zeros(20, np.uint8))
+    raw = (folder / "t10k-labels-idx1-ubyte").read_bytes()
+    (folder / "t10k-labels-idx1-ubyte").write_bytes(raw[:-3])
+    return "is 25 bytes, not what its header says ((20,))"
+
+
+def not_idx(folder: Path) -> str:
+    Image.new("L", (28, 28)).save(folder / "t10k-images-idx3-ubyte", format="PNG")
+    (folder / "t10k-images-idx3-ubyte.gz").unlink()
+    return "is not an IDX file of unsigned bytes (it starts 89 50 4e 47"
+
+
+def label_count(folder: Path) -> str:
+    write_idx(folder / "train-labels-idx1-ubyte.gz", np.zeros(49, np.uint8))
+    return "holds (50, 28, 28) and train-labels-idx1-ubyte.gz (49,)"
+
+
+def missing_file(folder: Path) -> str:
+    (folder / "t10k-labels-idx1-ubyte.gz").unlink()
+    return "but not all four"
+
+
+@pytest.mark.parametrize("damage", [truncated_gz, truncated_raw, not_idx, label_count, missing_file])
+def test_damaged_idx_files_are_one_line_each(tmp_path, data_module, damage):
+    from shared.errors import RecipeError
+
+    folder = idx_folder(tmp_path / "idx", random_splits((28, 28)))
+    needle = damage(folder)
+    with pytest.raises(RecipeError, match="again|not all four") as error:
+        data_module.load_image_data(str(folder), (1, 28, 28))
+    assert needle in str(error.value) and "\n" not in str(error.value)
+
+
+def test_damaged_cifar_folders_are_one_line_each(tmp_path, data_module):
+    from shared.errors import RecipeError
+
+    folder = cifar_folder(tmp_path / "cifar-10-batches-py", random_splits((3, 32, 32)), [str(i) for i in range(10)])
+    raw = (folder / "test_batch").read_bytes()
+    (folder / "test_batch").write_bytes(raw[:len(raw) // 2])
+    with pytest.raises(RecipeError, match="test_batch is not a plain CIFAR batch, refused"):
+        data_module.load_image_data(str(folder), (3, 32, 32))
+    (folder / "test_batch").write_bytes(pickle.dumps({"data": np.zeros((3, 100), np.uint8), "labels": [0] * 3}))
+    with pytest.raises(RecipeError, match="a test batch lacks 'labels' or 3,072 bytes per image"):
+        data_module.load_image_data(str(folder), (3, 32, 32))
+    (folder / "data_batch_5").unlink()
+    with pytest.raises(RecipeError, match="lacks data_batch_5: download the dataset again"):
+        data_module.load_image_data(str(folder), (3, 32, 32))
+
+
+def test_a_truncated_download_through_the_recipe(env, tmp_path):
+    folder = idx_folder(tmp_path / "idx", random_splits((28, 28)))
+    truncated_gz(folder)
+    one_line(launch(env, "resnet18_fmnist", "--data", str(folder), "--tracker", "none"),
+             "train-images-idx3-ubyte.gz cannot be read", "download it again")
+
+
+# ------------------------------------------------------------------ the real Fashion-MNIST (Debian's package)
+def real_arrays(split: str, count: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The first `count` images and labels of the real files, read here without shared/: the reference."""
+    prefix = "train" if split == "train" else "t10k"
+    images = np.frombuffer(gzip.open(FASHION_MNIST / f"{prefix}-images-idx3-ubyte.gz").read(), np.uint8, offset=16)
+    labels = np.frombuffer(gzip.open(FASHION_MNIST / f"{prefix}-labels-idx1-ubyte.gz").read(), np.uint8, offset=8)
+    return images.reshape(-1, 28, 28)[:count], labels[:count].astype(np.int64)
+
+
+@pytest.fixture(scope="module")
+def real_subset(tmp_path_factory):
+    """The first 2,000 training and 500 test images of the real Fashion-MNIST, as IDX files."""
+    if not FASHION_MNIST.is_dir():
+        pytest.skip(f"no real Fashion-MNIST at {FASHION_MNIST}: apt-get install dataset-fashion-mnist")
+    return idx_folder(tmp_path_factory.mktemp("fmnist") / "fashion-subset",
+                      {"train": real_arrays("train", 2000), "test": real_arrays("test", 500)})
+
+
+@needs_fashion_mnist
+def test_real_fashion_mnist_reads_as_its_files_hold_it(data_module):
+    train, test = data_module.load_image_data(str(FASHION_MNIST), (1, 28, 28))
+    images, labels = real_arrays("train")
+    assert (len(train), len(test)) == (60_000, 10_000) and torch.equal(train.labels.bincount(), torch.full((10,), 6000))
+    assert torch.equal(train.images[:, 0], torch.from_numpy(images)) and torch.equal(train.labels, torch.tensor(labels))
+    assert torch.equal(test.images[:, 0], torch.from_numpy(real_arrays("test")[0]))
+    assert train.classes[0] == "T-shirt/top" and train.classes[9] == "Ankle boot"
+
+
+@pytest.mark.parametrize("shape", [(1, 28, 28), (3, 32, 32)])
+def test_real_images_as_idx_files_and_as_a_saved_dataset_give_the_same_tensors(real_subset, tmp_path, data_module,
+                                                                               shape):
+    subset = {"train": real_arrays("train", 2000), "test": real_arrays("test", 500)}
+    saved = data_module.load_image_data(str(saved_dataset(tmp_path / "saved", subset, list("0123456789"), False)),
+                                        shape)
+    files = data_module.load_image_data(str(real_subset), shape)
+    for files_split, saved_split in zip(files, saved):
+        assert torch.equal(files_split.images, saved_split.images)
+        assert torch.equal(files_split.labels, saved_split.labels)
+
+
+@needs_fashion_mnist
+def test_cifar_cnn_learns_the_real_fashion_mnist_from_the_debian_folder(env, tmp_path):
+    out = tmp_path / "run"
+    result = ok(launch(env, "cifar_cnn", "--data", str(FASHION_MNIST), "--max_steps", "60", "--batch_size", "64",
+                       "--tracker", "none",
+                       "--output_dir", str(out)))
+    assert "60000 train / 10000 test images" in result.stdout and "grayscale -> colour; 28x28 -> 32x32" in result.stdout
+    summary = read_json(out / "summary.json")
+    assert summary["eval_acc"] > 0.7, summary  # chance is 0.1
+    assert read_json(out / "config.json")["classes"][9] == "Ankle boot"
+
+
+def test_resnet_trains_on_real_fashion_mnist_idx_files(env, real_subset, tmp_path):
+    # Learning is checked above with the faster CNN: the ResNet's BatchNorm statistics need ~40 steps to settle.
+    out = tmp_path / "run"
+    ok(launch(env, "resnet18_fmnist", "--data", str(real_subset), "--max_steps", "4", "--batch_size", "16",
+              "--tracker", "none", "--output_dir", str(out)))
+    config = read_json(out / "config.json")
+    assert (config["train_size"], config["test_size"], config["classes"][0]) == (2000, 500, "T-shirt/top")
+    assert read_json(out / "summary.json")["eval_samples"] == 500
