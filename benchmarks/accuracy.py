@@ -10,12 +10,16 @@ for the same epochs, right after, so that drift in the machine's speed hits both
     python benchmarks/accuracy.py --cases cifar_cnn/photos10/2gpu  # one case: the signature command's setup
     python benchmarks/accuracy.py --hub --config 1gpu --no_seed_loops   # real CIFAR-10/100, Fashion-MNIST (GPU)
     python benchmarks/accuracy.py --recipe_flags="--ema 0.99 --tta" --no_seed_loops   # EMA and mirror TTA beside
+    python benchmarks/accuracy.py --cases resnet18_fmnist/fashion_mnist/cpu_bf16   # the real Fashion-MNIST (Debian)
 
-Cases (recipe / data / accelerate config): the data sets are built by benchmarks/real_images.py, with
-epoch counts sized to a 2-core CPU; `--hub` runs the recipes' own hub datasets for their default epochs.
-Reports final accuracy (the last evaluation, not the best) as mean +- std, min and max, and seconds
-per epoch (training plus that epoch's evaluation). With --recipe_flags that add evaluations (--ema, --tta), a
-second table pairs them with the same runs' plain accuracy, seed by seed. Writes
+Cases (recipe / data / accelerate config): the real Fashion-MNIST's IDX files (`apt-get install
+dataset-fashion-mnist`, or --fashion_mnist DIR), and sets built by benchmarks/real_images.py, with epoch
+counts sized to a 2-core CPU; `--hub` runs the recipes' own hub datasets for their default epochs.
+Reports final accuracy (the last evaluation, not the best) as mean +- std, min and max, seconds per epoch
+(training plus that epoch's evaluation), and the time to reach --target test accuracy (the epochs until
+the first evaluation at or above it, times seconds per epoch; median over the seeds that reached it).
+With --recipe_flags that add evaluations (--ema, --tta), a second table pairs them with the same runs'
+plain accuracy, seed by seed. Writes
 benchmarks/results/accuracy-<device>.md, drawn from every run recorded in accuracy-<device>.jsonl beside it.
 """
 
@@ -41,6 +45,9 @@ from real_images import build
 
 # name -> (recipe, real-image set or hub id, accelerate config, epochs)
 CASES = {
+    # The real Fashion-MNIST: 60,000 training images, so a few epochs (about 8 min each for the ResNet in bf16 here).
+    "resnet18_fmnist/fashion_mnist/cpu_bf16": ("resnet18_fmnist", "fashion_mnist", "cpu_bf16", 5),
+    "cifar_cnn/fashion_mnist/cpu_bf16": ("cifar_cnn", "fashion_mnist", "cpu_bf16", 30),  # "your own data": defaults
     "cifar_cnn/photos10/cpu": ("cifar_cnn", "photos10", "cpu", 20),
     "cifar_cnn/photos10/2gpu": ("cifar_cnn", "photos10", "2gpu", 20),  # the signature command: 2 processes
     "resnet18_fmnist/digits/cpu": ("resnet18_fmnist", "digits", "cpu", 10),
@@ -48,6 +55,7 @@ CASES = {
     "deep_mlp_ckpt/photos100/cpu": ("deep_mlp_ckpt", "photos100", "cpu", 5),
 }
 MULTI_PROCESS = ("2gpu", "multigpu_bf16", "multinode")
+FASHION_MNIST = "/usr/share/datasets/fashion-mnist"  # where Debian's dataset-fashion-mnist puts the IDX files
 HUB = {"cifar_cnn": "uoft-cs/cifar10", "resnet18_fmnist": "zalando-datasets/fashion_mnist",
        "deep_mlp_ckpt": "uoft-cs/cifar100"}
 
@@ -74,8 +82,10 @@ def run_recipe(recipe: str, data: str, config: str, epochs: int, seed: int, lr: 
         error = next((line for line in result.stderr.splitlines() if line.startswith("error:")), result.stderr[-300:])
         return {"eval_acc": None, "error": error.strip()}
     summary = json.loads((out / "summary.json").read_text())
+    points = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {**{k: v for k, v in summary.items() if k.startswith("eval_acc")}, "best_eval_acc": summary["best_eval_acc"],
-            "s_per_epoch": summary["wall_s"] / summary["epochs"]}
+            "s_per_epoch": summary["wall_s"] / summary["epochs"],
+            "eval_acc_per_epoch": [p["eval_acc"] for p in points if "eval_acc" in p and "steps" not in p]}
 
 
 def run_seed_loop(recipe: str, data: str, epochs: int, seed: int, relu: bool = False) -> dict:
@@ -85,30 +95,41 @@ def run_seed_loop(recipe: str, data: str, epochs: int, seed: int, relu: bool = F
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def stats(rows: list[dict]) -> str:
-    """One table row's cells: final accuracy mean +- std, min, max, runs that stopped, seconds per epoch."""
+def time_to(row: dict, target: float) -> float | None:
+    """Seconds until the first evaluation at or above `target`: its epoch count times the seconds per epoch."""
+    epochs = next((i + 1 for i, acc in enumerate(row.get("eval_acc_per_epoch") or []) if acc >= target), None)
+    return None if epochs is None else epochs * row["s_per_epoch"]
+
+
+def stats(rows: list[dict], target: float) -> str:
+    """One table row's cells: final accuracy mean +- std, min, max, runs that stopped, seconds per epoch, and the
+    time to `target` (median, over the runs that reached it)."""
     finals = [r["eval_acc"] for r in rows if r["eval_acc"] is not None]
     failed = len(rows) - len(finals)
     if not finals:
-        return f"- | - | - | {failed} of {len(rows)} | - |"
+        return f"- | - | - | {failed} of {len(rows)} | - | - |"
     std = statistics.stdev(finals) if len(finals) > 1 else 0.0
     seconds = statistics.median(r["s_per_epoch"] for r in rows if r["eval_acc"] is not None)
+    times = [t for r in rows if r["eval_acc"] is not None and (t := time_to(r, target)) is not None]
+    reached = (f"{statistics.median(times):.0f} ({len(times)} of {len(finals)})" if times
+               else f"not reached (0 of {len(finals)})" if any("eval_acc_per_epoch" in r for r in rows)
+               else "not measured")
     return (f"{statistics.mean(finals):.3f} +- {std:.3f} | {min(finals):.3f} | {max(finals):.3f} | "
-            f"{failed} of {len(rows)} | {seconds:.1f} |")
+            f"{failed} of {len(rows)} | {seconds:.1f} | {reached} |")
 
 
-def table(records: list[dict]) -> str:
+def table(records: list[dict], target: float) -> str:
     """One row per case, loop and learning rate, over all seeds recorded for it (the latest run of each seed)."""
     groups: dict[tuple, dict[int, dict]] = {}
     for r in records:
         groups.setdefault((r["case"], r["config"], r["data"], r["epochs"], r["loop"], r["lr"]), {})[r["seed"]] = r
     lines = ["| recipe on data, config | loop | lr | epochs | seeds | final test accuracy (mean +- std) | min | max "
-             "| stopped | s/epoch |", "|---|---|---|---|---|---|---|---|---|---|"]
+             f"| stopped | s/epoch | s to {target:g} (runs) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for (case, config, data, epochs, loop, lr), by_seed in groups.items():
         recipe = case.split("/")[0]
         lr_cell = "-" if lr is None else f"{lr:g} (x{by_seed[min(by_seed)]['multiplier']:g})"
         lines.append(f"| {recipe} on {data}, {config}.yaml | {loop} | {lr_cell} | {epochs} | {len(by_seed)} | "
-                     + stats(list(by_seed.values())))
+                     + stats(list(by_seed.values()), target))
     return "\n".join(lines)
 
 
@@ -141,6 +162,10 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="the seeds to run per case")
     parser.add_argument("--lr_multipliers", type=float, nargs="+", default=[1.0], help="x the recipe's default --lr")
     parser.add_argument("--no_seed_loops", action="store_true", help="only the recipes")
+    parser.add_argument("--no_recipes", action="store_true", help="only the seed loops (e.g. to add them later)")
+    parser.add_argument("--fashion_mnist", default=FASHION_MNIST, help="folder of the real Fashion-MNIST IDX files")
+    parser.add_argument("--target", type=float, default=0.90, help="the table's time-to-accuracy column")
+    parser.add_argument("--epochs", type=int, default=None, help="instead of each case's epochs (e.g. a shorter sweep)")
     parser.add_argument("--hub", action="store_true", help="the recipes' hub datasets and default epochs")
     parser.add_argument("--config", default=None, help="accelerate config for every case (default: the case's own)")
     parser.add_argument("--recipe_flags", default="", help='more flags for every recipe run, e.g. "--ema 0.99 --tta"')
@@ -163,12 +188,17 @@ def main() -> None:
     for case in args.cases:
         recipe, data_name, config, epochs = CASES[case]
         config = args.config or config
-        data = HUB[recipe] if args.hub else str(build(data_name))
-        epochs = default_of(recipe, "epochs") if args.hub else epochs
+        data = (HUB[recipe] if args.hub else args.fashion_mnist if data_name == "fashion_mnist"
+                else str(build(data_name)))
+        if data == args.fashion_mnist and not Path(data).is_dir():
+            sys.exit(f"no Fashion-MNIST at {data}: sudo apt-get install dataset-fashion-mnist, or --fashion_mnist DIR")
+        epochs = args.epochs or (default_of(recipe, "epochs") if args.hub else epochs)
         base_lr = default_of(recipe, "lr")
-        where = dict(case=case, config=config, data=data if args.hub else f"{data_name} (real images)", epochs=epochs)
+        where = dict(case=case, config=config, epochs=epochs,
+                     data=data if args.hub else "fashion_mnist (IDX)" if data == args.fashion_mnist else
+                     f"{data_name} (real images)")
         for seed in args.seeds:
-            for m in args.lr_multipliers:
+            for m in [] if args.no_recipes else args.lr_multipliers:
                 run_dir = work / str(len(list(work.iterdir())))
                 result = run_recipe(recipe, data, config, epochs, seed, base_lr * m, run_dir, args.recipe_flags)
                 loop = f"recipe {args.recipe_flags}".strip()
@@ -176,13 +206,13 @@ def main() -> None:
             if not args.no_seed_loops and config not in MULTI_PROCESS:  # the seed loops run one process
                 for loop in ["seed loop", "seed + ReLU loop"] if recipe == "cifar_cnn" else ["seed loop"]:
                     result = run_seed_loop(recipe, data, epochs, seed, relu="ReLU" in loop)
-                    record(**where, loop=loop, lr=None, multiplier=None, seed=seed,
-                           eval_acc=result["eval_acc"], s_per_epoch=result["s_per_epoch"])
+                    record(**where, loop=loop, lr=None, multiplier=None, seed=seed, eval_acc=result["eval_acc"],
+                           s_per_epoch=result["s_per_epoch"], eval_acc_per_epoch=result["eval_acc_per_epoch"])
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else \
         f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores"
     records = [json.loads(line) for line in log.read_text().splitlines()]
-    text = (table(records) + (f"\n\n{paired_table(records)}" if paired_table(records) else "")
+    text = (table(records, args.target) + (f"\n\n{paired_table(records)}" if paired_table(records) else "")
             + f"\n\n{device}; torch {torch.__version__}. Runs recorded in {log.name}; "
               f"latest command: python benchmarks/accuracy.py {shlex.join(sys.argv[1:])}\n")
     print("\n" + text)
