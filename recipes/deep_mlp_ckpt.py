@@ -45,11 +45,12 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it
-from shared import augment, schedule, tracking  # batches augmented on the device; lr and EMA rules; run files
+from shared import augment, diagnostics, schedule, tracking  # device augmentation; lr, EMA; pictures; run files
 from shared.batch_size import largest_batch_size
-from shared.checkpoints import Checkpoints, Progress, evaluate_weights
+from shared.batches import EpochOrder
+from shared.checkpoints import Checkpoints, Progress
 from shared.config import RunConfig
-from shared.data import EpochOrder, load_image_data
+from shared.data import load_image_data
 from shared.errors import RecipeError, one_line_errors
 
 RECIPE = "deep_mlp_ckpt"
@@ -247,16 +248,16 @@ def train(cfg: Config) -> None:
     if epoch_batches == 0 or total_steps == 0:  # drop_last leaves no batch when the data is smaller than one
         raise RecipeError(f"{len(train_set)} training images make no full step of {global_batch_size}: "
                           "lower --batch_size or --grad_accum")
-    epochs = cfg.epochs if cfg.max_steps is None else math.ceil(total_steps * cfg.grad_accum / epoch_batches)
+    epochs = total_steps * cfg.grad_accum / epoch_batches  # a fraction with --max_steps
     log_every = cfg.log_every or max(1, total_steps // 100)  # about 100 points on each curve
 
     data_name = "SYNTHETIC data" if cfg.synthetic else cfg.data
     accelerator.print(f"{RECIPE}: {data_name}, {len(train_set)} train / {len(test_set)} test images | "
                       f"{accelerator.num_processes} process(es) on {accelerator.device}, "
                       f"precision {accelerator.mixed_precision} | "
-                      f"global batch {global_batch_size}, {total_steps} steps ({epochs} epochs) | {run_dir}")
-    config = tracking.run_config(cfg, accelerator, run_dir, recipe=RECIPE, data=data_name, batch_size=batch_size,
-                                 global_batch_size=global_batch_size, total_steps=total_steps,
+                      f"global batch {global_batch_size}, {total_steps} steps ({epochs:.3g} epochs) | {run_dir}")
+    config = tracking.run_config(cfg, accelerator, run_dir, recipe=RECIPE, script=__file__, data=data_name,
+                                 batch_size=batch_size, global_batch_size=global_batch_size, total_steps=total_steps,
                                  train_size=len(train_set), test_size=len(test_set), classes=train_set.classes,
                                  resumed_from=str(checkpoint) if checkpoint else None,
                                  resumed_step=progress.step if checkpoint else None)
@@ -264,12 +265,13 @@ def train(cfg: Config) -> None:
     accelerator.init_trackers(RECIPE, config=config)
 
     start, window = time.perf_counter(), tracking.TrainWindow(accelerator)
-    profiler = tracking.start_profiler(accelerator, run_dir, total_steps - progress.step) if cfg.profile else None
+    profiler = diagnostics.start_profiler(accelerator, run_dir, total_steps - progress.step) if cfg.profile else None
     show_bar = accelerator.is_local_main_process and sys.stderr.isatty()
     while progress.step < total_steps:
         model.train()
         order.set_position(progress.epoch, progress.samples_seen)  # this epoch's order, from the first unseen sample
-        bar = tqdm(train_loader, desc=f"epoch {progress.epoch + 1}/{epochs}", disable=not show_bar, leave=False)
+        bar = tqdm(train_loader, desc=f"epoch {progress.epoch + 1}/{math.ceil(epochs)}", disable=not show_bar,
+                   leave=False)
         for images, labels in bar:
             lr = schedule.one_cycle_lr(progress.step, total_steps, cfg.lr)  # a function of the step, no state
             for group in optimizer.param_groups:
@@ -325,11 +327,11 @@ def train(cfg: Config) -> None:
     wall_s = time.perf_counter() - start
     summary = window.summary(progress, wall_s, progress.epoch + progress.samples_seen / epoch_samples, data_name)
     # With --ema the average is the model: choosing between it and the trained weights by their test accuracy would
-    # select on the test set. The trained weights stay in the last checkpoint (--eval_only --weights evaluates them).
+    # select on the test set. The trained weights stay in the last checkpoint (predict.py --evaluate takes either).
     checkpoints.save_weights(model if ema is None else ema.module, {  # model.safetensors
-        "recipe": RECIPE, "weights": "trained" if ema is None else "ema", "classes": train_set.classes,
-        "flags": vars(cfg), **metrics, **summary})
-    tracking.save_pictures(accelerator, run_dir, test_set, predictions, progress.step)  # confusion matrix, mistakes
+        "recipe": RECIPE, "script": __file__, "weights": "trained" if ema is None else "ema",
+        "classes": train_set.classes, "flags": vars(cfg), **metrics, **summary})
+    diagnostics.save_pictures(accelerator, run_dir, test_set, predictions, progress.step)  # confusion matrix, mistakes
     accelerator.log(summary, step=progress.step)
     accelerator.wait_for_everyone()  # gloo's exit race (docs/troubleshooting.md) is rarer if all leave together
     accelerator.end_training()
@@ -340,11 +342,7 @@ def train(cfg: Config) -> None:
 def main() -> None:
     cfg = Config.parse()
     with one_line_errors():
-        if cfg.eval_only:  # --eval_only --weights PATH: test metrics of a weights file, as one JSON line
-            evaluate_weights(cfg, lambda n: make_model(n, cfg), lambda: load_data(cfg)[1],
-                             lambda *args: evaluate(*args, cfg))
-        else:
-            train(cfg)
+        train(cfg)
 
 
 if __name__ == "__main__":

@@ -1,24 +1,32 @@
-"""Classify your own images with a trained model: a folder of images in, predictions.csv out.
+"""Use a trained model: predictions for a folder of your images (--images), or the test metrics of a labelled
+split (--evaluate).
 
-Takes any weights file the recipes' --eval_only accepts: a run's model.safetensors (which names its recipe, its
-flags and its class names), a checkpoint folder (read beside its run's config.json), or a .pt/.pth state dict
-(then pass --recipe and --classes). Images may sit in subfolders and have any size, mode or channel count: each
-is converted as the training data was (grayscale <-> colour, shorter side resized, centre crop) and
-preprocessed by the recipe's own preprocess(). Files that are not images by their extension are skipped.
+Takes a run's model.safetensors (which names its recipe script, its flags, its class names and its data), a
+checkpoint folder (read beside its run's config.json), or a .pt/.pth state dict (then pass --recipe and
+--classes). The recipe is the script that trained the weights: --recipe PATH (e.g. your copy, my_project/train.py)
+or a name in recipes/; else the script the weights name, else recipes/<its recipe name>.py. Its own make_model,
+preprocess, load_data and evaluate are used, so a copied and edited recipe works as it is.
 
-predictions.csv has one row per image: path (relative to --images), class, confidence (softmax probability)
-and the top-k classes with theirs. The first rows and a count per class are printed.
+--images: any image files (subfolders included), any size, mode or channel count, each converted as the training
+data was (grayscale <-> colour, shorter side resized, centre crop). predictions.csv gets one row per image: path
+(relative to --images), class, confidence (softmax probability) and the top-k classes with theirs.
+--evaluate: the recipe's evaluate() on the test split of the data the weights were trained on (or --data), as one
+JSON line; under `accelerate launch` it runs on every process and precision of the config.
 
   python recipes/predict.py --weights runs/cifar_cnn-<time>/model.safetensors --images my_photos/
+  python recipes/predict.py --weights runs/cifar_cnn-<time>/model.safetensors --evaluate
+  python recipes/predict.py --weights my_project/runs/<run>/model.safetensors --recipe my_project/train.py --evaluate
 """
 
 from __future__ import annotations
 
 import csv
 import dataclasses
-import importlib
+import importlib.util
 import json
 import os
+import pickle
+import re
 import sys
 from collections import Counter
 from dataclasses import dataclass
@@ -26,69 +34,139 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from accelerate import PartialState
+from accelerate import Accelerator, PartialState
 from PIL import Image, UnidentifiedImageError
 from safetensors import safe_open
+from safetensors.torch import load_file
+from torch.utils.data import DataLoader
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ and recipes/ without installing them
-from shared.checkpoints import load_weights
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it
 from shared.config import parse_config
 from shared.data import WIDE_MODES, fit
-from shared.errors import RecipeError, check_launch, one_line_errors
+from shared.errors import RecipeError, check_launch, first_line, one_line_errors
 
-RECIPES = ("cifar_cnn", "resnet18_fmnist", "deep_mlp_ckpt")
+RECIPES = Path(__file__).resolve().parent  # where a recipe named by its name is looked for
 IMAGE_EXTENSIONS = {ext for ext, format in Image.registered_extensions().items() if format in Image.OPEN}
 
 
 @dataclass
 class Config:
     weights: str = ""  # model.safetensors of a run, a checkpoint folder, or a .pt/.pth state dict
-    images: str = ""  # an image file, or a folder of them (subfolders included)
-    output: str = "predictions.csv"  # the CSV file to write
+    images: str = ""  # an image file, or a folder of them (subfolders included): predictions.csv
+    output: str = "predictions.csv"  # the CSV file --images writes
+    evaluate: bool = False  # instead of --images: test loss and accuracy on the test split, one JSON line
+    data: str | None = None  # --evaluate on this data (hub id or folder); default: what the weights were trained on
+    tta: bool = False  # --evaluate also with each image's logits averaged with its mirror's (recipes that flip)
     top_k: int = 3  # classes listed per image, most probable first
     batch_size: int = 256  # images per forward pass
-    recipe: str | None = None  # cifar_cnn, resnet18_fmnist or deep_mlp_ckpt; needed only for a .pt/.pth file
+    recipe: str | None = None  # the recipe script (a path) or a name in recipes/; default: what the weights name
     classes: str | None = None  # class names in label order, comma-separated; needed only for a .pt/.pth file
     overwrite: bool = False  # replace --output if it exists
 
     parse = classmethod(parse_config)
 
     def __post_init__(self):
-        if not self.weights or not self.images:
-            raise ValueError("--weights PATH and --images FOLDER are both needed")
+        if not self.weights or bool(self.images) == self.evaluate:
+            raise ValueError("pass --weights PATH and either --images FOLDER or --evaluate")
         if self.top_k < 1 or self.batch_size < 1:
             raise ValueError(f"--top_k and --batch_size must be > 0, got {self.top_k} and {self.batch_size}")
-        if self.recipe is not None and self.recipe not in RECIPES:
-            raise ValueError(f"--recipe must be one of {', '.join(RECIPES)}, got {self.recipe}")
 
 
-def describe_weights(cfg: Config) -> tuple[str, dict, list[str]]:
-    """(recipe, training flags, class names) of the weights: from model.safetensors' metadata, from the run's
-    config.json beside a checkpoint folder, or from --recipe and --classes."""
+def describe_weights(cfg: Config) -> dict:
+    """What the weights say about themselves: recipe, script, flags and classes, from model.safetensors' metadata
+    or from the run's config.json beside a checkpoint folder; {} for a bare state dict."""
     path = Path(cfg.weights)
     if not path.exists():
         raise RecipeError(f"--weights {path}: no such file or folder")
-    about, run_config = {}, path.resolve().parents[1] / "config.json"  # runs/<run>/checkpoints/step_<N>
+    run_config = path.resolve().parents[1] / "config.json"  # runs/<run>/checkpoints/step_<N>
     if path.suffix == ".safetensors" and path.is_file():
         try:
             with safe_open(path, "pt") as f:
                 about = f.metadata() or {}
-            about = {k: json.loads(about[k]) if k in ("flags", "classes") else about[k] for k in about}
+            return {k: json.loads(about[k]) if k in ("flags", "classes") else about[k] for k in about}
         except Exception:  # unreadable, or not the recipes' metadata: --recipe and --classes, or load_weights' line
-            about = {}
-    elif path.is_dir() and run_config.exists():
+            return {}
+    if path.is_dir() and run_config.exists():
         config = json.loads(run_config.read_text())
-        about = {"recipe": config.get("recipe"), "flags": config, "classes": config.get("classes")}
-    recipe = about.get("recipe") or cfg.recipe
-    if cfg.recipe and recipe != cfg.recipe:
-        raise RecipeError(f"--weights {path} were trained by {recipe}, not --recipe {cfg.recipe}: leave out --recipe")
-    if recipe is None:
-        raise RecipeError(f"--weights {path} does not say which recipe trained it: pass --recipe "
-                          f"({', '.join(RECIPES)}) and --classes NAME,NAME,... of that run")
-    classes = cfg.classes.split(",") if cfg.classes else about.get("classes")
-    if not classes:
-        raise RecipeError(f"--weights {path} names no classes: pass --classes NAME,NAME,... in label order")
-    return recipe, about.get("flags") or {}, classes
+        return {"recipe": config.get("recipe"), "script": config.get("script"), "flags": config,
+                "classes": config.get("classes")}
+    return {}
+
+
+def load_recipe(cfg: Config, about: dict):
+    """The recipe as a module: --recipe (a path, or a name in recipes/), else the script the weights name if it is
+    still there, else recipes/<recipe>.py. Importing runs only its definitions (main() is behind __main__)."""
+    named = cfg.recipe or about.get("recipe")
+    if cfg.recipe and cfg.recipe.endswith(".py"):
+        path = Path(cfg.recipe)
+    elif cfg.recipe is None and about.get("script") and Path(about["script"]).is_file():
+        path = Path(about["script"])
+    elif named:
+        path = RECIPES / f"{named}.py"
+    else:
+        raise RecipeError(f"--weights {cfg.weights} does not say which recipe trained it: pass --recipe PATH "
+                          "(the training script) and --classes NAME,NAME,... of that run")
+    if not path.is_file():
+        raise RecipeError(f"--recipe {path}: no such file: pass the path of the script that trained the weights")
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module  # dataclasses look their module up while the file runs
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:
+        raise RecipeError(f"--recipe {path} cannot be imported ({type(error).__name__}: {first_line(error)}): "
+                          "run predict.py where the recipe's own imports work") from None
+    missing = [name for name in ("Config", "make_model", "preprocess", "IMAGE_SHAPE", "load_data", "evaluate")
+               if not hasattr(module, name)]
+    if missing:
+        raise RecipeError(f"--recipe {path} does not define {', '.join(missing)}: pass a recipe script")
+    trained_by = about.get("recipe")
+    if cfg.recipe and trained_by and getattr(module, "RECIPE", path.stem) != trained_by:
+        raise RecipeError(f"--weights {cfg.weights} were trained by {trained_by}, not --recipe {cfg.recipe}: "
+                          "leave out --recipe")
+    return module
+
+
+def recipe_config(recipe, flags: dict, **overrides):
+    """The recipe's Config with the flags the weights were trained with (those it still has), and `overrides`."""
+    fields = {f.name for f in dataclasses.fields(recipe.Config)}
+    return recipe.Config(**{k: v for k, v in {**flags, **overrides}.items() if k in fields})
+
+
+def load_weights(model: torch.nn.Module, path: str | Path) -> None:
+    """Load a .safetensors file, a torch.save'd state dict (plain or under 'model'/'state_dict'/'model_state_dict',
+    keys prefixed 'module.' or '_orig_mod.') or an accelerate checkpoint folder into `model`, on any device."""
+    path = Path(path) / "model.safetensors" if Path(path).is_dir() else Path(path)
+    if not path.exists():
+        raise RecipeError(f"--weights {path}: no such file: pass a model.safetensors, a .pt/.pth file "
+                          "or a checkpoint folder")
+    try:  # weights_only: tensors and plain containers only; a pickle that would run code is refused
+        state = load_file(path) if path.suffix == ".safetensors" else torch.load(path, "cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        found = re.search(r"GLOBAL (\S+)", str(error))
+        raise RecipeError(
+            f"--weights {path} holds pickled Python objects ({found.group(1) if found else 'not only tensors'}), "
+            "and loading it could run code: refused. Where the file was made and is trusted, convert it with "
+            "`model = torch.load(path, weights_only=False)` then `torch.save(model.state_dict(), 'weights.pt')`"
+        ) from None
+    except Exception as error:
+        raise RecipeError(f"--weights {path} cannot be read ({type(error).__name__}: {first_line(error)}): "
+                          "it may be truncated or not a weights file; pass a model.safetensors or a .pt state dict"
+                          ) from None
+    for key in ("model_state_dict", "state_dict", "model"):
+        if isinstance(state, dict) and isinstance(state.get(key), dict):
+            state = state[key]
+    state = {re.sub(r"^(module\.|_orig_mod\.)+", "", k): v for k, v in state.items()}
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in state]
+    mismatched = [k for k in expected if k in state and state[k].shape != expected[k].shape]
+    if missing or mismatched:
+        key = mismatched[0] if mismatched else None
+        detail = (f"first missing key {missing[0]!r}" if missing else
+                  f"{key!r} is {tuple(state[key].shape)} in the file, {tuple(expected[key].shape)} in the model")
+        raise RecipeError(f"--weights {path} does not fit this model ({detail}): pass weights written by this recipe, "
+                          "with the model flags they were trained with (see config.json beside them)")
+    model.load_state_dict({k: state[k] for k in expected})
 
 
 def find_images(root: Path) -> tuple[list[Path], list[Path]]:
@@ -121,16 +199,37 @@ def read_image(path: Path, image_shape: tuple[int, int, int]) -> torch.Tensor:
     return fit(image, height, width)
 
 
+def evaluate(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
+    """--evaluate: the recipe's own evaluate() of the weights on a test split, as one JSON line."""
+    overrides = {"data": cfg.data, "synthetic": False} if cfg.data else {}
+    recipe_cfg = recipe_config(recipe, flags, **overrides, tta=cfg.tta, batch_size=cfg.batch_size)
+    model = recipe.make_model(len(classes), recipe_cfg)
+    load_weights(model, cfg.weights)  # before the data: a wrong file is one line at once, not after a download
+    accelerator = Accelerator()  # the processes and precision of `accelerate launch`, else one process
+    with accelerator.local_main_process_first():  # the decode cache is per machine
+        _, test_set = recipe.load_data(recipe_cfg)
+    if len(test_set.classes) != len(classes):
+        raise RecipeError(f"{recipe_cfg.data} has {len(test_set.classes)} classes, the weights {len(classes)}: "
+                          "pass --data of the kind they were trained on")
+    if getattr(recipe_cfg, "channels_last", False):  # the layout evaluate() gives the inputs
+        model = model.to(memory_format=torch.channels_last)
+    loader = DataLoader(test_set, cfg.batch_size, collate_fn=test_set.whole_batch)
+    model, loader = accelerator.prepare(model, loader)
+    metrics, _ = recipe.evaluate(model, loader, accelerator, recipe_cfg)
+    data = "SYNTHETIC data" if recipe_cfg.synthetic else recipe_cfg.data
+    accelerator.print(json.dumps({"weights": cfg.weights, "data": data, **metrics}))
+    # Leave together: gloo's teardown race at exit (docs/troubleshooting.md) is rarer then, though not gone.
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
 @torch.no_grad()
-def predict(cfg: Config) -> None:
-    check_launch()  # as the recipes do: a launch of several processes is found, and refused below
+def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
+    """--images: predictions.csv for a folder of images."""
     state = PartialState()
     if state.num_processes > 1:
-        raise RecipeError("predict.py runs in one process: start it with `python recipes/predict.py ...`")
-    recipe_name, flags, classes = describe_weights(cfg)
-    recipe = importlib.import_module(f"recipes.{recipe_name}")
-    fields = {f.name for f in dataclasses.fields(recipe.Config)}
-    model = recipe.make_model(len(classes), recipe.Config(**{k: v for k, v in flags.items() if k in fields}))
+        raise RecipeError("predict.py --images runs in one process: start it with `python recipes/predict.py ...`")
+    model = recipe.make_model(len(classes), recipe_config(recipe, flags))
     load_weights(model, cfg.weights)  # one line if the file is not this recipe's model
     model.to(state.device).eval()  # float32 and NCHW, whatever --channels_last or precision trained it: same weights
     root = Path(cfg.images)
@@ -160,17 +259,27 @@ def predict(cfg: Config) -> None:
         writer.writerow(["path", "class", "confidence", f"top_{k}"])
         writer.writerows(rows)
     os.replace(partial, output)  # a reader never sees half a file
-    print(f"{recipe_name} ({cfg.weights}), {len(classes)} classes, on {state.device}:")
+    print(f"{recipe.__name__} ({cfg.weights}), {len(classes)} classes, on {state.device}:")
     for row in rows[:5]:
         print(f"  {row[0]}: {row[1]} ({row[2]})")
     print("per class: " + ", ".join(f"{name} {n}" for name, n in counts.most_common()))
     print(f"wrote {output} ({len(rows)} images)")
 
 
+def run(cfg: Config) -> None:
+    check_launch()  # as the recipes do: a broken launch is one line
+    about = describe_weights(cfg)
+    recipe = load_recipe(cfg, about)
+    classes = cfg.classes.split(",") if cfg.classes else about.get("classes")
+    if not classes:
+        raise RecipeError(f"--weights {cfg.weights} names no classes: pass --classes NAME,NAME,... in label order")
+    (evaluate if cfg.evaluate else predict)(cfg, recipe, about.get("flags") or {}, classes)
+
+
 def main() -> None:
     cfg = Config.parse()
     with one_line_errors():
-        predict(cfg)
+        run(cfg)
 
 
 if __name__ == "__main__":

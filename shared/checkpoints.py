@@ -1,4 +1,4 @@
-"""Full-state checkpoints (save, resume, stop on a signal) and weights files of any common layout.
+"""Full-state checkpoints (save, resume, stop on a signal) and the final weights file, model.safetensors.
 
 A checkpoint is `accelerator.save_state` (model, optimizer, grad scaler, every process's RNG state and the
 registered `Progress`) in checkpoints/step_<N>/, written under a temporary name and renamed when complete: a
@@ -8,10 +8,9 @@ run killed mid-save leaves the previous checkpoint as the newest. The learning r
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
-import pickle
-import re
 import shlex
 import shutil
 import signal
@@ -20,18 +19,13 @@ import time
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator, PartialState
 from accelerate.utils import load as accelerate_load  # torch.load(weights_only=True) + NumPy RNG types
 from accelerate.utils import set_seed
-from safetensors.torch import load_file, save_file
-from torch.utils.data import DataLoader
+from safetensors.torch import save_file
 
-from shared.errors import RecipeError, check_launch, first_line
+from shared.errors import RecipeError, first_line
+from shared.resume import check_resume, find_checkpoint, list_checkpoints
 
-STEP_DIR = re.compile(r"step_(\d+)$")
-DATA_ORDER_KEYS = ("data", "synthetic", "train_size", "seed")  # change one, and the rest of the epoch is another
-BATCHING_KEYS = ("world_size", "batch_size", "grad_accum")  # these only cut the same order into other batches
-NOT_SETTINGS = ("resume", "resumed_step", "resumed_from", "run_id", "overwrite", "output_dir", "versions")
 STOP_CHECK_S = 1.0  # several processes agree on a stop about this often (seconds of training)
 
 
@@ -74,6 +68,12 @@ class Checkpoints:
         self.next_check, self.last_check = 0, None  # the step of the processes' next agreement on a stop; the last's
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._on_signal)
+        if sys.platform == "linux" and "LOCAL_RANK" not in os.environ and launched_by_accelerate():
+            # `accelerate launch` of one process starts this script and waits: it forwards no signal (accelerate
+            # #929), so a SIGTERM to it (Kubernetes stops a container's first process; a user kills the pid they
+            # see) would leave this process training on, never saving. The kernel sends SIGTERM here when the
+            # launcher dies: the stop above then saves a checkpoint. torchrun (several processes) forwards signals.
+            ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
     def _on_signal(self, signum, frame):
         self.signal = self.signal or signal.Signals(signum).name
@@ -205,117 +205,10 @@ class Checkpoints:
         return f"{launcher} {shlex.join([sys.argv[0], *args, '--output_dir', str(self.run_dir), '--resume', 'latest'])}"
 
 
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first."""
-    found = [p for p in (Path(run_dir) / "checkpoints").glob("step_*") if p.is_dir() and STEP_DIR.search(p.name)]
-    return sorted(found, key=lambda p: int(STEP_DIR.search(p.name).group(1)))
-
-
-def find_checkpoint(run_dir: Path | None, resume: str, recipe: str = "") -> Path:
-    """The checkpoint --resume names: `latest` of run_dir (or of the recipe's newest run), or a folder."""
-    if resume != "latest":
-        if not (Path(resume) / "custom_checkpoint_0.pkl").exists():
-            raise RecipeError(f"--resume {resume}: not a checkpoint folder (expected checkpoints/step_<N> of a run)")
-        return Path(resume)
-    if run_dir is None:
-        runs = sorted((p for p in Path("runs").glob(f"{recipe}-*") if list_checkpoints(p)), key=os.path.getmtime)
-        if not runs:
-            raise RecipeError(f"--resume latest: no run of {recipe} with checkpoints under runs/: "
-                              "pass --output_dir of the run to continue")
-        run_dir = runs[-1]
-    checkpoints = list_checkpoints(run_dir)
-    if not checkpoints:
-        raise RecipeError(f"--resume latest: {run_dir} has no checkpoints: start it without --resume, "
-                          "or pass --output_dir of a run that saved one (--checkpoint_every N)")
-    return checkpoints[-1]
-
-
-def check_resume(checkpoint: Path, config: dict, progress: Progress) -> None:
-    """Refuse a resume with no step left to run. Otherwise print where the run continues, what changed since the
-    checkpoint (the config.json beside it), and what that does to the sample order, exactness and schedule."""
-    total_steps = config["total_steps"]
-    if progress.step > total_steps:
-        raise RecipeError(f"--resume {checkpoint} is at step {progress.step}, past the {total_steps} steps asked for: "
-                          "raise --max_steps or --epochs, or resume from an earlier checkpoint")
-    if progress.step == total_steps:
-        raise RecipeError(f"{config['output_dir']} already finished its {total_steps} steps: "
-                          "raise --max_steps or --epochs to train on")
-    if not PartialState().is_main_process:
-        return
-    epoch, left = progress.epoch + 1, config["train_size"] - progress.samples_seen
-    print(f"resuming from {checkpoint}: step {progress.step}, epoch {epoch} after {progress.samples_seen} of its "
-          f"{config['train_size']} samples")
-    previous = Path(checkpoint).parents[1] / "config.json"
-    if not previous.exists():
-        return print(f"no config.json beside {checkpoint}: what changed since it cannot be listed")
-    before = json.loads(previous.read_text())
-    changed = [key for key in config if key not in NOT_SETTINGS and before.get(key) != config[key]]
-    if not changed:
-        return print("same configuration: the run continues exactly, to the same weights as a run never stopped")
-    print("changed since the checkpoint: " + ", ".join(f"{k} {before.get(k)!r} -> {config[k]!r}" for k in changed))
-    if any(key in DATA_ORDER_KEYS for key in changed):
-        print(f"the sample order is NOT a run's never stopped ({', '.join(k for k in changed if k in DATA_ORDER_KEYS)} "
-              f"changed): the rest of epoch {epoch} follows another order, so some of its samples are trained on "
-              "twice and others not at all")
-    elif any(key in BATCHING_KEYS for key in changed):
-        print(f"the sample order continues exactly: the rest of epoch {epoch} is the {left} samples not yet trained "
-              f"on, in global batches of {config['global_batch_size']} (a remainder smaller than one is dropped, "
-              "as at the end of every epoch)")
-    else:
-        print("the sample order continues exactly")
-    if "total_steps" in changed:
-        print(f"length {before.get('total_steps')} -> {total_steps} steps, learning rate: {config['lr_schedule']}")
-
-
-def load_weights(model: torch.nn.Module, path: str | Path) -> None:
-    """Load a .safetensors file, a torch.save'd state dict (plain or under 'model'/'state_dict'/'model_state_dict',
-    keys prefixed 'module.' or '_orig_mod.') or an accelerate checkpoint folder into `model`, on any device."""
-    path = Path(path) / "model.safetensors" if Path(path).is_dir() else Path(path)
-    if not path.exists():
-        raise RecipeError(f"--weights {path}: no such file: pass a model.safetensors, a .pt/.pth file "
-                          "or a checkpoint folder")
-    try:  # weights_only: tensors and plain containers only; a pickle that would run code is refused
-        state = load_file(path) if path.suffix == ".safetensors" else torch.load(path, "cpu", weights_only=True)
-    except pickle.UnpicklingError as error:
-        found = re.search(r"GLOBAL (\S+)", str(error))
-        raise RecipeError(
-            f"--weights {path} holds pickled Python objects ({found.group(1) if found else 'not only tensors'}), "
-            "and loading it could run code: refused. Where the file was made and is trusted, convert it with "
-            "`model = torch.load(path, weights_only=False)` then `torch.save(model.state_dict(), 'weights.pt')`"
-        ) from None
-    except Exception as error:
-        raise RecipeError(f"--weights {path} cannot be read ({type(error).__name__}: {first_line(error)}): "
-                          "it may be truncated or not a weights file; pass a model.safetensors or a .pt state dict"
-                          ) from None
-    for key in ("model_state_dict", "state_dict", "model"):
-        if isinstance(state, dict) and isinstance(state.get(key), dict):
-            state = state[key]
-    state = {re.sub(r"^(module\.|_orig_mod\.)+", "", k): v for k, v in state.items()}
-    expected = model.state_dict()
-    missing = [k for k in expected if k not in state]
-    mismatched = [k for k in expected if k in state and state[k].shape != expected[k].shape]
-    if missing or mismatched:
-        key = mismatched[0] if mismatched else None
-        detail = (f"first missing key {missing[0]!r}" if missing else
-                  f"{key!r} is {tuple(state[key].shape)} in the file, {tuple(expected[key].shape)} in the model")
-        raise RecipeError(f"--weights {path} does not fit this model ({detail}): pass weights written by this recipe, "
-                          "with the model flags they were trained with (see config.json beside them)")
-    model.load_state_dict({k: state[k] for k in expected})
-
-
-def evaluate_weights(cfg, make_model, load_test_set, evaluate) -> None:
-    """--eval_only --weights PATH: test loss and accuracy of a weights file, as one JSON line. `make_model(classes)`,
-    `load_test_set()` and `evaluate(model, loader, accelerator)` are the recipe's."""
-    check_launch()
-    accelerator = Accelerator()
-    with accelerator.local_main_process_first():  # the decode cache is per machine
-        test_set = load_test_set()
-    model = make_model(len(test_set.classes))
-    load_weights(model, cfg.weights)
-    loader = DataLoader(test_set, 2 * cfg.batch_size, collate_fn=test_set.whole_batch)
-    model, loader = accelerator.prepare(model, loader)
-    metrics, _ = evaluate(model, loader, accelerator)
-    accelerator.print(json.dumps({"weights": cfg.weights, **metrics}))
-    # Leave together: gloo's teardown race at exit (docs/troubleshooting.md) is rarer then, though not gone.
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+def launched_by_accelerate() -> bool:
+    """Whether this process's parent is `accelerate launch` (its command line, from /proc)."""
+    try:
+        command = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return any(part.endswith((b"accelerate", b"accelerate_cli")) for part in command) and b"launch" in command

@@ -71,8 +71,6 @@ class RunConfig:
     checkpoint_every: int = 0  # optimizer steps between full-state checkpoints (0: only at the end)
     keep_checkpoints: int = 3  # newest full-state checkpoints kept on disk
     resume: str | None = None  # `latest` or a checkpoints/step_<N> folder to continue from
-    eval_only: bool = False  # evaluate --weights on the test split, no training
-    weights: str | None = None  # weights for --eval_only: .safetensors, .pt/.pth or a checkpoint folder
     tracker: Literal["wandb", "tensorboard", "none"] = "wandb"  # wandb is offline without an API key
     compile: bool = False  # torch.compile the model (the first steps wait 10-40 s while it compiles)
     channels_last: bool = False  # NHWC memory layout for convolutions (faster on CPUs; GPUs with bf16/fp16)
@@ -90,7 +88,3 @@ class RunConfig:
                 raise ValueError(f"--{name} must be {'>' if name in POSITIVE else '>='} 0, got {value}")
         if self.ema is not None and not 0 < self.ema < 1:
             raise ValueError(f"--ema is the average's decay per step, between 0 and 1 (e.g. 0.99); got {self.ema}")
-        if self.eval_only and not self.weights:
-            raise ValueError("--eval_only needs --weights PATH (a model.safetensors, .pt file or checkpoint folder)")
-        if self.eval_only and self.resume:
-            raise ValueError("--eval_only and --resume do not go together: evaluate --weights, or resume training")

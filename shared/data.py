@@ -1,14 +1,8 @@
-"""Image-classification data as uint8 tensors: from the hub, a local folder, or generated.
-
-`load_image_data(source, image_shape)` returns (train, test) `ImageTensors` from a hub id
-(datasets.load_dataset), a `save_to_disk` folder (load_from_disk), a folder of parquet files or an imagefolder
-(load_dataset(path)), a folder of IDX files or CIFAR batches (shared/dataset_files.py), or, with
-`synthetic=True`, generated patterns (never a fallback). Images are decoded once into one uint8 tensor
-(N, C, H, W), cached on disk by the dataset's fingerprint (or the files' paths, sizes and times), and converted
-to the recipe's channels and size as they are decoded (one printed line says so). A DataLoader takes whole
-batches by indexing that tensor (`__getitems__`), not image by image. `EpochOrder` is the training order,
-resumable at any sample.
-"""
+"""Image-classification data as uint8 tensors (shared/batches.py's ImageTensors): from a hub id, a save_to_disk,
+parquet or imagefolder folder, IDX files or CIFAR batches (shared/dataset_files.py), or generated (synthetic=True,
+never a fallback). Images are decoded once into one uint8 (N, C, H, W) tensor, converted to the recipe's channels
+and size (one printed line says so), and cached on disk by the dataset's fingerprint (or the files' paths, sizes
+and times)."""
 
 from __future__ import annotations
 
@@ -26,64 +20,13 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from shared.batches import ImageTensors
 from shared.dataset_files import DatasetFiles, find_dataset_files
 from shared.errors import RecipeError, first_line, is_main_process
 
 GRAYSCALE_MODES = {"1", "L", "LA"}
 WIDE_MODES = {"I", "I;16", "I;16B", "I;16L", "I;16N", "F"}  # 16/32-bit and float pixels
 CACHE_DIR = Path(datasets.config.HF_DATASETS_CACHE) / "decoded"  # beside the datasets' own cache
-
-
-class ImageTensors(torch.utils.data.Dataset):
-    """A whole split in memory: uint8 images (N, C, H, W), int64 labels (N,), class names."""
-
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, classes: list[str], name: str):
-        self.images, self.labels, self.classes, self.name = images, labels, classes, name
-
-    def __len__(self):
-        return len(self.labels)
-
-    def __getitem__(self, index):
-        return self.images[index], self.labels[index]
-
-    def __getitems__(self, indices):  # a whole batch of indices from the DataLoader: one gather, no stack
-        # With --data_on_device the gather runs on the GPU: copy the indices without waiting for the GPU to finish
-        # the step in flight (a blocking copy would); on a CPU this is a no-op.
-        indices = torch.as_tensor(indices).to(self.labels.device, non_blocking=True)
-        # index_select copies whole images; `images[indices]` indexes every pixel (10-20x slower on a CPU here).
-        return self.images.index_select(0, indices), self.labels.index_select(0, indices)
-
-    @staticmethod
-    def whole_batch(batch):
-        """The DataLoader's collate_fn: `__getitems__` already returns the stacked batch."""
-        return batch
-
-    def to(self, device) -> ImageTensors:
-        """The split moved to `device`: batches are then cut where the model runs, without a copy."""
-        return ImageTensors(self.images.to(device), self.labels.to(device), self.classes, self.name)
-
-
-class EpochOrder(torch.utils.data.Sampler):
-    """Each epoch a permutation that depends only on (seed, epoch), served from sample `start` on. Kept in
-    samples, not batches, a run can resume mid-epoch on another number of processes or batch size: the rest of
-    the epoch is exactly the samples not yet trained on, cut into the new batches. (accelerate's seedable
-    sampler seeds epoch e with seed + e, so seed 1 replays seed 0's orders one epoch later; and its resume skips
-    batches of the old size: accelerate #784.)"""
-
-    def __init__(self, size: int, seed: int):
-        self.size, self.seed, self.epoch, self.start = size, seed, 0, 0
-
-    def set_position(self, epoch: int, start: int = 0) -> None:
-        self.epoch, self.start = epoch, min(start, self.size)  # past the end: a smaller --data after a resume
-
-    def __iter__(self):
-        # (seed, epoch) hashed into one seed: no two pairs share an order, as seed + epoch would.
-        seed = int(np.random.SeedSequence([self.seed, self.epoch]).generate_state(1)[0])
-        generator = torch.Generator().manual_seed(seed)
-        return iter(torch.randperm(self.size, generator=generator)[self.start:].tolist())
-
-    def __len__(self):
-        return self.size - self.start
 
 
 def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: bool = False,
@@ -120,8 +63,9 @@ def open_dataset(source: str) -> datasets.DatasetDict:
                               "expected a save_to_disk folder, parquet files, an imagefolder (one subfolder per "
                               "class) with examples in every split, IDX files or CIFAR batches") from None
         return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict(train=loaded)
-    if source.startswith((".", "/", "~")) or source.count("/") > 1:
-        raise RecipeError(f"--data {source}: no such folder; pass --data PATH of a local dataset, or --synthetic")
+    if source.startswith((".", "/", "~")) or source.count("/") != 1:  # a local name: no hub lookup, no stale cache
+        raise RecipeError(f"--data {source}: no such folder (looked for {path.resolve()}), and hub ids are owner/name: "
+                          "pass the dataset's folder, a hub id, or --synthetic")
     print(f"Loading {source} from the Hugging Face hub (or its local cache)...", flush=True)
     logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # one line at the end, not a warning per retry
     try:

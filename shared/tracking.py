@@ -3,8 +3,7 @@
 `open_run` picks the folder (the same on every process) and builds the Accelerator's `log_with`: the user's
 tracker plus `RunFiles`, which writes config.json (at init_trackers), metrics.jsonl (one line per
 accelerator.log), summary.json (the last value of every key, like wandb's run summary) and curves.png (at
-end_training). `TrainWindow` measures training between log points; `save_pictures` draws the test results;
-`start_profiler` traces a few steps (--profile).
+end_training). `TrainWindow` measures training between log points.
 """
 
 from __future__ import annotations
@@ -24,20 +23,18 @@ from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlparse
 
-import numpy as np
 import torch
 from accelerate import PartialState
 from accelerate.tracking import GeneralTracker, TensorBoardTracker, WandBTracker, on_main_process
 from accelerate.utils import broadcast_object_list
 
-from shared.checkpoints import find_checkpoint
+from shared.diagnostics import plot_curves
 from shared.errors import RecipeError, check_launch, first_line
+from shared.resume import find_checkpoint
 from shared.schedule import SCHEDULE_RULE
 
 RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "curves.png", "confusion_matrix.png", "misclassified.png",
              "model.safetensors", "checkpoints", "wandb", "tensorboard", "profile")
-ACCURACIES = ("train_acc", "eval_acc", "eval_acc_tta", "eval_acc_ema", "eval_acc_tta_ema")  # those logged: curves.png
-PROFILE_STEPS = {"wait": 5, "warmup": 2, "active": 5}  # --profile: skip 5 optimizer steps, warm up 2, record 5
 
 
 def open_run(cfg, recipe: str) -> tuple[Path, list]:
@@ -45,9 +42,11 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
     runs/<recipe>-<YYYYmmdd-HHMMSS>) and the trackers for Accelerator(log_with=...)."""
     check_launch()  # also starts the process group, which the folder's name is broadcast over
     state = PartialState()
+    if cfg.resume == "latest" and cfg.output_dir is None:  # never a guess at which run the user meant
+        raise RecipeError(f"--resume latest needs the run to continue: add --output_dir runs/{recipe}-<time>")
     output_dir = cfg.output_dir
-    if output_dir is None and cfg.resume:
-        output_dir = find_checkpoint(None, cfg.resume, recipe).parents[1]
+    if output_dir is None and cfg.resume:  # a checkpoint folder: it continues its own run
+        output_dir = find_checkpoint(None, cfg.resume).parents[1]
     if output_dir is None:
         stamp = [time.strftime("%Y%m%d-%H%M%S")]
         broadcast_object_list(stamp)  # processes start a second apart; they must share one folder
@@ -249,105 +248,3 @@ def write_json(path: Path, values: dict) -> None:
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
-def pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display needed
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def plot_curves(rows: list[dict], path: Path, title: str) -> None:
-    """Loss and accuracy (train and eval) and the gradient norm against the optimizer step."""
-    plt = pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for ax, keys, ylabel in zip(axes, (("train_loss", "eval_loss"), ACCURACIES, ("grad_norm",)),
-                                ("cross-entropy loss", "accuracy", "gradient L2 norm, before clipping")):
-        for key in keys:
-            points = [(row["step"], row[key]) for row in rows if key in row and row.get("step") is not None]
-            if points:
-                ax.plot(*zip(*points), marker="o" if key.startswith("eval") else None, markersize=3, label=key)
-        ax.set(xlabel="optimizer step", ylabel=ylabel, ylim=(0, 1) if ylabel == "accuracy" else None)
-        ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def start_profiler(accelerator, run_dir: Path, steps_left: int) -> torch.profiler.profile:
-    """torch.profiler over the optimizer steps of PROFILE_STEPS, counted from this launch's first (the recipe calls
-    .step() after each; a resumed run is traced from its 8th step after the checkpoint). Each process
-    writes profile/trace_rank<N>.json, a Chrome trace (https://ui.perfetto.dev or chrome://tracing); the main
-    process prints the operators that took the most time. accelerate's `accelerator.profile()` is a context
-    manager, which would indent the whole loop; this is the same torch.profiler, started and stopped."""
-    cuda = accelerator.device.type == "cuda"
-    first = PROFILE_STEPS["wait"] + PROFILE_STEPS["warmup"] + 1
-    last = first + PROFILE_STEPS["active"] - 1
-    steps = f"steps {first}-{last}"
-    if steps_left < last:  # a shorter run would end inside the window, and the trace would hold its evaluation
-        raise RecipeError(f"--profile traces {steps}, after warm-up; this run has {steps_left} left: raise --max_steps")
-
-    def write(profiler):
-        trace = Path(run_dir) / "profile" / f"trace_rank{accelerator.process_index}.json"
-        trace.parent.mkdir(exist_ok=True)
-        profiler.export_chrome_trace(str(trace))
-        if accelerator.is_main_process:
-            print(profiler.key_averages().table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
-                                                row_limit=15))
-            print(f"profile of {steps} on the main process: {trace}; open it in https://ui.perfetto.dev", flush=True)
-
-    activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * cuda
-    schedule = torch.profiler.schedule(**PROFILE_STEPS, repeat=1)
-    profiler = torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=write,
-                                      record_shapes=True)
-    profiler.start()
-    return profiler
-
-
-def save_pictures(accelerator, run_dir: Path, test_set, predictions: torch.Tensor, step: int) -> None:
-    """confusion_matrix.png and misclassified.png in the run folder, and as images in wandb or TensorBoard.
-    `gather_for_metrics` keeps the test set's order, so prediction i belongs to test image i."""
-    if not accelerator.is_main_process:
-        return
-    plt = pyplot()
-    # On the CPU whatever device each came from (--data_on_device keeps the test set on the GPU), for NumPy and PNGs.
-    labels, predictions, classes, k = test_set.labels.cpu(), predictions.cpu(), test_set.classes, len(test_set.classes)
-    counts = torch.bincount(labels * k + predictions, minlength=k * k).reshape(k, k).double()
-    fractions = (counts / counts.sum(dim=1, keepdim=True).clamp(min=1)).numpy()  # rows: true class
-    confusion, ax = plt.subplots(figsize=(4 + 0.5 * min(k, 20),) * 2)
-    ax.imshow(fractions, cmap="Blues", vmin=0, vmax=1)
-    if k <= 20:  # readable names and numbers; 100 classes would only be noise
-        ax.set_xticks(range(k), classes, rotation=90)
-        ax.set_yticks(range(k), classes)
-        for (i, j), fraction in np.ndenumerate(fractions):
-            if counts[i, j]:
-                ax.text(j, i, f"{fraction:.2f}", ha="center", va="center", fontsize=7,
-                        color="white" if fraction > 0.5 else "black")
-    ax.set(xlabel="predicted", ylabel="true", title=f"confusion matrix: {int(counts.trace())} of {len(labels)} right")
-    wrong = (predictions != labels).nonzero().flatten()
-    rows = max(1, -(-min(len(wrong), 24) // 8))
-    misclassified, axes = plt.subplots(rows, 8, figsize=(16, 2.2 * rows), squeeze=False)
-    for ax in axes.flat:
-        ax.axis("off")
-    for ax, index in zip(axes.flat, wrong[:24].tolist()):  # the first 24 the model got wrong
-        image = test_set.images[index].permute(1, 2, 0).cpu().numpy()
-        ax.imshow(image[..., 0] if image.shape[2] == 1 else image, cmap="gray" if image.shape[2] == 1 else None)
-        ax.set_title(f"{classes[labels[index]]}\n-> {classes[predictions[index]]}", fontsize=8)
-    misclassified.suptitle(f"misclassified test images: {min(len(wrong), 24)} shown of {len(wrong)}")
-    for name, figure in (("confusion_matrix", confusion), ("misclassified", misclassified)):
-        figure.tight_layout()
-        figure.savefig(Path(run_dir) / f"{name}.png", dpi=100)
-        figure.canvas.draw()
-        pixels = np.asarray(figure.canvas.buffer_rgba())[..., :3].copy()  # (H, W, 3) uint8
-        for tracker in accelerator.trackers:
-            if tracker.name == "wandb":
-                tracker.log_images({name: [pixels]}, step=step)
-            elif tracker.name == "tensorboard":
-                tracker.log_images({name: pixels[None]}, step=step, dataformats="NHWC")
-        plt.close(figure)

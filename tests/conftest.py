@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -85,3 +86,14 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def read_json(path: Path) -> dict:
     return json.loads(path.read_text())
+
+
+def weights(run: Path) -> dict:
+    return load_file(run / "model.safetensors")
+
+
+def assert_bitwise_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    worst = max((a[k] - b[k]).abs().max().item() for k in different) if different else 0.0
+    assert not different, f"differ: {different[:3]} (max {worst:.3g})"

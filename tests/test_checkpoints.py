@@ -20,17 +20,18 @@ from unittest import mock
 import pytest
 import torch
 from accelerate.utils import load as accelerate_load
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from recipes.cifar_cnn import make_model
-from shared.checkpoints import load_weights
+from recipes.predict import load_weights
 from shared.errors import RecipeError
 
-from conftest import ROOT, ema_state, launch, ok, read_json, read_jsonl
+from conftest import ROOT, assert_bitwise_equal, ema_state, launch, ok, read_json, read_jsonl, weights
 from tiny_data import save_to_disk_dataset
 
 RUN = ("--batch_size", "8", "--max_steps", "20", "--checkpoint_every", "2", "--keep_checkpoints", "20",
        "--log_every", "1", "--seed", "5", "--tracker", "none")
+BARE = ("--recipe", "cifar_cnn", "--classes", ",".join(map(str, range(10))))  # a bare state dict names neither
 EMA = ("--ema", "0.9")  # on the 2-process runs; BatchNorm's statistics differ between their processes
 
 
@@ -39,19 +40,8 @@ def data(tmp_path_factory):
     return save_to_disk_dataset(tmp_path_factory.mktemp("ck") / "data", sizes={"train": 64, "test": 20})
 
 
-def weights(run: Path) -> dict:
-    return load_file(run / "model.safetensors")
-
-
 def ema_weights(run: Path) -> dict:
     return ema_state(run / "checkpoints" / "step_20")
-
-
-def assert_bitwise_equal(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    different = [k for k in a if not torch.equal(a[k], b[k])]
-    worst = max((a[k] - b[k]).abs().max().item() for k in different) if different else 0.0
-    assert not different, f"differ: {different[:3]} (max {worst:.3g})"
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +147,29 @@ def test_sigterm_saves_the_current_step_exits_0_and_prints_a_working_resume_comm
     assert_bitwise_equal(weights(out), weights(reference[1]))
 
 
+def test_sigterm_to_the_launcher_of_1_process_reaches_the_training_process(env, data, tmp_path):
+    """`accelerate launch` of one process starts the script and waits, forwarding no signal (accelerate #929): a
+    SIGTERM kills the launcher only. The training process asks the kernel for a SIGTERM when its parent dies
+    (PR_SET_PDEATHSIG), so it still saves its step, and the run resumes to the uninterrupted run's weights."""
+    reference = tmp_path / "reference"
+    ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(reference), *RUN, config="cpu"))
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file",
+               "accelerate_configs/cpu.yaml", "recipes/cifar_cnn.py", "--data", str(data), "--output_dir", str(out),
+               *RUN]
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: any(r.get("step", 0) >= 5 for r in safe_rows(out)), process)
+    process.send_signal(signal.SIGTERM)  # to the launcher's pid, as Kubernetes or `kill <pid>` would
+    stdout, stderr = process.communicate(timeout=120)  # the pipes close when the orphaned trainer exits
+    assert "stopped by SIGTERM at step " in stdout, stderr[-3000:]
+    stopped = int(stdout.split("stopped by SIGTERM at step ")[1].split(",")[0])
+    assert 5 <= stopped < 20 and (out / "checkpoints" / f"step_{stopped}").is_dir()
+    assert not (out / "model.safetensors").exists()  # stopped, not finished
+    ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out), *RUN, "--resume", "latest",
+              config="cpu"))
+    assert_bitwise_equal(weights(out), weights(reference))
+
+
 def test_sigterm_to_the_launcher_of_2_processes_stops_them_between_log_points(env, data, tmp_path):
     """`accelerate launch` of several processes runs torchrun, which forwards a SIGTERM to every worker and kills
     them TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds later (30 by default; 5 here). This run's only log point is its
@@ -231,9 +244,10 @@ def test_every_weights_layout_loads_to_the_same_weights(trained, tmp_path):
 
 
 @pytest.mark.parametrize("layout", ["saved_on_cuda.pt", "accelerate_checkpoint_folder"])
-def test_eval_only_gives_the_same_accuracy_from_any_layout(env, data, trained, tmp_path, layout):
+def test_evaluate_gives_the_same_accuracy_from_any_layout(env, data, trained, tmp_path, layout):
     path = layouts(trained, tmp_path)[layout]
-    result = ok(launch(env, "cifar_cnn", "--data", str(data), "--eval_only", "--weights", str(path), config=None))
+    about = () if path.is_dir() else BARE
+    result = ok(launch(env, "predict", "--data", str(data), "--evaluate", "--weights", str(path), *about, config=None))
     assert f'"eval_acc": {read_json(trained / "summary.json")["eval_acc"]}' in result.stdout
 
 
@@ -253,7 +267,7 @@ def test_a_malicious_pickle_is_refused_before_it_runs(env, data, tmp_path):
 
     evil = tmp_path / "evil.pt"
     torch.save({"0.weight": Payload()}, evil)
-    line = one_line(launch(env, "cifar_cnn", "--data", str(data), "--eval_only", "--weights", str(evil), config=None))
+    line = one_line(launch(env, "predict", "--evaluate", "--weights", str(evil), *BARE, config=None))
     assert "could run code: refused" in line and "io.open" in line  # open() pickles as io.open
     assert not marker.exists()
 
@@ -261,7 +275,7 @@ def test_a_malicious_pickle_is_refused_before_it_runs(env, data, tmp_path):
 def test_a_whole_model_pickle_is_refused_with_the_two_lines_that_convert_it(env, data, tmp_path):
     path = tmp_path / "whole_model.pt"
     torch.save(make_model(10), path)
-    line = one_line(launch(env, "cifar_cnn", "--data", str(data), "--eval_only", "--weights", str(path), config=None))
+    line = one_line(launch(env, "predict", "--evaluate", "--weights", str(path), *BARE, config=None))
     assert "torch.load(path, weights_only=False)" in line and "torch.save(model.state_dict()" in line
 
 
@@ -277,6 +291,6 @@ def test_weights_of_another_model_name_the_first_mismatch(tmp_path):
 def test_a_truncated_weights_file_is_one_clear_line(env, data, trained, tmp_path):
     path = tmp_path / "truncated.safetensors"
     path.write_bytes((trained / "model.safetensors").read_bytes()[:1000])
-    line = one_line(launch(env, "cifar_cnn", "--data", str(data), "--eval_only", "--weights", str(path), config=None))
+    line = one_line(launch(env, "predict", "--evaluate", "--weights", str(path), *BARE, config=None))
     assert "cannot be read" in line
 

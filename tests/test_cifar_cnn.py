@@ -114,10 +114,9 @@ def test_synthetic_data_is_learnable_and_labelled(env, tmp_path):
     assert len(offline_runs) == 1 and list(offline_runs[0].glob("run-*.wandb"))
 
 
-def test_eval_only_reproduces_the_final_accuracy(env, disk_data, disk_run):
-    out = disk_run
-    result = ok(launch(env, "cifar_cnn", "--data", str(disk_data), "--eval_only", "--weights",
-                       str(out / "model.safetensors")))
+def test_evaluate_reproduces_the_final_accuracy_on_the_data_the_weights_name(env, disk_data, disk_run):
+    out = disk_run  # trained on disk_data, which model.safetensors records: no --data needed
+    result = ok(launch(env, "predict", "--evaluate", "--weights", str(out / "model.safetensors")))
     evaluation = json.loads(result.stdout.strip().splitlines()[-1])
     assert evaluation["eval_acc"] == read_json(out / "summary.json")["eval_acc"]
     assert evaluation["eval_samples"] == 20
@@ -126,7 +125,7 @@ def test_eval_only_reproduces_the_final_accuracy(env, disk_data, disk_run):
 def test_help_lists_the_contract_flags_with_units(env):
     result = ok(launch(env, "cifar_cnn", "--help", config=None))
     for flag in ("--data", "--synthetic", "--epochs", "--max_steps", "--batch_size", "--lr", "--grad_accum", "--seed",
-                 "--output_dir", "--checkpoint_every", "--resume", "--eval_only", "--weights", "--tracker",
+                 "--output_dir", "--checkpoint_every", "--resume", "--tracker",
                  "--compile", "--channels_last", "--data_on_device", "--auto_batch_size"):
         assert flag in result.stdout, flag
     assert "images per process per step" in result.stdout

@@ -84,10 +84,9 @@ def test_the_comparison_detects_a_different_run(env, data, one, tmp_path):
 
 
 def test_two_process_evaluation_counts_every_test_image_once(env, data, one):
-    flags = ("--data", str(data), "--eval_only", "--weights", str(one / "model.safetensors"), "--batch_size", "16",
-             "--no-batch_norm")  # the model `one` was trained as
-    one = json.loads(ok(launch(env, "cifar_cnn", *flags)).stdout.splitlines()[-1])
-    two = json.loads(ok(launch(env, "cifar_cnn", *flags, config="2gpu", use_cpu=True)).stdout.splitlines()[-1])
+    flags = ("--evaluate", "--weights", str(one / "model.safetensors"), "--batch_size", "16")
+    one = json.loads(ok(launch(env, "predict", *flags)).stdout.splitlines()[-1])
+    two = json.loads(ok(launch(env, "predict", *flags, config="2gpu", use_cpu=True)).stdout.splitlines()[-1])
     print(f"(c) gathered eval count with 2 processes: {two['eval_samples']} of 101")
     assert one["eval_samples"] == two["eval_samples"] == 101
     assert two["eval_acc"] == one["eval_acc"]

@@ -54,7 +54,6 @@ def test_unknown_flag(env, recipe):
     (("--grad_accum", "0"), "--grad_accum must be > 0, got 0"),
     (("--epochs", "many"), "argument --epochs: invalid int value: 'many'"),
     (("--tracker", "mlflow"), "argument --tracker: invalid choice: 'mlflow'"),
-    (("--eval_only",), "--eval_only needs --weights PATH"),
     (("--max_grad_norm", "0"), "--max_grad_norm must be > 0, got 0.0"),
     (("--ema", "1"), "--ema is the average's decay per step, between 0 and 1 (e.g. 0.99); got 1.0"),
     (("--erase", "1.5"), "--erase is a share of the images, from 0 to 1, got 1.5"),
@@ -125,6 +124,13 @@ def test_hub_dataset_unreachable(env):
 def test_local_data_path_missing(env, tmp_path):
     one_line(launch(env, "cifar_cnn", "--data", str(tmp_path / "nope"), "--tracker", "none", config=None),
              "no such folder", "--synthetic")
+
+
+def test_a_bare_name_that_is_no_folder_is_one_line_not_a_hub_lookup(env):
+    # A hub lookup of a local name would fall back to a stale cache of another folder with that name when offline.
+    result = launch(env, "cifar_cnn", "--data", "my_photos", "--tracker", "none", config=None)
+    one_line(result, f"--data my_photos: no such folder (looked for {ROOT / 'my_photos'})", "hub ids are owner/name")
+    assert "hub" not in result.stdout
 
 
 def test_dataset_without_an_image_column(env, tmp_path):
@@ -249,6 +255,11 @@ def test_checkpoint_that_counts_batches(env, data, finished, tmp_path):
 def test_resume_without_a_checkpoint(env, data, tmp_path):
     one_line(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(tmp_path / "new"), *SHORT,
                     "--resume", "latest", config=None), "has no checkpoints")
+
+
+def test_resume_latest_without_output_dir_never_guesses_the_run(env, data):
+    one_line(launch(env, "cifar_cnn", "--data", str(data), *SHORT, "--resume", "latest", config=None),
+             "--resume latest needs the run to continue: add --output_dir runs/cifar_cnn-<time>")
 
 
 def test_loss_becomes_nan_keeps_the_last_good_checkpoint(env, data, tmp_path):

@@ -19,7 +19,6 @@ from safetensors.torch import load_file
 
 from recipes import cifar_cnn, deep_mlp_ckpt, resnet18_fmnist
 from recipes import predict as predict_script
-from shared.checkpoints import load_weights
 from shared.data import load_image_data
 from shared.errors import RecipeError
 
@@ -74,10 +73,10 @@ def test_with_ema_model_safetensors_holds_the_average_whatever_the_test_set_says
 def test_tta_is_the_mean_of_the_logits_of_an_image_and_its_mirror(env, data, run):
     out, _ = run
     weights = out / "model.safetensors"
-    result = ok(launch(env, "cifar_cnn", "--data", str(data), "--eval_only", "--weights", str(weights), "--tta"))
+    result = ok(launch(env, "predict", "--evaluate", "--weights", str(weights), "--tta"))
     reported = json.loads(result.stdout.strip().splitlines()[-1])
     model = cifar_cnn.make_model(10).eval()
-    load_weights(model, weights)
+    predict_script.load_weights(model, weights)
     test_set = load_image_data(str(data), cifar_cnn.IMAGE_SHAPE)[1]
     with torch.no_grad():
         inputs = cifar_cnn.preprocess(test_set.images, training=False)
@@ -177,7 +176,7 @@ def test_predict_bad_input_is_one_line_and_keeps_what_is_on_disk(env, run, folde
     ]
     for (weights_path, images, output), flags, needle in cases:  # in this process: torch starts once
         with pytest.raises(RecipeError) as error:
-            predict_script.predict(predict_script.Config(str(weights_path), str(images), str(output), **flags))
+            predict_script.run(predict_script.Config(str(weights_path), str(images), str(output), **flags))
         assert needle in str(error.value) and "\n" not in str(error.value)
     assert existing.read_text() == "mine\n" and not (tmp_path / "new.csv").exists()
     # The script itself: the same error as one line on stderr and exit status 1, nothing written.
@@ -196,7 +195,7 @@ def test_predict_takes_a_bare_state_dict_of_every_recipe(recipe, classes, folder
     torch.save(module.make_model(classes).state_dict(), weights)
     names = [f"kind {i}" for i in range(classes)]
     output = tmp_path / "predictions.csv"
-    predict_script.predict(predict_script.Config(str(weights), str(root), str(output), recipe=recipe,
+    predict_script.run(predict_script.Config(str(weights), str(root), str(output), recipe=recipe,
                                                  classes=",".join(names)))
     rows = list(csv.DictReader(output.open()))
     assert len(rows) == len(test_set) + 1 and all(row["class"] in names for row in rows)
@@ -207,7 +206,7 @@ def test_predict_reads_a_checkpoint_folder_beside_its_run_config(run, folder, tm
     out, _ = run
     root, test_set = folder
     output = tmp_path / "predictions.csv"
-    predict_script.predict(predict_script.Config(str(out / "checkpoints" / "step_12"), str(root), str(output)))
+    predict_script.run(predict_script.Config(str(out / "checkpoints" / "step_12"), str(root), str(output)))
     rows = list(csv.DictReader(output.open()))
     assert len(rows) == len(test_set) + 1 and all(row["class"] in CLASSES[:10] for row in rows)
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import ast
 import difflib
+import json
 import shutil
 import subprocess
 import sys
 
 import pytest
+from PIL import Image
 
-from conftest import ROOT, ok, read_jsonl
+from conftest import ROOT, ok, read_json, read_jsonl
 
 
 @pytest.mark.parametrize("layout", ["flat", "recipes/ and shared/"])
@@ -27,6 +29,21 @@ def test_a_copied_recipe_runs_outside_the_repository(env, tmp_path, layout):
                       cwd=project, env=clean, capture_output=True, text=True, timeout=600))
     assert [row["step"] for row in read_jsonl(out / "metrics.jsonl") if "train_loss" in row] == [1, 2, 3, 4, 5]
     assert (out / "model.safetensors").exists() and (out / "checkpoints" / "step_5").is_dir()
+    # Using the model from the copy: predict.py finds the renamed script from the weights, or takes it by path.
+    shutil.copy(ROOT / "recipes" / "predict.py", script.parent / "predict.py")
+    evaluated = ok(subprocess.run([sys.executable, str(script.parent / "predict.py"), "--weights",
+                                   str(out / "model.safetensors"), "--evaluate"],
+                                  cwd=project, env=clean, capture_output=True, text=True, timeout=600))
+    metrics = json.loads(evaluated.stdout.strip().splitlines()[-1])
+    assert metrics["eval_acc"] == read_json(out / "summary.json")["eval_acc"] and metrics["eval_samples"] == 10_000
+    photos = project / "photos"
+    photos.mkdir()
+    for n in range(3):
+        Image.new("RGB", (40, 40), (80 * n, 90, 200)).save(photos / f"{n}.png")
+    ok(subprocess.run([sys.executable, str(script.parent / "predict.py"), "--weights", str(out / "model.safetensors"),
+                       "--recipe", str(script), "--images", str(photos), "--output", str(project / "p.csv")],
+                      cwd=project, env=clean, capture_output=True, text=True, timeout=600))
+    assert len((project / "p.csv").read_text().splitlines()) == 4  # a header and a row per image
 
 
 # What each recipe's evaluate(), train() and main() do differently from cifar_cnn's, on purpose: its model's
@@ -50,11 +67,12 @@ INTENDED = {
     + model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     - optimizer = make_optimizer(model, cfg)
     + optimizer = make_optimizer(model, cfg, peak_lr)
-    - f"global batch {global_batch_size}, {total_steps} steps ({epochs} epochs) | {run_dir}")
-    + f"global batch {global_batch_size}, {total_steps} steps ({epochs} epochs) | "
+    - f"global batch {global_batch_size}, {total_steps} steps ({epochs:.3g} epochs) | {run_dir}")
+    + f"global batch {global_batch_size}, {total_steps} steps ({epochs:.3g} epochs) | "
     + f"lr {cfg.lr} for batch {REFERENCE_BATCH} -> {peak_lr:.4g} ({cfg.lr_scaling} scaling) | "
     + f"{run_dir}")
-    - global_batch_size=global_batch_size, total_steps=total_steps,
+    - batch_size=batch_size, global_batch_size=global_batch_size, total_steps=total_steps,
+    + batch_size=batch_size,
     + global_batch_size=global_batch_size, effective_lr=peak_lr, total_steps=total_steps,
     - lr = schedule.one_cycle_lr(progress.step, total_steps, cfg.lr)  # a function of the step, no state
     + lr = schedule.one_cycle_lr(progress.step, total_steps, peak_lr)  # a function of the step, no state

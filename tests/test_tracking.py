@@ -237,7 +237,7 @@ def test_pictures_are_drawn_from_tensors_on_any_device(tmp_path, on_the_gpu):
     from accelerate import Accelerator
 
     from shared.data import ImageTensors
-    from shared.tracking import save_pictures
+    from shared.diagnostics import save_pictures
 
     images = torch.randint(0, 256, (12, 3, 8, 8), dtype=torch.uint8)
     labels, predictions = torch.arange(12) % 3, torch.arange(12) % 2

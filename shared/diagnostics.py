@@ -1,0 +1,116 @@
+"""What a run draws and traces: curves.png (from RunFiles at the end), the confusion matrix and the
+misclassified test images (save_pictures), and a torch.profiler trace of a few steps (start_profiler, --profile)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from shared.errors import RecipeError
+
+ACCURACIES = ("train_acc", "eval_acc", "eval_acc_tta", "eval_acc_ema", "eval_acc_tta_ema")  # those logged: curves.png
+PROFILE_STEPS = {"wait": 5, "warmup": 2, "active": 5}  # --profile: skip 5 optimizer steps, warm up 2, record 5
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_curves(rows: list[dict], path: Path, title: str) -> None:
+    """Loss and accuracy (train and eval) and the gradient norm against the optimizer step."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for ax, keys, ylabel in zip(axes, (("train_loss", "eval_loss"), ACCURACIES, ("grad_norm",)),
+                                ("cross-entropy loss", "accuracy", "gradient L2 norm, before clipping")):
+        for key in keys:
+            points = [(row["step"], row[key]) for row in rows if key in row and row.get("step") is not None]
+            if points:
+                ax.plot(*zip(*points), marker="o" if key.startswith("eval") else None, markersize=3, label=key)
+        ax.set(xlabel="optimizer step", ylabel=ylabel, ylim=(0, 1) if ylabel == "accuracy" else None)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def start_profiler(accelerator, run_dir: Path, steps_left: int) -> torch.profiler.profile:
+    """torch.profiler over the optimizer steps of PROFILE_STEPS, counted from this launch's first (the recipe calls
+    .step() after each; a resumed run is traced from its 8th step after the checkpoint). Each process
+    writes profile/trace_rank<N>.json, a Chrome trace (https://ui.perfetto.dev or chrome://tracing); the main
+    process prints the operators that took the most time. accelerate's `accelerator.profile()` is a context
+    manager, which would indent the whole loop; this is the same torch.profiler, started and stopped."""
+    cuda = accelerator.device.type == "cuda"
+    first = PROFILE_STEPS["wait"] + PROFILE_STEPS["warmup"] + 1
+    last = first + PROFILE_STEPS["active"] - 1
+    steps = f"steps {first}-{last}"
+    if steps_left < last:  # a shorter run would end inside the window, and the trace would hold its evaluation
+        raise RecipeError(f"--profile traces {steps}, after warm-up; this run has {steps_left} left: raise --max_steps")
+
+    def write(profiler):
+        trace = Path(run_dir) / "profile" / f"trace_rank{accelerator.process_index}.json"
+        trace.parent.mkdir(exist_ok=True)
+        profiler.export_chrome_trace(str(trace))
+        if accelerator.is_main_process:
+            print(profiler.key_averages().table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
+                                                row_limit=15))
+            print(f"profile of {steps} on the main process: {trace}; open it in https://ui.perfetto.dev", flush=True)
+
+    activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * cuda
+    schedule = torch.profiler.schedule(**PROFILE_STEPS, repeat=1)
+    profiler = torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=write,
+                                      record_shapes=True)
+    profiler.start()
+    return profiler
+
+
+def save_pictures(accelerator, run_dir: Path, test_set, predictions: torch.Tensor, step: int) -> None:
+    """confusion_matrix.png and misclassified.png in the run folder, and as images in wandb or TensorBoard.
+    `gather_for_metrics` keeps the test set's order, so prediction i belongs to test image i."""
+    if not accelerator.is_main_process:
+        return
+    plt = pyplot()
+    # On the CPU whatever device each came from (--data_on_device keeps the test set on the GPU), for NumPy and PNGs.
+    labels, predictions, classes, k = test_set.labels.cpu(), predictions.cpu(), test_set.classes, len(test_set.classes)
+    counts = torch.bincount(labels * k + predictions, minlength=k * k).reshape(k, k).double()
+    fractions = (counts / counts.sum(dim=1, keepdim=True).clamp(min=1)).numpy()  # rows: true class
+    confusion, ax = plt.subplots(figsize=(4 + 0.5 * min(k, 20),) * 2)
+    ax.imshow(fractions, cmap="Blues", vmin=0, vmax=1)
+    if k <= 20:  # readable names and numbers; 100 classes would only be noise
+        ax.set_xticks(range(k), classes, rotation=90)
+        ax.set_yticks(range(k), classes)
+        for (i, j), fraction in np.ndenumerate(fractions):
+            if counts[i, j]:
+                ax.text(j, i, f"{fraction:.2f}", ha="center", va="center", fontsize=7,
+                        color="white" if fraction > 0.5 else "black")
+    ax.set(xlabel="predicted", ylabel="true", title=f"confusion matrix: {int(counts.trace())} of {len(labels)} right")
+    wrong = (predictions != labels).nonzero().flatten()
+    rows = max(1, -(-min(len(wrong), 24) // 8))
+    misclassified, axes = plt.subplots(rows, 8, figsize=(16, 2.2 * rows), squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, index in zip(axes.flat, wrong[:24].tolist()):  # the first 24 the model got wrong
+        image = test_set.images[index].permute(1, 2, 0).cpu().numpy()
+        ax.imshow(image[..., 0] if image.shape[2] == 1 else image, cmap="gray" if image.shape[2] == 1 else None)
+        ax.set_title(f"{classes[labels[index]]}\n-> {classes[predictions[index]]}", fontsize=8)
+    misclassified.suptitle(f"misclassified test images: {min(len(wrong), 24)} shown of {len(wrong)}")
+    for name, figure in (("confusion_matrix", confusion), ("misclassified", misclassified)):
+        figure.tight_layout()
+        figure.savefig(Path(run_dir) / f"{name}.png", dpi=100)
+        figure.canvas.draw()
+        pixels = np.asarray(figure.canvas.buffer_rgba())[..., :3].copy()  # (H, W, 3) uint8
+        for tracker in accelerator.trackers:
+            if tracker.name == "wandb":
+                tracker.log_images({name: [pixels]}, step=step)
+            elif tracker.name == "tensorboard":
+                tracker.log_images({name: pixels[None]}, step=step, dataformats="NHWC")
+        plt.close(figure)

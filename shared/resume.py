@@ -1,0 +1,75 @@
+"""Which checkpoint --resume names, and what a resume continues: steps left, and what changed since the checkpoint
+(the config.json beside it) and what that does to the sample order, exactness and schedule."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from accelerate import PartialState
+
+from shared.errors import RecipeError
+
+STEP_DIR = re.compile(r"step_(\d+)$")
+DATA_ORDER_KEYS = ("data", "synthetic", "train_size", "seed")  # change one, and the rest of the epoch is another
+BATCHING_KEYS = ("world_size", "batch_size", "grad_accum")  # these only cut the same order into other batches
+# Not settings of the training: where the run was started from, and which copy of the script ran it.
+NOT_SETTINGS = ("resume", "resumed_step", "resumed_from", "run_id", "overwrite", "output_dir", "versions", "script")
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first."""
+    found = [p for p in (Path(run_dir) / "checkpoints").glob("step_*") if p.is_dir() and STEP_DIR.search(p.name)]
+    return sorted(found, key=lambda p: int(STEP_DIR.search(p.name).group(1)))
+
+
+def find_checkpoint(run_dir: Path | None, resume: str) -> Path:
+    """The checkpoint --resume names: the newest complete one of run_dir (`latest`), or a checkpoint folder."""
+    if resume != "latest":
+        if not (Path(resume) / "custom_checkpoint_0.pkl").exists():
+            raise RecipeError(f"--resume {resume}: not a checkpoint folder (expected checkpoints/step_<N> of a run)")
+        return Path(resume)
+    checkpoints = list_checkpoints(run_dir)
+    if not checkpoints:
+        raise RecipeError(f"--resume latest: {run_dir} has no checkpoints: start it without --resume, "
+                          "or pass --output_dir of a run that saved one (--checkpoint_every N)")
+    return checkpoints[-1]
+
+
+def check_resume(checkpoint: Path, config: dict, progress) -> None:
+    """Refuse a resume with no step left to run (`progress`: the restored Progress). Otherwise print where the run
+    continues, what changed since the checkpoint (the config.json beside it), and what that does to the sample
+    order, exactness and schedule."""
+    total_steps = config["total_steps"]
+    if progress.step > total_steps:
+        raise RecipeError(f"--resume {checkpoint} is at step {progress.step}, past the {total_steps} steps asked for: "
+                          "raise --max_steps or --epochs, or resume from an earlier checkpoint")
+    if progress.step == total_steps:
+        raise RecipeError(f"{config['output_dir']} already finished its {total_steps} steps: "
+                          "raise --max_steps or --epochs to train on")
+    if not PartialState().is_main_process:
+        return
+    epoch, left = progress.epoch + 1, config["train_size"] - progress.samples_seen
+    print(f"resuming from {checkpoint}: step {progress.step}, epoch {epoch} after {progress.samples_seen} of its "
+          f"{config['train_size']} samples")
+    previous = Path(checkpoint).parents[1] / "config.json"
+    if not previous.exists():
+        return print(f"no config.json beside {checkpoint}: what changed since it cannot be listed")
+    before = json.loads(previous.read_text())
+    changed = [key for key in config if key not in NOT_SETTINGS and before.get(key) != config[key]]
+    if not changed:
+        return print("same configuration: the run continues exactly, to the same weights as a run never stopped")
+    print("changed since the checkpoint: " + ", ".join(f"{k} {before.get(k)!r} -> {config[k]!r}" for k in changed))
+    if any(key in DATA_ORDER_KEYS for key in changed):
+        print(f"the sample order is NOT a run's never stopped ({', '.join(k for k in changed if k in DATA_ORDER_KEYS)} "
+              f"changed): the rest of epoch {epoch} follows another order, so some of its samples are trained on "
+              "twice and others not at all")
+    elif any(key in BATCHING_KEYS for key in changed):
+        print(f"the sample order continues exactly: the rest of epoch {epoch} is the {left} samples not yet trained "
+              f"on, in global batches of {config['global_batch_size']} (a remainder smaller than one is dropped, "
+              "as at the end of every epoch)")
+    else:
+        print("the sample order continues exactly")
+    if "total_steps" in changed:
+        print(f"length {before.get('total_steps')} -> {total_steps} steps, learning rate: {config['lr_schedule']}")
