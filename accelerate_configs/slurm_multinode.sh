@@ -2,28 +2,38 @@
 # Multi-node training under SLURM with accelerate_configs/multinode.yaml, preemption-safe.
 # Submit from the repository root:   sbatch accelerate_configs/slurm_multinode.sh
 # One task per node; each task runs `accelerate launch`, which starts one process per GPU.
-#SBATCH --job-name=cifar_cnn
+# Settings come from the environment (sbatch passes it on), e.g.
+#   RECIPE=recipes/resnet18_fmnist.py RECIPE_FLAGS="--epochs 10" sbatch accelerate_configs/slurm_multinode.sh
+# On nodes without GPUs (a test cluster): GPUS_PER_NODE=1 ACCELERATE_USE_CPU=true sbatch --gpus-per-node=0 ...
+#SBATCH --job-name=recipe
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=8
 #SBATCH --cpus-per-task=32
 #SBATCH --time=02:00:00
 #SBATCH --output=slurm-%j.out
+#SBATCH --open-mode=append        # a requeued job appends to its first run's output instead of overwriting it
 #SBATCH --requeue                 # a preempted or timed-out job may go back into the queue
 #SBATCH --signal=B:TERM@120       # SIGTERM to this script 120 s before the time limit
 
 set -euo pipefail
 
-GPUS_PER_NODE=8
+RECIPE=${RECIPE:-recipes/cifar_cnn.py}
+RECIPE_FLAGS=${RECIPE_FLAGS:-}                   # more flags for the recipe, e.g. "--epochs 10 --checkpoint_every 500"
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}                # processes per node
+MAIN_PORT=${MAIN_PORT:-29500}                    # a free TCP port on the first node
+# A requeued job keeps its job id, so it finds its own run folder and continues it.
+OUTPUT_DIR=${OUTPUT_DIR:-runs/$(basename "$RECIPE" .py)-slurm-${SLURM_JOB_ID}}
 # torchrun forwards the SIGTERM to the training processes, then kills them after this many seconds (its default,
 # 30, is less than the 120 s this job is given): time to finish a step, an evaluation and the checkpoint.
-export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=100
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-100}
 MAIN_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-MAIN_PORT=29500
-# A requeued job keeps its job id, so it finds its own run folder and continues it.
-OUTPUT_DIR="runs/cifar_cnn-slurm-${SLURM_JOB_ID}"
+# The first node's address as SLURM reaches it (NodeAddr: its host name unless the cluster set an address).
+MAIN_IP=$(scontrol show node "$MAIN_NODE" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
 RESUME=""
 if [ -d "$OUTPUT_DIR/checkpoints" ]; then RESUME="--resume latest"; fi
+echo "job $SLURM_JOB_ID, start ${SLURM_RESTART_COUNT:-0}: $SLURM_NNODES node(s) x $GPUS_PER_NODE, rendezvous" \
+     "$MAIN_IP:$MAIN_PORT, $RECIPE -> $OUTPUT_DIR ${RESUME:-(new run)}"
 
 # On SIGTERM (time limit near, or preemption): pass it on to the training processes, which
 # finish their step, save a checkpoint and exit 0; then put this job back in the queue.
@@ -38,13 +48,13 @@ trap requeue TERM
 
 # The per-node values come from SLURM and override the template's placeholders.
 # $SLURM_NODEID is expanded by each task on its own node, hence the single quotes.
-srun --kill-on-bad-exit=1 bash -c 'exec accelerate launch \
+srun --kill-on-bad-exit=1 bash -c 'exec accelerate launch -q \
     --config_file accelerate_configs/multinode.yaml \
     --num_machines '"$SLURM_NNODES"' \
     --num_processes '"$((SLURM_NNODES * GPUS_PER_NODE))"' \
     --machine_rank "$SLURM_NODEID" \
-    --main_process_ip '"$MAIN_NODE"' \
+    --main_process_ip '"$MAIN_IP"' \
     --main_process_port '"$MAIN_PORT"' \
-    recipes/cifar_cnn.py --output_dir '"$OUTPUT_DIR"' '"$RESUME" &
+    '"$RECIPE"' --output_dir '"$OUTPUT_DIR"' '"$RESUME $RECIPE_FLAGS" &
 TRAINING=$!
 wait "$TRAINING"

@@ -43,12 +43,16 @@ def one_line_errors():
         # A collective (barrier, all-reduce) failed because another process stopped first and printed why (or the
         # launcher will): more tracebacks here would only bury that line.
         frames = traceback.extract_tb(error.__traceback__)
-        in_collective = bool(frames) and f"torch{os.sep}distributed" in frames[-1].filename
+        # In torch.distributed itself, in DDP (its buffer broadcast, its all-reduce inside backward), or gloo's
+        # "Connection reset by peer" when another node died.
+        in_collective = (bool(frames) and any(f"torch{os.sep}{part}" in frames[-1].filename
+                                              for part in ("distributed", f"nn{os.sep}parallel"))
+                         or isinstance(error, torch.distributed.DistError) or "gloo" in str(error))
         if os.environ.get("WORLD_SIZE", "1") == "1" or not in_collective:
             raise
         if is_main_process():
-            print(f"error: another process of this run stopped ({first_line(error)[:160]})", file=sys.stderr,
-                  flush=True)
+            print(f"error: another process of this run stopped ({first_line(error)[:160]}): see its error, or if a "
+                  "node died, start every node again with --resume latest", file=sys.stderr, flush=True)
         sys.exit(1)
 
 
