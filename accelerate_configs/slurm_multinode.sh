@@ -37,9 +37,11 @@ echo "job $SLURM_JOB_ID, start ${SLURM_RESTART_COUNT:-0}: $SLURM_NNODES node(s) 
 
 # On SIGTERM (time limit near, or preemption): pass it on to the training processes, which
 # finish their step, save a checkpoint and exit 0; then put this job back in the queue.
+# Not `kill -TERM` to srun: srun turns a SIGTERM into a SIGKILL of every task. `scancel --signal`
+# without --batch signals the job's steps (here, the srun's tasks), not this script.
 requeue() {
     echo "SIGTERM: waiting for the checkpoint, then requeueing job $SLURM_JOB_ID"
-    kill -TERM "$TRAINING" 2>/dev/null || true
+    scancel --signal=TERM "$SLURM_JOB_ID"
     wait "$TRAINING" || true
     scontrol requeue "$SLURM_JOB_ID"
     exit 0

@@ -1,8 +1,9 @@
-"""Beyond one machine: two nodes over loopback, and a node that dies.
+"""Beyond one machine: two nodes over loopback, a node that dies, and a SLURM job preempted and requeued.
 
 Two `accelerate launch` processes with --num_machines 2 and --machine_rank 0 / 1 are a real two-node rendezvous
 (gloo on the CPU, ACCELERATE_USE_CPU=true), started from accelerate_configs/multinode.yaml with the per-node
-values overridden on the command line, as slurm_multinode.sh does."""
+values overridden on the command line, as slurm_multinode.sh does. The SLURM test runs that script itself on a
+real two-node SLURM cluster on this machine (tests/slurm_cluster.py)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,17 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
+import slurm_cluster
 
 from conftest import ROOT, assert_bitwise_equal, exited_cleanly, launch, ok, read_json, read_jsonl, weights
 from tiny_data import save_to_disk_dataset
 
 RUN = ("--batch_size", "8", "--log_every", "1", "--seed", "3", "--tracker", "none")
+LONG = ("--max_steps", "200")  # long enough for a kill or a preemption to land mid-run
 
 
 @pytest.fixture(scope="module")
@@ -75,12 +79,18 @@ def test_two_nodes_over_loopback_equal_two_processes_on_one_machine(env, data, r
     assert_bitwise_equal(weights(out), weights(reference))
 
 
-def test_a_node_killed_stops_the_other_within_bounds_then_both_resume_exactly(env, data, tmp_path):
-    reference, out = tmp_path / "reference", tmp_path / "run"
-    length = ("--data", str(data), *RUN, "--max_steps", "200")  # long enough for the kill to land mid-run
-    for result in two_nodes(env, *length, "--output_dir", str(reference)):
-        node_ok(result)
-    args = (*length, "--checkpoint_every", "2", "--output_dir", str(out))
+@pytest.fixture(scope="module")
+def long_reference(env, data, tmp_path_factory):
+    """The long run, never stopped, on one machine (two nodes give the same weights: the first test)."""
+    out = tmp_path_factory.mktemp("single") / "run"
+    ok(launch(env, "cifar_cnn", "--data", str(data), *RUN, *LONG, "--output_dir", str(out),
+              config="2gpu", use_cpu=True, launcher_args=("--mixed_precision", "bf16")))
+    return out
+
+
+def test_a_node_killed_stops_the_other_within_bounds_then_both_resume_exactly(env, data, long_reference, tmp_path):
+    out = tmp_path / "run"
+    args = ("--data", str(data), *RUN, *LONG, "--checkpoint_every", "2", "--output_dir", str(out))
     port = free_port()
     nodes = [start_node(env, rank, port, *args) for rank in (0, 1)]
     deadline = time.monotonic() + 300
@@ -100,4 +110,56 @@ def test_a_node_killed_stops_the_other_within_bounds_then_both_resume_exactly(en
     assert any((out / "checkpoints").glob("step_*"))
     for result in two_nodes(env, *args, "--resume", "latest"):
         node_ok(result)
-    assert_bitwise_equal(weights(out), weights(reference))
+    assert_bitwise_equal(weights(out), weights(long_reference))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if reason := slurm_cluster.missing():
+        pytest.skip(reason)
+    cluster = slurm_cluster.Cluster(nodes=2)
+    yield cluster
+    cluster.close()
+
+
+def wait_for(condition, what: str, cluster: slurm_cluster.Cluster, log: Path, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} after {timeout} s\n{log.read_text()[-3000:]}\n{cluster.logs()}"
+        time.sleep(0.1)
+
+
+def test_slurm_job_preempted_requeues_itself_and_resumes_exactly(env, data, long_reference, cluster, tmp_path):
+    """accelerate_configs/slurm_multinode.sh as users submit it, on two SLURM nodes of one process each."""
+    out, log = tmp_path / "run", tmp_path / "slurm.out"
+    flags = ("--data", str(data), *RUN, *LONG, "--checkpoint_every", "2")
+    job_env = dict(env, SLURM_CONF=str(cluster.conf), PATH=f"{Path(sys.executable).parent}:{env['PATH']}",
+                   ACCELERATE_USE_CPU="true", GPUS_PER_NODE="1", MAIN_PORT=str(free_port()), OUTPUT_DIR=str(out),
+                   RECIPE_FLAGS=" ".join(flags))
+    submitted = cluster.run("sbatch", "--parsable", "--nodes=2", "--gpus-per-node=0", "--cpus-per-task=1",
+                            f"--output={log}", "accelerate_configs/slurm_multinode.sh", cwd=ROOT, env=job_env)
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip()
+    wait_for((out / "checkpoints" / "step_4").is_dir, "checkpoint", cluster, log)
+    preempted = cluster.run("scancel", "--signal=TERM", "--batch", job)  # as a preemption or the time limit does
+    assert preempted.returncode == 0, preempted.stderr
+    signalled = time.monotonic()
+    wait_for(lambda: f"job {job}, start 1:" in log.read_text(), "second start", cluster, log)
+    print(f"(slurm) the requeued job started again {time.monotonic() - signalled:.1f} s after the preemption signal")
+
+    def finished() -> bool:
+        state = cluster.fields("job", job)
+        assert state.get("JobState") not in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"), state
+        return state.get("JobState") == "COMPLETED" and state.get("Restarts") == "1"
+
+    wait_for(finished, "requeued run to the end", cluster, log)
+    assert cluster.fields("job", job)["ExitCode"] == "0:0"
+    text = log.read_text()  # both starts of the job, appended (--open-mode=append)
+    first, second = text.split(f"job {job}, start 1:")
+    assert f"job {job}, start 0:" in first and "(new run)" in first
+    assert "stopped by SIGTERM at step " in first, first[-3000:]
+    stopped = int(first.split("stopped by SIGTERM at step ")[1].split(",")[0])
+    assert f"requeueing job {job}" in first
+    assert "--resume latest" in second.splitlines()[0]
+    assert f"resuming from {out / 'checkpoints' / f'step_{stopped}'}: step {stopped}," in second, second[-3000:]
+    assert_bitwise_equal(weights(out), weights(long_reference))
