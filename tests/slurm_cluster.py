@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-PROGRAMS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "srun")
+PROGRAMS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "squeue", "srun")
 
 
 def missing() -> str | None:
@@ -130,7 +130,10 @@ PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                          if path.is_file())
 
     def close(self) -> None:
-        self.run("scancel", "--full", "--user=root")
+        self.run("scancel", "--full", "--user=root")  # a failed test's job: its processes end before the daemons
+        deadline = time.monotonic() + 30
+        while self.run("squeue", "--noheader").stdout.strip() and time.monotonic() < deadline:
+            time.sleep(0.5)
         for daemon in reversed(self.daemons):
             daemon.terminate()
         for daemon in self.daemons:
