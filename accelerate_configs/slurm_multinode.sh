@@ -5,6 +5,7 @@
 # Settings come from the environment (sbatch passes it on), e.g.
 #   RECIPE=recipes/resnet18_fmnist.py RECIPE_FLAGS="--epochs 10" sbatch accelerate_configs/slurm_multinode.sh
 # On nodes without GPUs (a test cluster): GPUS_PER_NODE=1 ACCELERATE_USE_CPU=true sbatch --gpus-per-node=0 ...
+# Tested that way (tests/test_multinode.py): on two SLURM nodes, preempted, requeued, resumed to the same weights.
 #SBATCH --job-name=recipe
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
