@@ -5,7 +5,8 @@
 # Settings come from the environment (sbatch passes it on), e.g.
 #   RECIPE=recipes/resnet18_fmnist.py RECIPE_FLAGS="--epochs 10" sbatch accelerate_configs/slurm_multinode.sh
 # On nodes without GPUs (a test cluster): GPUS_PER_NODE=1 ACCELERATE_USE_CPU=true sbatch --gpus-per-node=0 ...
-# Tested that way (tests/test_multinode.py): on two SLURM nodes, preempted, requeued, resumed to the same weights.
+# Tested that way (tests/test_multinode.py): on two SLURM nodes, stopped by SIGTERM to this script and by a preempting
+# job, requeued, resumed to the same weights.
 #SBATCH --job-name=recipe
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
@@ -31,13 +32,15 @@ export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-100}
 MAIN_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 # The first node's address as SLURM reaches it (NodeAddr: its host name unless the cluster set an address).
 MAIN_IP=$(scontrol show node "$MAIN_NODE" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
+preempt_time() { scontrol show job "$SLURM_JOB_ID" | grep -o 'PreemptTime=[^ ]*' || true; }
+PREEMPT_TIME=$(preempt_time)
 RESUME=""
 if [ -d "$OUTPUT_DIR/checkpoints" ]; then RESUME="--resume latest"; fi
 echo "job $SLURM_JOB_ID, start ${SLURM_RESTART_COUNT:-0}: $SLURM_NNODES node(s) x $GPUS_PER_NODE, rendezvous" \
      "$MAIN_IP:$MAIN_PORT, $RECIPE -> $OUTPUT_DIR ${RESUME:-(new run)}"
 
-# On SIGTERM (time limit near, or preemption): pass it on to the training processes, which
-# finish their step, save a checkpoint and exit 0; then put this job back in the queue.
+# On SIGTERM to this script (the time limit near, or `scancel --signal=TERM --batch`): pass it on to the training
+# processes, which finish their step, save a checkpoint and exit 0; then put this job back in the queue.
 # Not `kill -TERM` to srun: srun turns a SIGTERM into a SIGKILL of every task. `scancel --signal`
 # without --batch signals the job's steps (here, the srun's tasks), not this script.
 requeue() {
@@ -60,4 +63,14 @@ srun --kill-on-bad-exit=1 bash -c 'exec accelerate launch -q \
     --main_process_port '"$MAIN_PORT"' \
     '"$RECIPE"' --output_dir '"$OUTPUT_DIR"' '"$RESUME $RECIPE_FLAGS" &
 TRAINING=$!
-wait "$TRAINING"
+status=0
+wait "$TRAINING" || status=$?
+# SLURM's own preemption (a job of a higher partition; PreemptMode) sends SIGTERM to the training processes, not to
+# this script, and kills them after GraceTime: they saved a checkpoint and stopped. Requeue, or the job would end
+# here, unfinished, as COMPLETED. SLURM sets the job's PreemptTime when it preempts it.
+if [ "$(preempt_time)" != "$PREEMPT_TIME" ]; then
+    echo "preempted: the training processes saved a checkpoint; requeueing job $SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID"
+    exit 0
+fi
+exit "$status"

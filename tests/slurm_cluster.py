@@ -100,7 +100,11 @@ AccountingStorageType=accounting_storage/none
 MpiDefault=none
 ReturnToService=2
 NodeName=n[1-{nodes}] NodeHostname={host} NodeAddr=127.0.0.1 Port=[{first}-{first + nodes - 1}] CPUs=2 State=UNKNOWN
-PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+# Jobs of `urgent` preempt jobs of `test`: SIGTERM to their processes, then requeued or killed after GraceTime.
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+PartitionName=test Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=60
+PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
 """
 
     def _start(self, *command: str) -> subprocess.Popen:

@@ -129,8 +129,11 @@ def wait_for(condition, what: str, cluster: slurm_cluster.Cluster, log: Path, ti
         time.sleep(0.1)
 
 
-def test_slurm_job_preempted_requeues_itself_and_resumes_exactly(env, data, long_reference, cluster, tmp_path):
-    """accelerate_configs/slurm_multinode.sh as users submit it, on two SLURM nodes of one process each."""
+@pytest.mark.parametrize("stop", ["SIGTERM to the script", "a job of a higher partition"])
+def test_slurm_job_preempted_requeues_itself_and_resumes_exactly(env, data, long_reference, cluster, tmp_path, stop):
+    """accelerate_configs/slurm_multinode.sh as users submit it, on two SLURM nodes of one process each. Stopped
+    the two ways SLURM stops a job early: SIGTERM to the batch script (what --signal=B:TERM@120 sends before the time
+    limit), or preemption by a job of a higher partition, which signals the training processes themselves."""
     out, log = tmp_path / "run", tmp_path / "slurm.out"
     flags = ("--data", str(data), *RUN, *LONG, "--checkpoint_every", "2")
     job_env = dict(env, SLURM_CONF=str(cluster.conf), PATH=f"{Path(sys.executable).parent}:{env['PATH']}",
@@ -141,11 +144,14 @@ def test_slurm_job_preempted_requeues_itself_and_resumes_exactly(env, data, long
     assert submitted.returncode == 0, submitted.stderr
     job = submitted.stdout.strip()
     wait_for((out / "checkpoints" / "step_4").is_dir, "checkpoint", cluster, log)
-    preempted = cluster.run("scancel", "--signal=TERM", "--batch", job)  # as a preemption or the time limit does
+    if stop == "SIGTERM to the script":
+        preempted = cluster.run("scancel", "--signal=TERM", "--batch", job)
+    else:  # all of both nodes, now
+        preempted = cluster.run("sbatch", "--partition=urgent", "--nodes=2", "--exclusive", "--wrap", "true")
     assert preempted.returncode == 0, preempted.stderr
     signalled = time.monotonic()
     wait_for(lambda: f"job {job}, start 1:" in log.read_text(), "second start", cluster, log)
-    print(f"(slurm) the requeued job started again {time.monotonic() - signalled:.1f} s after the preemption signal")
+    print(f"(slurm, {stop}) the requeued job started again {time.monotonic() - signalled:.1f} s after the signal")
 
     def finished() -> bool:
         state = cluster.fields("job", job)
@@ -159,7 +165,7 @@ def test_slurm_job_preempted_requeues_itself_and_resumes_exactly(env, data, long
     assert f"job {job}, start 0:" in first and "(new run)" in first
     assert "stopped by SIGTERM at step " in first, first[-3000:]
     stopped = int(first.split("stopped by SIGTERM at step ")[1].split(",")[0])
-    assert f"requeueing job {job}" in first
+    assert f"requeueing job {job}" in first and ("preempted: " in first) == (stop != "SIGTERM to the script")
     assert "--resume latest" in second.splitlines()[0]
     assert f"resuming from {out / 'checkpoints' / f'step_{stopped}'}: step {stopped}," in second, second[-3000:]
     assert_bitwise_equal(weights(out), weights(long_reference))
