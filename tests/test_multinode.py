@@ -147,7 +147,8 @@ def test_slurm_job_preempted_requeues_itself_and_resumes_exactly(env, data, long
     if stop == "SIGTERM to the script":
         preempted = cluster.run("scancel", "--signal=TERM", "--batch", job)
     else:  # all of both nodes, now
-        preempted = cluster.run("sbatch", "--partition=urgent", "--nodes=2", "--exclusive", "--wrap", "true")
+        preempted = cluster.run("sbatch", "--partition=urgent", "--nodes=2", "--exclusive", "--wrap", "true",
+                                f"--output={tmp_path / 'urgent.out'}")
     assert preempted.returncode == 0, preempted.stderr
     signalled = time.monotonic()
     wait_for(lambda: f"job {job}, start 1:" in log.read_text(), "second start", cluster, log)
