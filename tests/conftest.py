@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import warnings
@@ -72,6 +73,26 @@ def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert exited_cleanly(result.returncode, result.stderr), (
         f"exit {result.returncode}\n--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-5000:]}")
     return result
+
+
+def free_ports(count: int = 1) -> int:
+    """The first of `count` consecutive free TCP ports on 127.0.0.1 (a rendezvous; slurm.conf's port range)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            first = s.getsockname()[1]
+        if first + count < 65536 and all(_free(port) for port in range(first + 1, first + count)):
+            return first
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def ema_state(checkpoint: Path) -> dict:

@@ -14,6 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from conftest import free_ports
+
 PROGRAMS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "squeue", "srun")
 
 
@@ -25,26 +27,6 @@ def missing() -> str | None:
     if os.geteuid() != 0:
         return "a SLURM cluster on this machine needs root (slurmd starts the jobs as their user)"
     return None
-
-
-def free_ports(count: int) -> int:
-    """The first of `count` consecutive free TCP ports (slurm.conf gives the nodes a port range)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            first = s.getsockname()[1]
-        if first + count < 65536 and all(_free(port) for port in range(first, first + count)):
-            return first
-    raise RuntimeError("no consecutive free ports")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 class Cluster:

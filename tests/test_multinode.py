@@ -8,7 +8,6 @@ real two-node SLURM cluster on this machine (tests/slurm_cluster.py)."""
 from __future__ import annotations
 
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ import psutil
 import pytest
 import slurm_cluster
 
-from conftest import ROOT, assert_bitwise_equal, exited_cleanly, launch, ok, read_json, read_jsonl, weights
+from conftest import ROOT, assert_bitwise_equal, exited_cleanly, free_ports, launch, ok, read_json, read_jsonl, weights
 from tiny_data import save_to_disk_dataset
 
 RUN = ("--batch_size", "8", "--log_every", "1", "--seed", "3", "--tracker", "none")
@@ -28,12 +27,6 @@ LONG = ("--max_steps", "200")  # long enough for a kill or a preemption to land 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     return save_to_disk_dataset(tmp_path_factory.mktemp("nodes") / "data", sizes={"train": 64, "test": 20})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_node(env: dict, rank: int, port: int, *args: str) -> subprocess.Popen:
@@ -47,7 +40,7 @@ def start_node(env: dict, rank: int, port: int, *args: str) -> subprocess.Popen:
 
 
 def two_nodes(env: dict, *args: str, timeout: int = 600) -> list[tuple[int, str, str]]:
-    port = free_port()
+    port = free_ports()
     nodes = [start_node(env, rank, port, *args) for rank in (0, 1)]
     outputs = [node.communicate(timeout=timeout) for node in nodes]
     return [(node.returncode, *output) for node, output in zip(nodes, outputs)]
@@ -58,13 +51,16 @@ def node_ok(result: tuple[int, str, str]) -> None:
     assert exited_cleanly(returncode, stderr), f"exit {returncode}\n{stdout[-2000:]}\n{stderr[-4000:]}"
 
 
-@pytest.fixture(scope="module")
-def reference(env, data, tmp_path_factory):
+def one_machine(env: dict, data: Path, out: Path, *length: str) -> Path:
     """The same run on one machine: 2 processes of 2gpu.yaml, in bf16 as multinode.yaml is."""
-    out = tmp_path_factory.mktemp("single") / "run"
-    ok(launch(env, "cifar_cnn", "--data", str(data), *RUN, "--max_steps", "12", "--output_dir", str(out),
+    ok(launch(env, "cifar_cnn", "--data", str(data), *RUN, *length, "--output_dir", str(out),
               config="2gpu", use_cpu=True, launcher_args=("--mixed_precision", "bf16")))
     return out
+
+
+@pytest.fixture(scope="module")
+def reference(env, data, tmp_path_factory):
+    return one_machine(env, data, tmp_path_factory.mktemp("single") / "run", "--max_steps", "12")
 
 
 def test_two_nodes_over_loopback_equal_two_processes_on_one_machine(env, data, reference, tmp_path):
@@ -82,16 +78,13 @@ def test_two_nodes_over_loopback_equal_two_processes_on_one_machine(env, data, r
 @pytest.fixture(scope="module")
 def long_reference(env, data, tmp_path_factory):
     """The long run, never stopped, on one machine (two nodes give the same weights: the first test)."""
-    out = tmp_path_factory.mktemp("single") / "run"
-    ok(launch(env, "cifar_cnn", "--data", str(data), *RUN, *LONG, "--output_dir", str(out),
-              config="2gpu", use_cpu=True, launcher_args=("--mixed_precision", "bf16")))
-    return out
+    return one_machine(env, data, tmp_path_factory.mktemp("single") / "run", *LONG)
 
 
 def test_a_node_killed_stops_the_other_within_bounds_then_both_resume_exactly(env, data, long_reference, tmp_path):
     out = tmp_path / "run"
     args = ("--data", str(data), *RUN, *LONG, "--checkpoint_every", "2", "--output_dir", str(out))
-    port = free_port()
+    port = free_ports()
     nodes = [start_node(env, rank, port, *args) for rank in (0, 1)]
     deadline = time.monotonic() + 300
     while not (out / "checkpoints" / "step_4").is_dir():
@@ -137,7 +130,7 @@ def test_slurm_job_preempted_requeues_itself_and_resumes_exactly(env, data, long
     out, log = tmp_path / "run", tmp_path / "slurm.out"
     flags = ("--data", str(data), *RUN, *LONG, "--checkpoint_every", "2")
     job_env = dict(env, SLURM_CONF=str(cluster.conf), PATH=f"{Path(sys.executable).parent}:{env['PATH']}",
-                   ACCELERATE_USE_CPU="true", GPUS_PER_NODE="1", MAIN_PORT=str(free_port()), OUTPUT_DIR=str(out),
+                   ACCELERATE_USE_CPU="true", GPUS_PER_NODE="1", MAIN_PORT=str(free_ports()), OUTPUT_DIR=str(out),
                    RECIPE_FLAGS=" ".join(flags))
     submitted = cluster.run("sbatch", "--parsable", "--nodes=2", "--gpus-per-node=0", "--cpus-per-task=1",
                             f"--output={log}", "accelerate_configs/slurm_multinode.sh", cwd=ROOT, env=job_env)
