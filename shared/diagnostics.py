@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
 
 from shared.errors import RecipeError
 
@@ -105,9 +106,9 @@ def save_pictures(accelerator, run_dir: Path, test_set, predictions: torch.Tenso
     misclassified.suptitle(f"misclassified test images: {min(len(wrong), 24)} shown of {len(wrong)}")
     for name, figure in (("confusion_matrix", confusion), ("misclassified", misclassified)):
         figure.tight_layout()
-        figure.savefig(Path(run_dir) / f"{name}.png", dpi=100)
-        figure.canvas.draw()
+        figure.canvas.draw()  # drawn once: the PNG and the trackers' images are these pixels (savefig draws again)
         pixels = np.asarray(figure.canvas.buffer_rgba())[..., :3].copy()  # (H, W, 3) uint8
+        Image.fromarray(pixels).save(Path(run_dir) / f"{name}.png")
         for tracker in accelerator.trackers:
             if tracker.name == "wandb":
                 tracker.log_images({name: [pixels]}, step=step)
