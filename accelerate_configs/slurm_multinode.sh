@@ -34,10 +34,22 @@ MAIN_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 MAIN_IP=$(scontrol show node "$MAIN_NODE" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
 preempt_time() { scontrol show job "$SLURM_JOB_ID" | grep -o 'PreemptTime=[^ ]*' || true; }
 PREEMPT_TIME=$(preempt_time)
+# What a restart finds decides how it goes on: the newest complete checkpoint (a partial_step_* is ignored), a
+# finished run (its model.safetensors: exit 0), or this job's own run folder with no complete checkpoint yet (killed
+# before its first one: the run starts again, --overwrite replacing only the files a run writes).
 RESUME=""
-if [ -d "$OUTPUT_DIR/checkpoints" ]; then RESUME="--resume latest"; fi
+if compgen -G "$OUTPUT_DIR/checkpoints/step_*" >/dev/null; then RESUME="--resume latest"; fi
+if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ] && [ -f "$OUTPUT_DIR/model.safetensors" ]; then
+    echo "job $SLURM_JOB_ID, start $SLURM_RESTART_COUNT: $OUTPUT_DIR already finished (model.safetensors); nothing to do"
+    exit 0
+fi
+if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ] && [ -z "$RESUME" ] && [ -f "$OUTPUT_DIR/config.json" ]; then
+    RESUME="--overwrite"
+fi
+STARTING=${RESUME:-(new run)}
+[ "$RESUME" = "--overwrite" ] && STARTING="--overwrite (restarted with no complete checkpoint: the run starts again)"
 echo "job $SLURM_JOB_ID, start ${SLURM_RESTART_COUNT:-0}: $SLURM_NNODES node(s) x $GPUS_PER_NODE, rendezvous" \
-     "$MAIN_IP:$MAIN_PORT, $RECIPE -> $OUTPUT_DIR ${RESUME:-(new run)}"
+     "$MAIN_IP:$MAIN_PORT, $RECIPE -> $OUTPUT_DIR $STARTING"
 
 # On SIGTERM to this script (the time limit near, or `scancel --signal=TERM --batch`): pass it on to the training
 # processes, which finish their step, save a checkpoint and exit 0; then put this job back in the queue.

@@ -222,7 +222,7 @@ def train(cfg: Config) -> None:
     # (counted this way, a resume on another number of processes still ends after --epochs).
     batches_left = len(train_loader) + (cfg.epochs - progress.epoch - 1) * epoch_batches
     total_steps = cfg.max_steps or progress.step + batches_left // cfg.grad_accum
-    if epoch_batches == 0 or total_steps == 0:  # drop_last leaves no batch when the data is smaller than one
+    if epoch_batches < cfg.grad_accum or total_steps == 0:  # an epoch must hold a step (drop_last: whole batches)
         raise RecipeError(f"{len(train_set)} training images make no full step of {global_batch_size}: "
                           "lower --batch_size or --grad_accum")
     epochs = total_steps * cfg.grad_accum / epoch_batches  # a fraction with --max_steps

@@ -1,51 +1,54 @@
 """Use a trained model: predictions for a folder of your images (--images), or the test metrics of a labelled
 split (--evaluate).
 
-Takes a run's model.safetensors (which names its recipe script, its flags, its class names and its data), a
-checkpoint folder (read beside its run's config.json), or a .pt/.pth state dict (then pass --recipe and
---classes). The recipe is the script that trained the weights: --recipe PATH (e.g. your copy, my_project/train.py)
-or a name in recipes/; else the script the weights name, else recipes/<its recipe name>.py. Its own make_model,
-preprocess, load_data and evaluate are used, so a copied and edited recipe works as it is.
+Takes a run's model.safetensors (which records its recipe's name, its flags, its class names and its data), a
+checkpoint folder (read beside its run's config.json), or a .pt/.pth state dict (then pass --classes too). The
+recipe is the script that trained the weights, always named by you: --recipe PATH (e.g. your copy,
+my_project/train.py) or a name in recipes/. A recipe is code, and weights come from anywhere: what they record is
+checked and offered in an error, never imported or fetched. Its own make_model, preprocess, load_data and evaluate
+are used, so a copied and edited recipe works as it is.
 
 --images: any image files (subfolders included), any size, mode or channel count, each converted as the training
 data was (grayscale <-> colour, shorter side resized, centre crop). predictions.csv gets one row per image: path
 (relative to --images), class, confidence (softmax probability) and the top-k classes with theirs.
---evaluate: the recipe's evaluate() on the test split of the data the weights were trained on (or --data), as one
-JSON line; under `accelerate launch` it runs on every process and precision of the config.
+--evaluate: the recipe's evaluate() on the test split of --data, or of the data the weights were trained on where
+that is a folder on this machine, as one JSON line; under `accelerate launch` it runs on every process and
+precision of the config.
 
-  python recipes/predict.py --weights runs/cifar_cnn-<time>/model.safetensors --images my_photos/
-  python recipes/predict.py --weights runs/cifar_cnn-<time>/model.safetensors --evaluate
+  python recipes/predict.py --weights runs/cifar_cnn-<time>/model.safetensors --recipe cifar_cnn --images my_photos/
+  python recipes/predict.py --weights runs/cifar_cnn-<time>/model.safetensors --recipe cifar_cnn --evaluate --data DIR
   python recipes/predict.py --weights my_project/runs/<run>/model.safetensors --recipe my_project/train.py --evaluate
 """
 
 from __future__ import annotations
 
 import csv
-import dataclasses
 import importlib.util
 import json
 import os
 import pickle
 import re
 import sys
+import types
+import typing
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from accelerate import Accelerator, PartialState
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it
 from shared.config import parse_config
-from shared.data import WIDE_MODES, fit
+from shared.data import read_image
 from shared.errors import RecipeError, check_launch, first_line, one_line_errors
 
 RECIPES = Path(__file__).resolve().parent  # where a recipe named by its name is looked for
+RECIPE_NAME = re.compile(r"[a-z0-9_]+")  # a name in recipes/, never a path
 IMAGE_EXTENSIONS = {ext for ext, format in Image.registered_extensions().items() if format in Image.OPEN}
 
 
@@ -55,11 +58,11 @@ class Config:
     images: str = ""  # an image file, or a folder of them (subfolders included): predictions.csv
     output: str = "predictions.csv"  # the CSV file --images writes
     evaluate: bool = False  # instead of --images: test loss and accuracy on the test split, one JSON line
-    data: str | None = None  # --evaluate on this data (hub id or folder); default: what the weights were trained on
+    data: str | None = None  # --evaluate on this data (hub id or folder); default: the weights' data if a local folder
     tta: bool = False  # --evaluate also with each image's logits averaged with its mirror's (recipes that flip)
     top_k: int = 3  # classes listed per image, most probable first
     batch_size: int = 256  # images per forward pass
-    recipe: str | None = None  # the recipe script (a path) or a name in recipes/; default: what the weights name
+    recipe: str | None = None  # the recipe that trained the weights: a script's path, or a name in recipes/
     classes: str | None = None  # class names in label order, comma-separated; needed only for a .pt/.pth file
     overwrite: bool = False  # replace --output if it exists
 
@@ -73,12 +76,12 @@ class Config:
 
 
 def describe_weights(cfg: Config) -> dict:
-    """What the weights say about themselves: recipe, script, flags and classes, from model.safetensors' metadata
-    or from the run's config.json beside a checkpoint folder; {} for a bare state dict."""
+    """What the weights say about themselves: recipe, flags, classes, from model.safetensors' metadata or from the
+    run's config.json beside a checkpoint folder; {} for a bare state dict. Untrusted text: checked by its users,
+    and never a file to import or a dataset to fetch."""
     path = Path(cfg.weights)
     if not path.exists():
         raise RecipeError(f"--weights {path}: no such file or folder")
-    run_config = path.resolve().parents[1] / "config.json"  # runs/<run>/checkpoints/step_<N>
     if path.suffix == ".safetensors" and path.is_file():
         try:
             with safe_open(path, "pt") as f:
@@ -86,28 +89,32 @@ def describe_weights(cfg: Config) -> dict:
             return {k: json.loads(about[k]) if k in ("flags", "classes") else about[k] for k in about}
         except Exception:  # unreadable, or not the recipes' metadata: --recipe and --classes, or load_weights' line
             return {}
-    if path.is_dir() and run_config.exists():
-        config = json.loads(run_config.read_text())
-        return {"recipe": config.get("recipe"), "script": config.get("script"), "flags": config,
-                "classes": config.get("classes")}
+    run_config = path.resolve().parent.parent / "config.json"  # runs/<run>/checkpoints/step_<N>
+    if path.is_dir() and path.resolve().parent.name == "checkpoints" and run_config.is_file():
+        try:
+            config = json.loads(run_config.read_text())
+        except ValueError:
+            raise RecipeError(f"{run_config} is not JSON: pass --recipe and --classes") from None
+        if isinstance(config, dict):
+            return {"recipe": config.get("recipe"), "flags": config, "classes": config.get("classes")}
     return {}
 
 
 def load_recipe(cfg: Config, about: dict):
-    """The recipe as a module: --recipe (a path, or a name in recipes/), else the script the weights name if it is
-    still there, else recipes/<recipe>.py. Importing runs only its definitions (main() is behind __main__)."""
-    named = cfg.recipe or about.get("recipe")
-    if cfg.recipe and cfg.recipe.endswith(".py"):
-        path = Path(cfg.recipe)
-    elif cfg.recipe is None and about.get("script") and Path(about["script"]).is_file():
-        path = Path(about["script"])
-    elif named:
-        path = RECIPES / f"{named}.py"
-    else:
-        raise RecipeError(f"--weights {cfg.weights} does not say which recipe trained it: pass --recipe PATH "
-                          "(the training script) and --classes NAME,NAME,... of that run")
-    if not path.is_file():
-        raise RecipeError(f"--recipe {path}: no such file: pass the path of the script that trained the weights")
+    """The recipe the user names, as a module: --recipe PATH, or a name in recipes/. Never one the weights name:
+    importing a file runs it, and weights come from anywhere. (Importing runs only its definitions: main() is
+    behind __main__.)"""
+    trained_by = about.get("recipe")
+    if not isinstance(trained_by, str) or not RECIPE_NAME.fullmatch(trained_by):
+        trained_by = None
+    if cfg.recipe is None:
+        hint = f"they were trained by {trained_by}: pass --recipe {trained_by} or" if trained_by else "pass"
+        raise RecipeError(f"--weights {cfg.weights}: which recipe builds the model? {hint} --recipe PATH of your copy "
+                          "(a recipe is code, so it is never taken from the weights)")
+    path = Path(cfg.recipe) if cfg.recipe.endswith(".py") else RECIPES / f"{cfg.recipe}.py"
+    if not (cfg.recipe.endswith(".py") or RECIPE_NAME.fullmatch(cfg.recipe)) or not path.is_file():
+        raise RecipeError(f"--recipe {cfg.recipe}: no such recipe: pass the path of the script that trained the "
+                          f"weights, or one of {', '.join(sorted(p.stem for p in RECIPES.glob('*.py')))}")
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[path.stem] = module  # dataclasses look their module up while the file runs
@@ -120,17 +127,37 @@ def load_recipe(cfg: Config, about: dict):
                if not hasattr(module, name)]
     if missing:
         raise RecipeError(f"--recipe {path} does not define {', '.join(missing)}: pass a recipe script")
-    trained_by = about.get("recipe")
-    if cfg.recipe and trained_by and getattr(module, "RECIPE", path.stem) != trained_by:
+    if trained_by and getattr(module, "RECIPE", path.stem) != trained_by:
         raise RecipeError(f"--weights {cfg.weights} were trained by {trained_by}, not --recipe {cfg.recipe}: "
-                          "leave out --recipe")
+                          f"pass --recipe {trained_by} or your copy of it")
     return module
 
 
-def recipe_config(recipe, flags: dict, **overrides):
-    """The recipe's Config with the flags the weights were trained with (those it still has), and `overrides`."""
-    fields = {f.name for f in dataclasses.fields(recipe.Config)}
-    return recipe.Config(**{k: v for k, v in {**flags, **overrides}.items() if k in fields})
+def recipe_config(recipe, flags, **overrides):
+    """The recipe's Config with the flags the weights were trained with (those it still has, each checked against
+    the field's type: the metadata is untrusted text), and `overrides`."""
+    if not isinstance(flags, dict):
+        raise RecipeError("the weights' metadata holds no flags (a dict): pass weights written by a recipe")
+    hints = typing.get_type_hints(recipe.Config)
+    kept = {k: v for k, v in flags.items() if k in hints and k not in ("output_dir", "resume", "overwrite")}
+    for name, value in kept.items():
+        if not fits(value, hints[name]):
+            raise RecipeError(f"the weights' metadata gives {name} = {str(value)[:40]!r}, not a {hints[name]}: "
+                              "pass weights written by this recipe")
+    try:
+        return recipe.Config(**{**kept, **overrides})
+    except (ValueError, TypeError) as error:
+        raise RecipeError(f"the weights' flags do not fit {recipe.__name__}.Config ({first_line(error)[:120]}): "
+                          "pass weights written by this recipe") from None
+
+
+def fits(value, kind) -> bool:
+    """Whether a JSON value is of a Config field's type (a bool is no int here; an int is a float)."""
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        return any(fits(value, k) for k in typing.get_args(kind))
+    if typing.get_origin(kind) is typing.Literal:
+        return value in typing.get_args(kind)
+    return type(value) in ((int, float) if kind is float else (kind,))
 
 
 def load_weights(model: torch.nn.Module, path: str | Path) -> None:
@@ -183,28 +210,15 @@ def find_images(root: Path) -> tuple[list[Path], list[Path]]:
     return images, [p for p in files if p.suffix.lower() not in IMAGE_EXTENSIONS]
 
 
-def read_image(path: Path, image_shape: tuple[int, int, int]) -> torch.Tensor:
-    """uint8 (C, H, W) of the recipe's shape, converted as shared/data.py converts a dataset's images."""
-    channels, height, width = image_shape
-    try:
-        with Image.open(path) as image:
-            if image.mode in WIDE_MODES:
-                raise RecipeError(f"{path} has {image.mode} pixels (16-bit, 32-bit or float), which 8 bits cannot hold "
-                                  "without guessing a range: convert it to 8-bit L or RGB")
-            pixels = np.array(image.convert("L" if channels == 1 else "RGB"))
-    except (UnidentifiedImageError, OSError, ValueError) as error:
-        raise RecipeError(f"{path} is not a readable image ({type(error).__name__}: {str(error)[:120]}): "
-                          "remove it from --images or replace it") from None
-    image = torch.from_numpy(pixels).reshape(*pixels.shape[:2], channels).permute(2, 0, 1)
-    return fit(image, height, width)
-
-
 def evaluate(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
     """--evaluate: the recipe's own evaluate() of the weights on a test split, as one JSON line."""
     overrides = {"data": cfg.data, "synthetic": False} if cfg.data else {}
     recipe_cfg = recipe_config(recipe, flags, **overrides, tta=cfg.tta, batch_size=cfg.batch_size)
     model = recipe.make_model(len(classes), recipe_cfg)
     load_weights(model, cfg.weights)  # before the data: a wrong file is one line at once, not after a download
+    if not (cfg.data or recipe_cfg.synthetic or Path(recipe_cfg.data).is_dir()):  # weights never choose a download
+        raise RecipeError(f"the weights were trained on {recipe_cfg.data[:80]!r}, not a folder on this machine: "
+                          "pass --data (a hub id or a folder) to evaluate on")
     accelerator = Accelerator()  # the processes and precision of `accelerate launch`, else one process
     with accelerator.local_main_process_first():  # the decode cache is per machine
         _, test_set = recipe.load_data(recipe_cfg)
@@ -244,7 +258,7 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
     k = min(cfg.top_k, len(classes))
     for start in range(0, len(images), cfg.batch_size):
         paths = images[start:start + cfg.batch_size]
-        batch = torch.stack([read_image(p, recipe.IMAGE_SHAPE) for p in paths]).to(state.device)
+        batch = torch.stack([read_image(p, recipe.IMAGE_SHAPE, str(p)) for p in paths]).to(state.device)
         probabilities = model(recipe.preprocess(batch, training=False)).float().softmax(dim=1)
         top_p, top_i = probabilities.topk(k, dim=1)
         for path, p, i in zip(paths, top_p.tolist(), top_i.tolist()):
@@ -271,7 +285,7 @@ def run(cfg: Config) -> None:
     about = describe_weights(cfg)
     recipe = load_recipe(cfg, about)
     classes = cfg.classes.split(",") if cfg.classes else about.get("classes")
-    if not classes:
+    if not (isinstance(classes, list) and 0 < len(classes) <= 10_000 and all(isinstance(c, str) for c in classes)):
         raise RecipeError(f"--weights {cfg.weights} names no classes: pass --classes NAME,NAME,... in label order")
     (evaluate if cfg.evaluate else predict)(cfg, recipe, about.get("flags") or {}, classes)
 

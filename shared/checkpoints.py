@@ -46,7 +46,11 @@ class Progress:
         if "samples_seen" not in state:
             raise ValueError("this checkpoint counts its place in the epoch in batches, as the recipes did before "
                              "they counted samples; resume it with the version of the recipe that wrote it")
-        vars(self).update(state)
+        counters = ("step", "epoch", "samples_seen")
+        if any(type(state[k]) is not int or not 0 <= state[k] < 2**62 for k in counters if k in state) \
+                or type(state.get("best_eval_acc", 0.0)) not in (int, float):
+            raise ValueError(f"its progress is not counts of steps, epochs and samples: {str(state)[:100]}")
+        vars(self).update({k: state[k] for k in vars(self) if k in state})
 
 
 class Checkpoints:
@@ -65,6 +69,7 @@ class Checkpoints:
     def __init__(self, accelerator, run_dir: Path, cfg):
         self.accelerator, self.run_dir, self.cfg = accelerator, Path(run_dir), cfg
         self.resumed_from = self.signal = None
+        self.saved = set()  # checkpoints this launch wrote: the only ones `save` may take as already saved
         self.next_check, self.last_check = 0, None  # the step of the processes' next agreement on a stop; the last's
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._on_signal)
@@ -115,10 +120,30 @@ class Checkpoints:
         self.resumed_from = checkpoint
         return checkpoint
 
+    def branch(self, checkpoint: Path, step: int) -> None:
+        """Resumed from a checkpoint older than the run's newest: move the later history (its checkpoints, final
+        weights and summary, a copy of its metrics) aside into abandoned/, so that it is neither deleted nor ever
+        continued by --resume latest or mixed into this history's files."""
+        later = [p for p in list_checkpoints(self.run_dir) if int(p.name.split("_")[1]) > step]
+        if self.accelerator.is_main_process and later:
+            aside = self.run_dir / "abandoned" / f"after_step_{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+            aside.mkdir(parents=True)
+            for path in later + [self.run_dir / name for name in ("model.safetensors", "summary.json")]:
+                if path.exists():
+                    os.replace(path, aside / path.name)
+            for name in ("metrics.jsonl", "config.json"):
+                if (self.run_dir / name).exists():
+                    shutil.copy2(self.run_dir / name, aside / name)
+            print(f"{checkpoint} is older than the run's newest checkpoint ({later[-1].name}): this is a new branch "
+                  f"of the run; the later history ({', '.join(p.name for p in later)}) moved to {aside}")
+        self.accelerator.wait_for_everyone()
+
     def check_resume(self, config: dict, progress: Progress) -> None:
-        """After a resume: refuse it if no step is left to run; print where the run continues and what changed."""
+        """After a resume: refuse it if no step is left to run; print where the run continues and what changed; from
+        an older checkpoint than the newest, move the later history aside (`branch`)."""
         if self.resumed_from:
             check_resume(self.resumed_from, config, progress)
+            self.branch(self.resumed_from, progress.step)
 
     def step_done(self, model, step: int, synced: bool) -> bool:
         """After each optimizer step: checkpoint every --checkpoint_every steps, and when a stop was asked, checkpoint
@@ -162,8 +187,11 @@ class Checkpoints:
             raise RecipeError(f"the weights became NaN or inf by step {step} (lower --lr): nothing saved; "
                               f"the newest good checkpoint is {good[-1] if good else 'none (none was saved yet)'}")
         final = self.run_dir / "checkpoints" / f"step_{step}"
-        if final.is_dir():
+        if final in self.saved:
             return final  # already saved at this step (--checkpoint_every landed on the last one)
+        if final.exists():
+            raise RecipeError(f"{final} exists but this run did not write it: is another run writing to "
+                              f"{self.run_dir}? Nothing overwritten; pass another --output_dir")
         partial = final.with_name(f"partial_{final.name}")
         if self.accelerator.is_main_process:
             shutil.rmtree(partial, ignore_errors=True)  # left over by a run killed while saving
@@ -178,10 +206,13 @@ class Checkpoints:
                               "with --resume latest") from None
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
+            if (self.run_dir / "config.json").exists():  # the configuration that wrote it, for the resume report
+                shutil.copy2(self.run_dir / "config.json", partial / "config.json")
             os.replace(partial, final)
             for old in list_checkpoints(self.run_dir)[:-self.cfg.keep_checkpoints]:
                 shutil.rmtree(old)
         self.accelerator.wait_for_everyone()
+        self.saved.add(final)
         return final
 
     def save_weights(self, model, metadata: dict) -> None:

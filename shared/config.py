@@ -86,5 +86,7 @@ class RunConfig:
             value = getattr(self, name)
             if value is not None and not (value > 0 if name in POSITIVE else value >= 0):
                 raise ValueError(f"--{name} must be {'>' if name in POSITIVE else '>='} 0, got {value}")
+        if self.seed >= 2**31:  # seeds are 32-bit, and each process and resume adds its rank and step
+            raise ValueError(f"--seed must be below 2**31, got {self.seed}")
         if self.ema is not None and not 0 < self.ema < 1:
             raise ValueError(f"--ema is the average's decay per step, between 0 and 1 (e.g. 0.99); got {self.ema}")

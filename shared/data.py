@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import io
 import json
 import logging
 import os
+import warnings
 from pathlib import Path
 
 import datasets
 import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -40,11 +43,11 @@ def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: b
         return load_dataset_files(files, source, image_shape)
     train, test = pick_splits(open_dataset(source), source)
     image_column, label_column, classes = find_columns(train, source)
-    first = train[0][image_column]
-    if first.mode in WIDE_MODES:
-        raise RecipeError(f"{source} has {first.mode} images (16-bit, 32-bit or float pixels): converting them to "
-                          "8 bits would clip or guess a range; scale them to 8-bit L or RGB when building the dataset")
-    check_conversion(source, image_shape, 1 if first.mode in GRAYSCALE_MODES else 3, (first.height, first.width))
+    stored = train.cast_column(image_column, datasets.Image(decode=False))[0][image_column]
+    file = image_file(stored)
+    read_image(file, image_shape, describe(source, "train", 0, stored))  # a bad first image: one line, at once
+    with Image.open(io.BytesIO(file) if isinstance(file, bytes) else file) as first:  # its header: mode and size
+        check_conversion(source, image_shape, 1 if first.mode in GRAYSCALE_MODES else 3, (first.height, first.width))
     return tuple(decode_split(split, name, source, image_column, label_column, classes, image_shape)
                  for name, split in (("train", train), ("test", test)))
 
@@ -117,20 +120,20 @@ def decode_split(split, name, source, image_column, label_column, classes, image
     cache = CACHE_DIR / f"{split._fingerprint}-{name}-{channels}x{height}x{width}-{decoder_hash()}.safetensors"
     if cache.exists():
         return ImageTensors(*_read_cache(cache, name), name=name)
-    # Decode to one PIL mode: grayscale <-> colour, and a stray RGBA or CMYK image converts instead of failing.
-    split = split.cast_column(image_column, datasets.Image(mode="L" if channels == 1 else "RGB"))
+    # Decoded here, not by datasets: one image at a time, fitted at once (memory for one image, whatever the files
+    # hold), and never a file fetched because a dataset names its path.
+    split = split.cast_column(image_column, datasets.Image(decode=False))
     images = torch.empty(len(split), channels, height, width, dtype=torch.uint8)
     labels = torch.empty(len(split), dtype=torch.int64)
     for start in range(0, len(split), 1000):
-        batch = split.with_format("numpy")[start:start + 1000]
-        pixels = batch[image_column]
-        if isinstance(pixels, np.ndarray) and pixels.dtype == np.uint8 and pixels.shape[1:3] == (height, width):
-            chunk = torch.from_numpy(pixels.reshape(len(pixels), height, width, channels)).permute(0, 3, 1, 2)
-        else:  # other sizes, or several sizes: one image at a time
-            chunk = torch.stack([fit(torch.from_numpy(np.array(p)).reshape(*p.shape[:2], channels).permute(2, 0, 1),
-                                     height, width) for p in pixels])
-        images[start:start + len(pixels)] = chunk
-        labels[start:start + len(pixels)] = torch.from_numpy(batch[label_column].astype(np.int64))
+        batch = split[start:start + 1000]
+        for i, file in enumerate(batch[image_column], start):
+            images[i] = read_image(image_file(file), image_shape, describe(source, name, i, file))
+        if None in batch[label_column]:
+            raise RecipeError(f"{source} '{name}' image {start + batch[label_column].index(None)} has no label: an "
+                              "imagefolder needs a subfolder per class (<split>/<class>/<image>); a dataset, a label "
+                              "for every image")
+        labels[start:start + len(batch[label_column])] = torch.tensor(batch[label_column], dtype=torch.int64)
     bad = labels[(labels < 0) | (labels >= len(classes))]
     if len(bad):
         raise RecipeError(f"{source} '{name}' has labels outside 0..{len(classes) - 1} (e.g. {bad[0].item()}) for its "
@@ -139,10 +142,47 @@ def decode_split(split, name, source, image_column, label_column, classes, image
     return ImageTensors(images, labels, classes, name)
 
 
+def image_file(stored: dict) -> bytes | str:
+    """What an undecoded datasets.Image holds: the file's bytes, or its path."""
+    return stored["bytes"] if stored.get("bytes") is not None else stored.get("path") or ""
+
+
+def describe(source: str, split: str, index: int, stored: dict) -> str:
+    return f"{source} '{split}' image {index}" + (f" ({stored['path']})" if stored.get("path") else "")
+
+
+def read_image(file: bytes | str | Path, image_shape: tuple[int, int, int], where: str) -> torch.Tensor:
+    """One image file (its bytes or a local path) -> uint8 (C, H, W) of `image_shape`, converted as datasets'
+    Image(mode=...) converts (EXIF orientation, then L or RGB) and fitted at once: memory for one image. A damaged
+    file, one over PIL's pixel limit (read from its header, before decoding), 16-bit pixels: one line naming `where`."""
+    channels, height, width = image_shape
+    if not isinstance(file, bytes) and not Path(file).is_file():
+        raise RecipeError(f"{where}: no such image file on this machine (datasets' paths are read, never fetched)")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)  # over PIL's limit: refused, not warned
+            image = Image.open(io.BytesIO(file) if isinstance(file, bytes) else file)
+        with image:
+            if image.mode in WIDE_MODES:
+                raise RecipeError(f"{where} has {image.mode} pixels (16-bit, 32-bit or float), which 8 bits cannot "
+                                  "hold without clipping or guessing a range: scale the images to 8-bit L or RGB")
+            image.load()
+            if image.getexif().get(ExifTags.Base.Orientation) is not None:
+                image = ImageOps.exif_transpose(image)
+            pixels = np.array(image.convert("L" if channels == 1 else "RGB"))
+    except (Image.DecompressionBombWarning, Image.DecompressionBombError):
+        raise RecipeError(f"{where} has more than {Image.MAX_IMAGE_PIXELS:,} pixels, PIL's limit against "
+                          "decompression bombs: remove it, or shrink it first") from None
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, MemoryError) as error:
+        raise RecipeError(f"{where} is not a readable image ({type(error).__name__}: {first_line(error)[:120]}): "
+                          "remove it or replace it") from None
+    return fit(torch.from_numpy(pixels).reshape(*pixels.shape[:2], channels).permute(2, 0, 1), height, width)
+
+
 def decoder_hash() -> str:
     """Changes whenever the code that turns images into tensors does (the decoders, fit(), torch's resize): a cache
     keyed only by the data would hand back tensors made by the old code."""
-    code = "".join(inspect.getsource(f) for f in (decode_split, load_dataset_files, to_channels, fit))
+    code = "".join(inspect.getsource(f) for f in (decode_split, read_image, load_dataset_files, to_channels, fit))
     code += torch.__version__
     return hashlib.sha256(code.encode()).hexdigest()[:12]
 

@@ -6,17 +6,21 @@
   `train-images-idx3-ubyte`, `train-labels-idx1-ubyte`, and `t10k-*` (or `test-*`) for the test split;
 - CIFAR-10 or CIFAR-100 as torchvision downloads them (`cifar-10-batches-py/`, `cifar-100-python/`). Those
   batches are pickles, and unpickling can run any code: they are read by an unpickler that builds only Python's
-  containers, numbers, strings and NumPy arrays, and refuses everything else.
+  containers, numbers, strings and uint8 arrays of the file's own bytes, and refuses everything else.
+Every reader checks what a header claims against MAX_FILE_BYTES and the free memory before it allocates.
 else None. `.read()` returns {"train": (images, labels), "test": ...}, uint8 (N, C, H, W) and int64 (N,), and
 the class names.
 """
 
 from __future__ import annotations
 
-import codecs
 import gzip
 import hashlib
+import io
+import math
+import os
 import pickle
+import pickletools
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +33,10 @@ from shared.errors import RecipeError, first_line
 FASHION_MNIST = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
                  "Ankle boot"]
 FASHION_MNIST_TEST_LABELS = "0402a96d92fd2663"  # sha256 of t10k-labels-idx1-ubyte, uncompressed: the names follow
+# Limits for files from anywhere (docs/troubleshooting.md): what a header may claim, and what a pickle may build.
+MAX_FILE_BYTES = 4 * 2**30  # one dataset file: 4 GiB (the real MNIST family's largest is under 1 GiB)
+MAX_PICKLE_OPS = 2_000_000  # a CIFAR-100 train file has about 300,000
+MAX_CLASSES = 10_000
 IDX_SPLITS = {"train": ("train",), "test": ("t10k", "test")}
 CIFAR_SPLITS = {  # folder -> the files of each split, the meta file, its names key, the labels key
     "cifar-10-batches-py": ({"train": [f"data_batch_{i}" for i in range(1, 6)], "test": ["test_batch"]},
@@ -97,21 +105,35 @@ def cifar_files(folder: Path) -> DatasetFiles | None:
 
 
 def read_idx(path: Path) -> np.ndarray:
-    """An IDX file: 0, 0, type 0x08 (unsigned bytes), the number of dimensions, each size (big-endian uint32), data."""
+    """An IDX file: 0, 0, type 0x08 (unsigned bytes), the number of dimensions, each size (big-endian uint32), data.
+    Reads the header first and then exactly the bytes it claims: a gzip bomb costs no more than its claimed size,
+    and a claim over the limit (or the free memory) is refused before anything is allocated."""
     try:
         with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
-            raw = f.read()
-    except (OSError, EOFError, zlib.error) as error:  # a truncated or corrupt .gz
+            magic = f.read(4)
+            if len(magic) < 4 or magic[:3] != b"\0\0\x08" or not 1 <= magic[3] <= 3:
+                raise RecipeError(f"{path} is not an IDX file of unsigned bytes (it starts {magic.hex(' ')}, expected "
+                                  "00 00 08 and 1 to 3 dimensions): download it again")
+            dims = f.read(4 * magic[3])
+            shape = tuple(int.from_bytes(dims[i:i + 4], "big") for i in range(0, len(dims), 4))
+            check_size(path, math.prod(shape))
+            raw, extra = f.read(math.prod(shape)), f.read(1)  # gzip: decompresses only what it returns
+    except (OSError, EOFError, zlib.error, MemoryError) as error:  # a truncated or corrupt .gz; no memory left
         raise RecipeError(f"{path} cannot be read ({first_line(error)}): download it again") from None
-    if len(raw) < 4 or raw[:2] != b"\0\0" or raw[2] != 0x08:
-        raise RecipeError(f"{path} is not an IDX file of unsigned bytes (it starts {raw[:4].hex(' ')}, expected "
-                          "00 00 08 and the number of dimensions): download it again")
-    header = 4 + 4 * raw[3]
-    shape = tuple(int(size) for size in np.frombuffer(raw[4:header], ">u4")) if len(raw) >= header else None
-    if shape is None or len(raw) != header + int(np.prod(shape)):
-        raise RecipeError(f"{path} is {len(raw):,} bytes, not what its header says ({shape}): the file is truncated "
+    if len(dims) < 4 * magic[3] or len(raw) != math.prod(shape) or extra:
+        size = f"more than {len(magic + dims + raw):,}" if extra else f"{len(magic + dims + raw):,}"
+        raise RecipeError(f"{path} is {size} bytes, not what its header says ({shape}): the file is truncated "
                           "or damaged; download it again")
-    return np.frombuffer(raw, np.uint8, offset=header).reshape(shape)
+    return np.frombuffer(raw, np.uint8).reshape(shape)
+
+
+def check_size(path: Path, size: int) -> None:
+    """Refuse a file whose header claims more bytes than MAX_FILE_BYTES or this machine's free memory."""
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else size
+    if size > min(MAX_FILE_BYTES, free):
+        raise RecipeError(f"{path} claims {size:,} bytes of data, over the {MAX_FILE_BYTES / 2**30:.0f} GiB a dataset "
+                          f"file may hold here (or the {free / 2**30:.1f} GiB of free memory): a damaged or hostile "
+                          "file; download it again")
 
 
 def read_idx_splits(files: dict[str, list[Path]]):
@@ -125,54 +147,110 @@ def read_idx_splits(files: dict[str, list[Path]]):
     test_labels = files["test"][1]
     fashion = ("fashion" in str(test_labels.parent).lower()
                or hashlib.sha256(read_idx(test_labels).tobytes()).hexdigest().startswith(FASHION_MNIST_TEST_LABELS))
-    count = max(int(labels.max()) for _, labels in splits.values()) + 1
-    return splits, FASHION_MNIST if fashion and count == 10 else [str(i) for i in range(count)]
+    if fashion:  # its ten names: a label outside them is refused, not taken as an eleventh class
+        return splits, FASHION_MNIST
+    return splits, [str(i) for i in range(max(int(labels.max()) for _, labels in splits.values()) + 1)]
 
 
-class ArraysOnly(pickle.Unpickler):
-    """Builds lists, dicts, tuples, numbers, strings, bytes and NumPy arrays; any other class or function that a
-    pickle names (os.system, a model's class, ...) is refused before it is looked up, so it never runs."""
-
-    ALLOWED = {("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype,
-               # the function NumPy pickles arrays with; numpy 2 moved numpy.core to numpy._core
-               ("numpy.core.multiarray", "_reconstruct"): np.ndarray.__reduce__(np.empty(0))[0],
-               ("numpy._core.multiarray", "_reconstruct"): np.ndarray.__reduce__(np.empty(0))[0],
-               ("_codecs", "encode"): codecs.encode}  # how Python 3 writes bytes at pickle protocol 2
+class CifarUnpickler(pickle.Unpickler):
+    """Builds what a CIFAR batch holds, nothing else: dicts, lists, numbers, strings, and uint8 arrays whose bytes are
+    in the file. Every class or function a pickle names is refused before it is looked up (os.system, a model's class,
+    numpy.ndarray itself, which would allocate any size), but for stand-ins that check what they are given."""
 
     def find_class(self, module, name):
-        if (module, name) not in self.ALLOWED:
-            raise pickle.UnpicklingError(f"it would call {module}.{name}")
-        return self.ALLOWED[module, name]
+        if (module, name) in (("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct")):
+            return PickledArray  # how NumPy pickles an array (numpy 2 moved numpy.core to numpy._core)
+        if (module, name) == ("numpy", "ndarray"):
+            return NDArrayName
+        if (module, name) == ("numpy", "dtype"):
+            return PickledDtype
+        if (module, name) == ("_codecs", "encode"):  # how Python 3 writes bytes at pickle protocol 2
+            return latin1_bytes
+        raise pickle.UnpicklingError(f"it would call {module}.{name}")
+
+
+class NDArrayName:
+    """numpy.ndarray as a pickle names it: an argument of _reconstruct, refused as a call (it allocates any size)."""
+
+    def __init__(self, *args):
+        raise pickle.UnpicklingError("it would call numpy.ndarray")
+
+
+def latin1_bytes(text: str, encoding: str) -> bytes:
+    if not isinstance(text, str) or encoding != "latin1":
+        raise pickle.UnpicklingError(f"it would encode as {str(encoding)[:20]}")
+    return text.encode("latin1")
+
+
+class PickledDtype:
+    def __init__(self, kind, align=False, copy=True):
+        self.kind = kind
+
+    def __setstate__(self, state):
+        pass  # byte order and alignment: nothing to say for single bytes, and other types are refused
+
+
+class PickledArray:
+    """An array as NumPy pickles it: _reconstruct(ndarray, ...), then its state (shape, dtype, the bytes). Only uint8
+    arrays in C order whose bytes are all in the file: a shape never allocates more than the file holds."""
+
+    def __init__(self, cls, shape=(0,), typecode=b"b"):
+        if cls is not NDArrayName:
+            raise pickle.UnpicklingError("it would build an array of another class")
+        self.array = None
+
+    def __setstate__(self, state):
+        _, shape, dtype, fortran_order, raw = state
+        raw = raw.encode("latin1") if isinstance(raw, str) else raw  # Python 2 wrote the bytes as a str
+        if not (isinstance(dtype, PickledDtype) and dtype.kind in ("u1", "uint8") and not fortran_order
+                and isinstance(raw, bytes) and isinstance(shape, tuple) and len(shape) <= 4
+                and all(type(n) is int and 0 <= n <= len(raw) for n in shape) and len(raw) == math.prod(shape)):
+            raise pickle.UnpicklingError("an array that is not uint8 bytes of its own shape")
+        self.array = np.frombuffer(raw, np.uint8).reshape(shape)
 
 
 def read_batch(path: Path) -> dict:
+    """A CIFAR file as a dict, read whole first (bounded by MAX_FILE_BYTES), its opcodes counted before it is built."""
     try:
-        with open(path, "rb") as f:
-            batch = ArraysOnly(f, encoding="latin1").load()  # written by Python 2: its byte strings as latin-1
+        check_size(path, path.stat().st_size)
+        raw = path.read_bytes()  # from memory: a claimed length the file lacks allocates nothing
+        if sum(1 for _ in pickletools.genops(raw)) > MAX_PICKLE_OPS:
+            raise pickle.UnpicklingError(f"more than {MAX_PICKLE_OPS:,} pickle operations")
+        batch = CifarUnpickler(io.BytesIO(raw), encoding="latin1").load()  # Python 2 wrote its strings as latin-1
+    except RecipeError:
+        raise
     except Exception as error:  # anything a damaged pickle raises
-        raise RecipeError(f"{path} is not a plain CIFAR batch, refused ({first_line(error)}): download the dataset "
-                          "again from its authors or torchvision") from None
+        raise RecipeError(f"{path} is not a plain CIFAR batch, refused ({first_line(error)[:200]}): download the "
+                          "dataset again from its authors or torchvision") from None
     if not isinstance(batch, dict):
         raise RecipeError(f"{path} holds a {type(batch).__name__}, not a CIFAR batch (a dict): download it again")
     return batch
 
 
+def small_ints(values, limit: int) -> bool:
+    return isinstance(values, list) and all(type(v) is int and 0 <= v < limit for v in values)
+
+
 def read_cifar_splits(kind: str, files: dict[str, list[Path]]):
     _, _, names_key, labels_key = CIFAR_SPLITS[kind]
     classes = read_batch(files["meta"][0]).get(names_key)
+    if not (isinstance(classes, list) and 0 < len(classes) <= MAX_CLASSES
+            and all(isinstance(name, str) and len(name) <= 100 for name in classes)):
+        raise RecipeError(f"{files['meta'][0]} has no '{names_key}' list of up to {MAX_CLASSES:,} names of up to 100 "
+                          "characters: download the dataset again")
     splits = {}
     for split in ("train", "test"):
-        batches = [read_batch(path) for path in files[split]]
-        try:
-            images = np.concatenate([np.asarray(b["data"], np.uint8).reshape(-1, 3, 32, 32) for b in batches])
-            labels = np.concatenate([np.asarray(b[labels_key], np.int64).reshape(-1) for b in batches])
-        except (KeyError, ValueError, TypeError) as error:
-            raise RecipeError(f"{files[split][0].parent}: a {split} batch lacks '{labels_key}' or 3,072 bytes per "
-                              f"image ({type(error).__name__}: {first_line(error)}): download it again") from None
-        if len(images) != len(labels):
-            raise RecipeError(f"{files[split][0].parent}: {len(images)} {split} images but {len(labels)} labels: "
-                              "download it again")
-        splits[split] = (torch.from_numpy(images), torch.from_numpy(labels))
-    if not isinstance(classes, list):
-        raise RecipeError(f"{files['meta'][0]} has no '{names_key}' list: download the dataset again")
-    return splits, [str(name) for name in classes]
+        images, labels = [], []
+        for path in files[split]:
+            batch = read_batch(path)
+            data = batch.get("data")
+            data = data.array if isinstance(data, PickledArray) else None
+            if data is None or data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
+                raise RecipeError(f"{path}: its 'data' is not uint8 rows of 3,072 bytes: download it again")
+            if not small_ints(batch.get(labels_key), len(classes)) or len(batch[labels_key]) != len(data):
+                raise RecipeError(f"{path}: its '{labels_key}' are not {len(data)} labels in 0..{len(classes) - 1}, "
+                                  "one per image: download it again")
+            images.append(data.reshape(-1, 3, 32, 32))
+            labels.append(np.array(batch[labels_key], np.int64))
+        splits[split] = (torch.from_numpy(np.concatenate(images)), torch.from_numpy(np.concatenate(labels)))
+    return splits, classes

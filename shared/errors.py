@@ -39,14 +39,23 @@ def one_line_errors():
         if is_main_process():
             print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(1)
+    except MemoryError:  # a CPU allocation; the readers of data files name the file themselves
+        if is_main_process():
+            print("error: out of memory (MemoryError): lower --batch_size, or check that --data holds what it should",
+                  file=sys.stderr, flush=True)
+        sys.exit(1)
+    except torch.OutOfMemoryError as error:
+        if is_main_process():
+            print(f"error: out of GPU memory ({first_line(error)[:120]}): lower --batch_size or pass "
+                  "--auto_batch_size", file=sys.stderr, flush=True)
+        sys.exit(1)
     except RuntimeError as error:
         # A collective (barrier, all-reduce) failed because another process stopped first and printed why (or the
-        # launcher will): more tracebacks here would only bury that line.
+        # launcher will): more tracebacks here would only bury that line. Raised in torch.distributed itself, or
+        # gloo's "Connection reset by peer" when another node died. DDP's own errors (unused parameters, a
+        # reduction left unfinished) are programming errors: they keep their traceback and whole message.
         frames = traceback.extract_tb(error.__traceback__)
-        # In torch.distributed itself, in DDP (its buffer broadcast, its all-reduce inside backward), or gloo's
-        # "Connection reset by peer" when another node died.
-        in_collective = (bool(frames) and any(f"torch{os.sep}{part}" in frames[-1].filename
-                                              for part in ("distributed", f"nn{os.sep}parallel"))
+        in_collective = (bool(frames) and f"torch{os.sep}distributed" in frames[-1].filename
                          or isinstance(error, torch.distributed.DistError) or "gloo" in str(error))
         if os.environ.get("WORLD_SIZE", "1") == "1" or not in_collective:
             raise

@@ -27,7 +27,7 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 def find_checkpoint(run_dir: Path | None, resume: str) -> Path:
     """The checkpoint --resume names: the newest complete one of run_dir (`latest`), or a checkpoint folder."""
     if resume != "latest":
-        if not (Path(resume) / "custom_checkpoint_0.pkl").exists():
+        if not (Path(resume) / "custom_checkpoint_0.pkl").is_file() or not STEP_DIR.search(Path(resume).name):
             raise RecipeError(f"--resume {resume}: not a checkpoint folder (expected checkpoints/step_<N> of a run)")
         return Path(resume)
     checkpoints = list_checkpoints(run_dir)
@@ -41,7 +41,7 @@ def check_resume(checkpoint: Path, config: dict, progress) -> None:
     """Refuse a resume with no step left to run (`progress`: the restored Progress). Otherwise print where the run
     continues, what changed since the checkpoint (the config.json beside it), and what that does to the sample
     order, exactness and schedule."""
-    total_steps = config["total_steps"]
+    checkpoint, total_steps = Path(checkpoint), config["total_steps"]
     if progress.step > total_steps:
         raise RecipeError(f"--resume {checkpoint} is at step {progress.step}, past the {total_steps} steps asked for: "
                           "raise --max_steps or --epochs, or resume from an earlier checkpoint")
@@ -53,10 +53,15 @@ def check_resume(checkpoint: Path, config: dict, progress) -> None:
     epoch, left = progress.epoch + 1, config["train_size"] - progress.samples_seen
     print(f"resuming from {checkpoint}: step {progress.step}, epoch {epoch} after {progress.samples_seen} of its "
           f"{config['train_size']} samples")
-    previous = Path(checkpoint).parents[1] / "config.json"
-    if not previous.exists():
-        return print(f"no config.json beside {checkpoint}: what changed since it cannot be listed")
-    before = json.loads(previous.read_text())
+    # The configuration that wrote the checkpoint: saved in it (older checkpoints: the run's, beside it).
+    previous = next((p for p in (checkpoint / "config.json", checkpoint.parent.parent / "config.json") if p.is_file()),
+                    None)
+    try:
+        before = json.loads(previous.read_text()) if previous else None
+    except ValueError:
+        before = None
+    if not isinstance(before, dict):
+        return print(f"no readable config.json in or beside {checkpoint}: what changed since it cannot be listed")
     changed = [key for key in config if key not in NOT_SETTINGS and before.get(key) != config[key]]
     if not changed:
         return print("same configuration: the run continues exactly, to the same weights as a run never stopped")

@@ -26,7 +26,7 @@ from urllib.parse import urlparse
 import torch
 from accelerate import PartialState
 from accelerate.tracking import GeneralTracker, TensorBoardTracker, WandBTracker, on_main_process
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import broadcast_object_list, gather_object
 
 from shared.diagnostics import plot_curves
 from shared.errors import RecipeError, check_launch, first_line
@@ -34,7 +34,7 @@ from shared.resume import find_checkpoint
 from shared.schedule import SCHEDULE_RULE
 
 RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "curves.png", "confusion_matrix.png", "misclassified.png",
-             "model.safetensors", "checkpoints", "wandb", "tensorboard", "profile")
+             "model.safetensors", "checkpoints", "wandb", "tensorboard", "profile", "abandoned")
 
 
 def open_run(cfg, recipe: str) -> tuple[Path, list]:
@@ -45,8 +45,16 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
     if cfg.resume == "latest" and cfg.output_dir is None:  # never a guess at which run the user meant
         raise RecipeError(f"--resume latest needs the run to continue: add --output_dir runs/{recipe}-<time>")
     output_dir = cfg.output_dir
-    if output_dir is None and cfg.resume:  # a checkpoint folder: it continues its own run
-        output_dir = find_checkpoint(None, cfg.resume).parents[1]
+    if cfg.resume and cfg.resume != "latest":  # a checkpoint folder: it continues its own run, or a new one
+        checkpoint = find_checkpoint(None, cfg.resume).resolve()
+        its_run = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else None
+        if output_dir is None and not (its_run and is_run(its_run)):
+            raise RecipeError(f"--resume {cfg.resume} is not in a run's checkpoints/ folder, so there is no run to "
+                              "continue in: add --output_dir NEW_FOLDER to continue it there as a new run")
+        output_dir = output_dir or its_run
+        if Path(output_dir).resolve() != its_run and (Path(output_dir) / "config.json").exists():
+            raise RecipeError(f"--resume {cfg.resume} is not a checkpoint of {output_dir}, which holds another run: "
+                              "pass a new --output_dir to continue the checkpoint there (two histories never mix)")
     if output_dir is None:
         stamp = [time.strftime("%Y%m%d-%H%M%S")]
         broadcast_object_list(stamp)  # processes start a second apart; they must share one folder
@@ -55,6 +63,10 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
     if (run_dir / "config.json").exists() and not (cfg.resume or cfg.overwrite):
         raise RecipeError(f"{run_dir} already holds a run: pass --resume latest to continue it, "
                           "--overwrite to replace it, or another --output_dir")
+    overwrite = cfg.overwrite and not cfg.resume and run_dir.is_dir() and any(run_dir.iterdir())
+    if overwrite and not is_run(run_dir):
+        raise RecipeError(f"--overwrite: {run_dir} holds files but no run of these recipes (no config.json with a "
+                          "run_id), so nothing in it is deleted: pass a new or empty --output_dir")
     if state.is_main_process:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -63,17 +75,45 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
         except OSError as error:
             raise RecipeError(f"cannot write to {run_dir} ({error.strerror}): pass --output_dir to a writable folder"
                               ) from None
-        if cfg.overwrite and not cfg.resume:
+        if overwrite:
             for path in (run_dir / name for name in RUN_FILES):  # only what a run writes; the rest stays
                 shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     state.wait_for_everyone()
     # A resumed run keeps its run id (from config.json), so it continues the same wandb run.
-    previous = run_dir / "config.json"
-    run_id = (json.loads(previous.read_text()).get("run_id") if cfg.resume and previous.exists() else None)
+    check_shared(run_dir)
+    run_id = json.loads((run_dir / "config.json").read_text())["run_id"] if cfg.resume and is_run(run_dir) else None
     run_id, labels = run_id or uuid.uuid4().hex[:8], {"synthetic": True} if cfg.synthetic else {}
     chosen = {"wandb": lambda: [WandB(recipe, run_dir, run_id, tags=list(labels))],
               "tensorboard": lambda: [TensorBoard("tensorboard", run_dir)], "none": lambda: []}[cfg.tracker]()
     return run_dir, chosen + [RunFiles(run_dir, run_id, labels)]
+
+
+def check_shared(run_dir: Path) -> None:
+    """On several machines: refuse a run folder the nodes do not share (a file the main process writes must be seen
+    by all), since only the main process writes the run's files and completes its checkpoints."""
+    state = PartialState()
+    if state.num_processes == int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes)):
+        return  # one machine
+    token, check = [uuid.uuid4().hex], run_dir / ".shared_check"
+    broadcast_object_list(token)
+    if state.is_main_process:
+        check.write_text(token[0])
+    state.wait_for_everyone()
+    seen = gather_object([check.is_file() and check.read_text() == token[0]])
+    if state.is_main_process:
+        check.unlink()
+    if not all(seen):
+        raise RecipeError(f"--output_dir {run_dir} is not one folder shared by every node ({seen.count(False)} "
+                          "process(es) do not see the main process's files): put it on a filesystem all nodes mount")
+
+
+def is_run(folder: Path) -> bool:
+    """Whether `folder` holds a run of these recipes: its config.json, with the run id every run records."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and isinstance(config.get("run_id"), str) and "recipe" in config
 
 
 class WandB(WandBTracker):

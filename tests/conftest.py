@@ -113,8 +113,9 @@ def weights(run: Path) -> dict:
     return load_file(run / "model.safetensors")
 
 
-def assert_bitwise_equal(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
+def assert_bitwise_equal(a: dict, b: dict, context: str = "") -> None:
+    """`context`: said in the failure message (e.g. the random step a run was killed at)."""
+    assert a.keys() == b.keys(), context
     different = [k for k in a if not torch.equal(a[k], b[k])]
     worst = max((a[k] - b[k]).abs().max().item() for k in different) if different else 0.0
-    assert not different, f"differ: {different[:3]} (max {worst:.3g})"
+    assert not different, f"{context}: differ: {different[:3]} (max {worst:.3g})"

@@ -115,8 +115,9 @@ def test_synthetic_data_is_learnable_and_labelled(env, tmp_path):
 
 
 def test_evaluate_reproduces_the_final_accuracy_on_the_data_the_weights_name(env, disk_data, disk_run):
-    out = disk_run  # trained on disk_data, which model.safetensors records: no --data needed
-    result = ok(launch(env, "predict", "--evaluate", "--weights", str(out / "model.safetensors")))
+    out = disk_run  # trained on disk_data, a folder here, which model.safetensors records: no --data needed
+    result = ok(launch(env, "predict", "--evaluate", "--weights", str(out / "model.safetensors"), "--recipe",
+                       "cifar_cnn"))
     evaluation = json.loads(result.stdout.strip().splitlines()[-1])
     assert evaluation["eval_acc"] == read_json(out / "summary.json")["eval_acc"]
     assert evaluation["eval_samples"] == 20

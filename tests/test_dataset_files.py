@@ -187,7 +187,7 @@ def test_damaged_cifar_folders_are_one_line_each(tmp_path, data_module):
     with pytest.raises(RecipeError, match="test_batch is not a plain CIFAR batch, refused"):
         data_module.load_image_data(str(folder), (3, 32, 32))
     (folder / "test_batch").write_bytes(pickle.dumps({"data": np.zeros((3, 100), np.uint8), "labels": [0] * 3}))
-    with pytest.raises(RecipeError, match="a test batch lacks 'labels' or 3,072 bytes per image"):
+    with pytest.raises(RecipeError, match="test_batch: its 'data' is not uint8 rows of 3,072 bytes"):
         data_module.load_image_data(str(folder), (3, 32, 32))
     (folder / "data_batch_5").unlink()
     with pytest.raises(RecipeError, match="lacks data_batch_5: download the dataset again"):

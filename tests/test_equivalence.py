@@ -84,7 +84,8 @@ def test_the_comparison_detects_a_different_run(env, data, one, tmp_path):
 
 
 def test_two_process_evaluation_counts_every_test_image_once(env, data, one):
-    flags = ("--evaluate", "--weights", str(one / "model.safetensors"), "--batch_size", "16")
+    flags = ("--evaluate", "--weights", str(one / "model.safetensors"), "--recipe", "cifar_cnn", "--batch_size", "16",
+             "--data", str(data))
     one = json.loads(ok(launch(env, "predict", *flags)).stdout.splitlines()[-1])
     two = json.loads(ok(launch(env, "predict", *flags, config="2gpu", use_cpu=True)).stdout.splitlines()[-1])
     print(f"(c) gathered eval count with 2 processes: {two['eval_samples']} of 101")

@@ -156,7 +156,7 @@ def test_images_with_16_bit_pixels(env, tmp_path):
         splits[name] = datasets.Dataset.from_dict({"img": images, "label": split["label"]}, features=features)
     splits.save_to_disk(str(tmp_path / "d"))
     one_line(launch(env, "cifar_cnn", "--data", str(tmp_path / "d"), "--tracker", "none", config=None),
-             "has I;16 images", "scale them to 8-bit L or RGB")
+             "has I;16 pixels", "scale the images to 8-bit L or RGB")
 
 
 def test_labels_outside_the_class_range(env, tmp_path):
@@ -306,3 +306,21 @@ def test_an_error_in_a_two_process_run_stops_both_promptly_printed_once(env, tmp
     assert result.returncode != 0 and time.monotonic() - started < 90
     assert result.stderr.count("no such folder") == 1
     assert 'recipes/cifar_cnn.py", line' not in result.stderr and "[rank1]" not in result.stderr
+
+
+def test_ddp_errors_keep_their_message_and_collective_failures_are_one_line(monkeypatch, capsys):
+    """Under several processes, a failed collective means another process stopped (one line); an error DDP raises
+    about the model (unused parameters, an unfinished reduction) is the programmer's, with its whole message."""
+    from shared.errors import one_line_errors
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    message = "Expected to have finished reduction in the prior iteration before starting a new one. " * 3
+
+    def raise_in(path: str, error: Exception) -> None:  # as if raised by that file of torch
+        exec(compile("raise error", f"/site-packages/torch/{path}", "exec"), {"error": error})
+
+    with pytest.raises(RuntimeError, match=message), one_line_errors():
+        raise_in("nn/parallel/distributed.py", RuntimeError(message))
+    with pytest.raises(SystemExit), one_line_errors():
+        raise_in("distributed/distributed_c10d.py", RuntimeError("[gloo] Connection closed by peer"))
+    assert capsys.readouterr().err.startswith("error: another process of this run stopped ([gloo] Connection closed")

@@ -73,7 +73,8 @@ def test_with_ema_model_safetensors_holds_the_average_whatever_the_test_set_says
 def test_tta_is_the_mean_of_the_logits_of_an_image_and_its_mirror(env, data, run):
     out, _ = run
     weights = out / "model.safetensors"
-    result = ok(launch(env, "predict", "--evaluate", "--weights", str(weights), "--tta"))
+    result = ok(launch(env, "predict", "--evaluate", "--weights", str(weights), "--recipe", "cifar_cnn", "--tta",
+                       "--data", str(data)))
     reported = json.loads(result.stdout.strip().splitlines()[-1])
     model = cifar_cnn.make_model(10).eval()
     predict_script.load_weights(model, weights)
@@ -111,7 +112,7 @@ def test_profile_refuses_a_run_too_short_to_reach_its_window(env, data, tmp_path
 
 # ------------------------------------------------------------------ recipes/predict.py
 def predict(env, *args):
-    return launch(env, "predict", *map(str, args))  # python recipes/predict.py args
+    return launch(env, "predict", "--recipe", "cifar_cnn", *map(str, args))  # python recipes/predict.py args
 
 
 @pytest.fixture(scope="module")
@@ -163,13 +164,15 @@ def test_predict_bad_input_is_one_line_and_keeps_what_is_on_disk(env, run, folde
     empty = tmp_path / "empty"
     empty.mkdir()
     weights = out / "model.safetensors"
+    mine = {"recipe": "cifar_cnn"}
     cases = [
-        ((weights, root, existing), {}, f"{existing} exists: pass --overwrite to replace it, or another --output"),
-        ((weights, broken, tmp_path / "new.csv"), {}, f"{broken / 'photo.png'} is not a readable image"),
-        ((weights, empty, tmp_path / "new.csv"), {}, f"--images {empty} holds no images"),
+        ((weights, root, existing), mine, f"{existing} exists: pass --overwrite to replace it, or another --output"),
+        ((weights, broken, tmp_path / "new.csv"), mine, f"{broken / 'photo.png'} is not a readable image"),
+        ((weights, empty, tmp_path / "new.csv"), mine, f"--images {empty} holds no images"),
         ((other, root, tmp_path / "new.csv"), {"recipe": "cifar_cnn", "classes": ",".join(CLASSES[:10])},
          f"--weights {other} does not fit this model"),
-        ((other, root, tmp_path / "new.csv"), {}, f"--weights {other} does not say which recipe trained it"),
+        ((other, root, tmp_path / "new.csv"), {}, f"--weights {other}: which recipe builds the model? pass --recipe"),
+        ((weights, root, tmp_path / "new.csv"), {}, "they were trained by cifar_cnn: pass --recipe cifar_cnn or"),
         ((weights, root, tmp_path / "new.csv"), {"recipe": "resnet18_fmnist"},
          "were trained by cifar_cnn, not --recipe resnet18_fmnist"),
         ((tmp_path / "none.pt", root, tmp_path / "new.csv"), {}, f"--weights {tmp_path / 'none.pt'}: no such file"),
@@ -206,7 +209,8 @@ def test_predict_reads_a_checkpoint_folder_beside_its_run_config(run, folder, tm
     out, _ = run
     root, test_set = folder
     output = tmp_path / "predictions.csv"
-    predict_script.run(predict_script.Config(str(out / "checkpoints" / "step_12"), str(root), str(output)))
+    predict_script.run(predict_script.Config(str(out / "checkpoints" / "step_12"), str(root), str(output),
+                                             recipe="cifar_cnn"))
     rows = list(csv.DictReader(output.open()))
     assert len(rows) == len(test_set) + 1 and all(row["class"] in CLASSES[:10] for row in rows)
 

@@ -29,10 +29,10 @@ def test_a_copied_recipe_runs_outside_the_repository(env, tmp_path, layout):
                       cwd=project, env=clean, capture_output=True, text=True, timeout=600))
     assert [row["step"] for row in read_jsonl(out / "metrics.jsonl") if "train_loss" in row] == [1, 2, 3, 4, 5]
     assert (out / "model.safetensors").exists() and (out / "checkpoints" / "step_5").is_dir()
-    # Using the model from the copy: predict.py finds the renamed script from the weights, or takes it by path.
+    # Using the model from the copy: predict.py takes the renamed script by its path.
     shutil.copy(ROOT / "recipes" / "predict.py", script.parent / "predict.py")
     evaluated = ok(subprocess.run([sys.executable, str(script.parent / "predict.py"), "--weights",
-                                   str(out / "model.safetensors"), "--evaluate"],
+                                   str(out / "model.safetensors"), "--recipe", str(script), "--evaluate"],
                                   cwd=project, env=clean, capture_output=True, text=True, timeout=600))
     metrics = json.loads(evaluated.stdout.strip().splitlines()[-1])
     assert metrics["eval_acc"] == read_json(out / "summary.json")["eval_acc"] and metrics["eval_samples"] == 10_000

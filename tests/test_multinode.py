@@ -29,13 +29,13 @@ def data(tmp_path_factory):
     return save_to_disk_dataset(tmp_path_factory.mktemp("nodes") / "data", sizes={"train": 64, "test": 20})
 
 
-def start_node(env: dict, rank: int, port: int, *args: str) -> subprocess.Popen:
+def start_node(env: dict, rank: int, port: int, *args: str, cwd: Path = ROOT) -> subprocess.Popen:
     """One node of two: the multinode template, its per-node values overridden as slurm_multinode.sh does."""
     command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "-q", "--config_file",
-               "accelerate_configs/multinode.yaml", "--num_machines", "2", "--num_processes", "2",
+               str(ROOT / "accelerate_configs/multinode.yaml"), "--num_machines", "2", "--num_processes", "2",
                "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
-               "recipes/cifar_cnn.py", *args]
-    return subprocess.Popen(command, cwd=ROOT, env=dict(env, ACCELERATE_USE_CPU="true"), stdout=subprocess.PIPE,
+               str(ROOT / "recipes/cifar_cnn.py"), *args]
+    return subprocess.Popen(command, cwd=cwd, env=dict(env, ACCELERATE_USE_CPU="true"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
@@ -106,6 +106,24 @@ def test_a_node_killed_stops_the_other_within_bounds_then_both_resume_exactly(en
     assert_bitwise_equal(weights(out), weights(long_reference))
 
 
+def test_nodes_that_do_not_share_the_run_folder_stop_in_one_line(env, data, tmp_path):
+    """Each node resolves a relative --output_dir in its own working folder: two folders, as on machines without a
+    shared filesystem, where only the main node's checkpoints would be complete."""
+    port = free_ports()
+    folders = [tmp_path / f"node{rank}" for rank in (0, 1)]
+    nodes = []
+    for rank, folder in enumerate(folders):
+        folder.mkdir()
+        nodes.append(start_node(env, rank, port, "--data", str(data), *RUN, "--max_steps", "2", "--output_dir", "run",
+                                cwd=folder))
+    results = [(node.wait(timeout=600), *node.communicate()) for node in nodes]
+    assert all(returncode != 0 for returncode, _, _ in results)
+    stderr = results[0][2]
+    assert "error: --output_dir run is not one folder shared by every node (1 process(es)" in stderr, stderr[-3000:]
+    assert not re.search(r'File "[^"]*(recipes|shared)/', stderr), stderr[-3000:]
+    assert not any((folder / "run" / "checkpoints").exists() for folder in folders)
+
+
 @pytest.fixture(scope="module")
 def cluster():
     if reason := slurm_cluster.missing():
@@ -163,3 +181,46 @@ def test_slurm_job_preempted_requeues_itself_and_resumes_exactly(env, data, long
     assert "--resume latest" in second.splitlines()[0]
     assert f"resuming from {out / 'checkpoints' / f'step_{stopped}'}: step {stopped}," in second, second[-3000:]
     assert_bitwise_equal(weights(out), weights(long_reference))
+
+
+def test_slurm_job_requeued_without_a_checkpoint_starts_again_and_a_finished_one_stays_finished(
+        env, data, long_reference, cluster, tmp_path):
+    """A job killed before its first checkpoint (kill -9: an OOM, a lost node, GraceTime 0) leaves config.json and
+    no checkpoint: requeued, it starts the run again in its own folder. Requeued once finished, it exits 0."""
+    out, log = tmp_path / "run", tmp_path / "slurm.out"
+    job_env = dict(env, SLURM_CONF=str(cluster.conf), PATH=f"{Path(sys.executable).parent}:{env['PATH']}",
+                   ACCELERATE_USE_CPU="true", GPUS_PER_NODE="1", MAIN_PORT=str(free_ports()), OUTPUT_DIR=str(out),
+                   RECIPE_FLAGS=" ".join(("--data", str(data), *RUN, *LONG)))
+    submitted = cluster.run("sbatch", "--parsable", "--nodes=2", "--gpus-per-node=0", "--cpus-per-task=1",
+                            f"--output={log}", "accelerate_configs/slurm_multinode.sh", cwd=ROOT, env=job_env)
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip()
+    wait_for(lambda: any(row.get("step", 0) >= 3 for row in safe_rows(out)), "training", cluster, log)
+    for process in psutil.process_iter(["cmdline"]):  # every process of the job's training, at once
+        if str(out) in " ".join(process.info["cmdline"] or []) and "recipes/cifar_cnn.py" in " ".join(
+                process.info["cmdline"]):
+            process.kill()
+    wait_for(lambda: cluster.fields("job", job).get("JobState") in ("FAILED", "COMPLETED"), "the job to end",
+             cluster, log)
+    assert not list((out / "checkpoints").glob("step_*")) and (out / "config.json").exists()
+
+    def ended(restarts: str) -> bool:
+        state = cluster.fields("job", job)
+        return state.get("JobState") == "COMPLETED" and state.get("Restarts") == restarts
+
+    assert cluster.run("scontrol", "requeue", job).returncode == 0
+    wait_for(lambda: ended("1"), "requeued run to the end", cluster, log)
+    second = log.read_text().split(f"job {job}, start 1:")[1]
+    assert "--overwrite (restarted with no complete checkpoint" in second.splitlines()[0], second[-3000:]
+    assert_bitwise_equal(weights(out), weights(long_reference))
+    assert [row["step"] for row in read_jsonl(out / "metrics.jsonl") if "train_loss" in row] == list(range(1, 201))
+    assert cluster.run("scontrol", "requeue", job).returncode == 0
+    wait_for(lambda: ended("2"), "finished job's restart", cluster, log)
+    assert "already finished (model.safetensors); nothing to do" in log.read_text().split(f"job {job}, start 2:")[1]
+
+
+def safe_rows(run: Path) -> list[dict]:
+    try:
+        return read_jsonl(run / "metrics.jsonl")
+    except (FileNotFoundError, ValueError):  # not there yet, or a line half written
+        return []

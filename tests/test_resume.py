@@ -155,7 +155,7 @@ def test_a_checkpoint_without_its_config_json_still_resumes_and_says_so(tmp_path
     check_resume(checkpoint, {"train_size": 64, "total_steps": 20}, progress)
     assert capsys.readouterr().out.splitlines() == [
         f"resuming from {checkpoint}: step 16, epoch 3 after 32 of its 64 samples",
-        f"no config.json beside {checkpoint}: what changed since it cannot be listed"]
+        f"no readable config.json in or beside {checkpoint}: what changed since it cannot be listed"]
 
 
 def test_no_two_seeds_share_an_epoch_order():

@@ -1,0 +1,393 @@
+"""Files from anywhere, tried as an attacker would: weights whose metadata names code or data, checkpoints copied
+elsewhere, dataset files whose headers lie (gzip bombs, pickles that build huge arrays or expand), decompression
+bombs among images, and flags past their limits. Each case runs the real script under a memory limit and a timeout
+and must end in one line on stderr, no traceback, a non-zero exit, no marker file (no code ran), no new decode cache,
+nothing changed outside its output folder, and a bounded peak of resident memory (docs/troubleshooting.md, Limits)."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import struct
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+from test_dataset_files import cifar_folder, idx_folder, random_splits, write_idx
+
+from conftest import ROOT, assert_bitwise_equal, launch, ok, weights
+from tiny_data import imagefolder_dataset, save_to_disk_dataset
+
+ADDRESS_SPACE = 8 * 2**30  # RLIMIT_AS of each run: torch alone reserves about 5 GiB of address space
+PEAK_RSS = 1.5 * 2**30  # what a refused input may cost in resident memory; the attacks below asked for 2.7-27 GB
+TIMEOUT_S = 120
+SHORT = ("--batch_size", "8", "--max_steps", "4", "--log_every", "1", "--tracker", "none")
+# Runs a command under the limits and reports its children's peak resident memory, which the test reads back.
+WRAPPER = f"""
+import resource, subprocess, sys
+resource.setrlimit(resource.RLIMIT_AS, ({ADDRESS_SPACE}, {ADDRESS_SPACE}))
+code = subprocess.run(sys.argv[2:]).returncode
+open(sys.argv[1], "w").write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024))
+sys.exit(code)
+"""
+
+
+def snapshot(folder: Path, skip: Path | None = None) -> dict:
+    return {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*"))
+            if p.is_file() and not (skip and p.is_relative_to(skip))}
+
+
+def refused(env, tmp_path: Path, script: str, *args, needle: str, status: int = 1, cwd: Path = ROOT) -> str:
+    """Run `python recipes/<script>.py args` under the limits; assert the refusal; return its line."""
+    marker, rss = tmp_path / "MARKER", tmp_path.parent / f"{tmp_path.name}.rss"
+    cache = Path(env["HF_HOME"]) / "datasets" / "decoded"
+    before, cached = snapshot(tmp_path, skip=tmp_path / "out"), set(cache.glob("*")) if cache.exists() else set()
+    result = subprocess.run([sys.executable, "-c", WRAPPER, str(rss), sys.executable, ROOT / f"recipes/{script}.py",
+                             *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert not marker.exists(), "the input ran code"
+    assert snapshot(tmp_path, skip=tmp_path / "out") == before, "files outside the output folder changed"
+    assert (set(cache.glob("*")) if cache.exists() else set()) == cached, "a failed decode left a cache file"
+    peak = int(rss.read_text())
+    assert peak < PEAK_RSS, f"peak resident memory {peak / 2**30:.2f} GiB"
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == status and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return save_to_disk_dataset(tmp_path_factory.mktemp("hostile") / "data", sizes={"train": 64, "test": 20})
+
+
+@pytest.fixture(scope="module")
+def run(env, data, tmp_path_factory):
+    """A finished cifar_cnn run with a checkpoint at every step (1-4)."""
+    out = tmp_path_factory.mktemp("hostile_run") / "run"
+    ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out), *SHORT, "--checkpoint_every", "1",
+              "--keep_checkpoints", "10"))
+    return out
+
+
+# ------------------------------------------------------------------ weights whose metadata names code or data
+def evil_script(tmp_path: Path) -> Path:
+    script = tmp_path / "evil.py"
+    script.write_text(f"open({str(tmp_path / 'MARKER')!r}, 'w')\n")
+    return script
+
+
+def weights_with(tmp_path: Path, run: Path, **metadata) -> Path:
+    from safetensors import safe_open
+
+    with safe_open(run / "model.safetensors", "pt") as f:
+        state, about = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    path = tmp_path / "model.safetensors"
+    save_file(state, path, metadata={**about, **{k: v if isinstance(v, str) else json.dumps(v)
+                                                for k, v in metadata.items()}})
+    return path
+
+
+@pytest.mark.parametrize("names", ["script", "recipe path", "checkpoint config.json"])
+def test_weights_never_choose_the_code_that_runs(env, run, tmp_path, names):
+    evil = evil_script(tmp_path)
+    images = tmp_path / "photos"
+    imagefolder_dataset(images, sizes={"x": 2})
+    if names == "checkpoint config.json":
+        fake = tmp_path / "fake_run"
+        shutil.copytree(run / "checkpoints" / "step_4", fake / "checkpoints" / "step_4")
+        config = json.loads((run / "config.json").read_text())
+        (fake / "config.json").write_text(json.dumps({**config, "script": str(evil), "recipe": str(evil)[:-3]}))
+        weights = fake / "checkpoints" / "step_4"
+    else:
+        meta = {"script": str(evil)} if names == "script" else {"recipe": "../" * 12 + str(evil)[1:-3]}
+        weights = weights_with(tmp_path, run, **meta)
+    line = refused(env, tmp_path, "predict", "--weights", weights, "--images", images, "--output",
+                   tmp_path / "out" / "p.csv", needle="which recipe builds the model? ")
+    assert "never taken from the weights" in line
+    if names == "script":  # a valid recorded name is offered, never imported
+        assert "they were trained by cifar_cnn: pass --recipe cifar_cnn" in line
+
+
+@pytest.mark.parametrize("metadata, needle", [
+    ({"flags": {"data": "someone/a-dataset"}}, "not a folder on this machine: pass --data"),
+    ({"flags": {"lr": -1}}, "do not fit cifar_cnn.Config (--lr must be > 0, got -1)"),
+    ({"flags": {"batch_norm": "yes"}}, "gives batch_norm = 'yes', not a <class 'bool'>"),
+    ({"flags": ["--lr", "1"]}, "holds no flags (a dict)"),
+    ({"classes": 5}, "names no classes"),
+])
+def test_weights_metadata_is_checked_and_never_fetched(env, run, tmp_path, metadata, needle):
+    weights = weights_with(tmp_path, run, **metadata)
+    refused(env, tmp_path, "predict", "--weights", weights, "--recipe", "cifar_cnn", "--evaluate", needle=needle)
+
+
+def test_weights_that_are_a_folder_without_weights(env, tmp_path):
+    refused(env, tmp_path, "predict", "--weights", "/tmp", "--recipe", "cifar_cnn", "--classes", "a,b",
+            "--evaluate", "--data", tmp_path, needle="/tmp/model.safetensors: no such file")
+
+
+# ------------------------------------------------------------------ resumes that would delete or mix histories
+def test_a_checkpoint_outside_a_runs_checkpoints_folder_is_refused(env, data, run, tmp_path):
+    # A folder of the user's, with a copy of the checkpoint in exports/ and files that look like a run's.
+    folder = tmp_path / "mine"
+    shutil.copytree(run, folder)
+    shutil.copytree(run / "checkpoints" / "step_3", folder / "exports" / "step_3")
+    args = ("--data", data, *SHORT, "--keep_checkpoints", "1")
+    refused(env, folder, "cifar_cnn", *args, "--resume", folder / "exports" / "step_3",
+            needle="is not in a run's checkpoints/ folder")
+    refused(env, folder, "cifar_cnn", *args, "--resume", run / "checkpoints" / "step_3", "--output_dir", folder,
+            needle="which holds another run")
+    # Into a new folder it continues as a new run: the same weights as the run never stopped.
+    out = tmp_path / "new"
+    ok(launch(env, "cifar_cnn", *map(str, args), "--resume", str(folder / "exports" / "step_3"), "--output_dir",
+              str(out)))
+    assert_bitwise_equal(weights(out), weights(run))
+
+
+def test_an_older_checkpoint_starts_a_branch_and_the_later_history_is_moved_aside(env, data, run, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(run, out)
+    args = ("--data", str(data), *SHORT, "--checkpoint_every", "1", "--keep_checkpoints", "10",
+            "--output_dir", str(out))
+    result = ok(launch(env, "cifar_cnn", *args, "--max_steps", "6", "--resume", str(out / "checkpoints" / "step_2")))
+    aside = next((out / "abandoned").glob("after_step_2-*"))
+    assert f"the later history (step_3, step_4) moved to {aside}" in result.stdout
+    assert sorted(p.name for p in aside.iterdir()) == ["config.json", "metrics.jsonl", "model.safetensors",
+                                                       "step_3", "step_4", "summary.json"]
+    assert snapshot(aside / "step_4") == {aside / "step_4" / p.relative_to(run / "checkpoints" / "step_4"): h
+                                          for p, h in snapshot(run / "checkpoints" / "step_4").items()}
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step_{n}" for n in range(1, 7)]
+    steps = [row["step"] for row in json_lines(out / "metrics.jsonl") if "train_loss" in row]
+    assert steps == [1, 2, 3, 4, 5, 6]  # one history: the new branch after step 2
+    resumed = ok(launch(env, "cifar_cnn", *args, "--max_steps", "7", "--resume", "latest"))
+    assert f"resuming from {out / 'checkpoints' / 'step_6'}: step 6" in resumed.stdout
+
+
+def test_the_resume_report_compares_with_the_configuration_that_wrote_the_checkpoint(env, data, run, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(run, out)
+    args = ("--data", str(data), *SHORT, "--output_dir", str(out), "--lr", "0.1", "--resume",
+            str(out / "checkpoints" / "step_2"))
+    for _ in range(2):  # the second launch finds the run's config.json written by the first, with --lr 0.1
+        result = ok(launch(env, "cifar_cnn", *args))
+        assert "changed since the checkpoint: lr 0.05 -> 0.1" in result.stdout, result.stdout
+
+
+def json_lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_overwrite_refuses_a_folder_that_never_held_a_run(env, data, tmp_path):
+    folder = tmp_path / "mine"
+    for name in ("checkpoints", "wandb", "tensorboard", "profile"):
+        (folder / name).mkdir(parents=True)
+        (folder / name / "notes.txt").write_text("mine")
+    refused(env, folder, "cifar_cnn", "--data", data, *SHORT, "--output_dir", folder, "--overwrite",
+            needle="holds files but no run of these recipes")
+
+
+def test_resume_of_a_checkpoint_at_a_one_part_relative_path(env, data, run, tmp_path):
+    shutil.copytree(run / "checkpoints" / "step_2", tmp_path / "step_2")
+    refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--resume", "step_2", cwd=tmp_path,
+            needle="--resume step_2 is not in a run's checkpoints/ folder")
+
+
+def test_resume_latest_of_a_folder_without_checkpoints(env, data, tmp_path):
+    refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--resume", "latest", "--output_dir",
+            tmp_path / "out", needle="has no checkpoints")
+
+
+def test_a_checkpoint_whose_progress_is_not_counts(env, data, run, tmp_path):
+    copy = tmp_path / "out"
+    shutil.copytree(run, copy)
+    progress = copy / "checkpoints" / "step_2" / "custom_checkpoint_0.pkl"
+    torch.save({**torch.load(progress, weights_only=True), "step": "3"}, progress)
+    before = snapshot(copy)
+    refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--output_dir", copy, "--resume",
+            progress.parent, needle="its progress is not counts of steps, epochs and samples")
+    assert snapshot(copy) == before
+
+
+# ------------------------------------------------------------------ dataset files whose headers lie
+def gzip_of_zeros(path: Path, header: bytes, zeros: int) -> None:
+    with gzip.open(path, "wb", compresslevel=1) as f:
+        f.write(header)
+        for _ in range(zeros // 2**24):
+            f.write(bytes(2**24))
+
+
+def idx_gzip_bomb(folder: Path) -> str:  # 2 GiB of zeros (2 MB gzipped) behind a header that claims 20 images
+    gzip_of_zeros(folder / "t10k-images-idx3-ubyte.gz", bytes([0, 0, 8, 3]) + struct.pack(">3I", 20, 28, 28), 2**31)
+    return "is more than 15,696 bytes, not what its header says ((20, 28, 28))"
+
+
+def idx_claims_too_much(folder: Path) -> str:  # 2^96 bytes
+    (folder / "train-images-idx3-ubyte.gz").write_bytes(gzip.compress(bytes([0, 0, 8, 3]) + b"\xff" * 12))
+    return "bytes of data, over the 4 GiB a dataset file may hold here"
+
+
+def idx_label_outside_the_named_classes(folder: Path) -> str:
+    labels = np.zeros(50, np.uint8)
+    labels[7] = 200
+    write_idx(folder / "train-labels-idx1-ubyte.gz", labels)
+    return "'train' has labels outside 0..9"
+
+
+@pytest.mark.parametrize("damage", [idx_gzip_bomb, idx_claims_too_much, idx_label_outside_the_named_classes])
+def test_idx_files_that_lie(env, tmp_path, damage):
+    folder = idx_folder(tmp_path / "fashion-mnist", random_splits((28, 28)))
+    needle = damage(folder)
+    refused(env, tmp_path, "resnet18_fmnist", "--data", folder, *SHORT, "--output_dir", tmp_path / "out",
+            needle=needle)
+
+
+class Call:
+    """Pickles as `function(*args)`: what a hostile pickle asks the unpickler to do."""
+
+    def __init__(self, function, *args):
+        self.function, self.args = function, args
+
+    def __reduce__(self):
+        return self.function, self.args
+
+
+def laughs(depth: int = 60):
+    """A list that is 2^depth zeros when walked, a few hundred bytes when pickled (shared references)."""
+    nested = [0] * 10
+    for _ in range(depth):
+        nested = [nested, nested]
+    return nested
+
+
+def a_bare_ndarray(batch: dict) -> str:
+    batch["data"] = Call(np.ndarray, (2**40,))  # 1 TiB, uninitialized, from ~100 bytes
+    return "it would call numpy.ndarray"
+
+
+def a_shape_its_bytes_lack(batch: dict) -> str:
+    batch["data"] = ShapedArray((2**20, 3072), b"\0" * 3072)  # 3 GiB claimed, 3 KiB present
+    return "an array that is not uint8 bytes of its own shape"
+
+
+class ShapedArray:
+    """An array's pickle with a shape of our choosing and the bytes of our choosing."""
+
+    def __init__(self, shape, raw):
+        self.shape, self.raw = shape, raw
+
+    def __reduce__(self):
+        reconstruct, args, (version, _, dtype, fortran, _) = np.empty(0, np.uint8).__reduce__()
+        return reconstruct, args, (version, self.shape, dtype, fortran, self.raw)
+
+
+def labels_that_expand(batch: dict) -> str:
+    batch["labels"] = laughs()
+    return "its 'labels' are not"
+
+
+def a_huge_label(batch: dict) -> str:
+    batch["labels"][3] = 2**70
+    return "its 'labels' are not"
+
+
+@pytest.mark.parametrize("damage", [a_bare_ndarray, a_shape_its_bytes_lack, labels_that_expand, a_huge_label])
+def test_cifar_batches_that_lie(env, tmp_path, damage):
+    folder = cifar_folder(tmp_path / "cifar-10-batches-py", random_splits((3, 32, 32)), [str(i) for i in range(10)])
+    batch = pickle.loads((folder / "data_batch_2").read_bytes())
+    needle = damage(batch)
+    (folder / "data_batch_2").write_bytes(pickle.dumps(batch, protocol=2))
+    refused(env, tmp_path, "cifar_cnn", "--data", folder, *SHORT, "--output_dir", tmp_path / "out", needle=needle)
+
+
+@pytest.mark.parametrize("names, needle", [
+    (laughs(), "has no 'label_names' list"),
+    ([str(i) for i in range(9)] + [10**20000], "has no 'label_names' list"),
+    (None, "batches.meta is not a plain CIFAR batch, refused"),  # claims 2^40 bytes it lacks
+])
+def test_cifar_class_names_that_lie(env, tmp_path, names, needle):
+    folder = cifar_folder(tmp_path / "cifar-10-batches-py", random_splits((3, 32, 32)), [str(i) for i in range(10)])
+    meta = (pickle.dumps({"label_names": names}, protocol=2) if names is not None
+            else b"\x80\x04\x8e" + struct.pack("<Q", 2**40) + b"abc.")
+    (folder / "batches.meta").write_bytes(meta)
+    refused(env, tmp_path, "cifar_cnn", "--data", folder, *SHORT, "--output_dir", tmp_path / "out", needle=needle)
+
+
+# ------------------------------------------------------------------ images
+def png(path: Path, width: int, height: int, rows: int | None = None) -> Path:
+    """A grayscale PNG of zeros, `rows` of its rows present (all by default): 30000x30000 is about 1 MB."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    compressor, parts = zlib.compressobj(1), []
+    row = bytes(width + 1)  # filter byte, then the pixels
+    for _ in range(height if rows is None else rows):
+        parts.append(compressor.compress(row))
+    parts.append(compressor.flush())
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", b"".join(parts))
+                     + chunk(b"IEND", b""))
+    return path
+
+
+def a_decompression_bomb(folder: Path) -> str:
+    png(folder / "bomb.png", 30000, 30000, rows=1)  # the header alone decides
+    return "bomb.png) has more than 89,478,485 pixels"
+
+
+def large_images(folder: Path) -> str:
+    first = png(folder / "large_0.png", 13000, 13000)
+    for n in range(1, 12):
+        shutil.copy(first, folder / f"large_{n}.png")
+    return "large_0.png) has more than 89,478,485 pixels"
+
+
+def a_truncated_png(folder: Path) -> str:
+    raw = (folder / "0.png").read_bytes()
+    (folder / "0.png").write_bytes(raw[:len(raw) // 2])
+    return "0.png) is not a readable image"
+
+
+def text_named_png(folder: Path) -> str:
+    (folder / "0.png").write_text("not an image")
+    return "0.png) is not a readable image (UnidentifiedImageError"
+
+
+@pytest.mark.parametrize("damage", [a_decompression_bomb, large_images, a_truncated_png, text_named_png])
+def test_images_that_lie(env, tmp_path, damage):
+    data = imagefolder_dataset(tmp_path / "photos", sizes={"train": 20, "test": 10})
+    needle = damage(data / "train" / "class_0")
+    refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--output_dir", tmp_path / "out", needle=needle)
+
+
+def test_predict_refuses_a_decompression_bomb(env, run, tmp_path):
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    png(photos / "bomb.png", 30000, 30000, rows=1)
+    refused(env, tmp_path, "predict", "--weights", run / "model.safetensors", "--recipe", "cifar_cnn", "--images",
+            photos, "--output", tmp_path / "out" / "p.csv", needle="bomb.png has more than 89,478,485 pixels")
+
+
+# ------------------------------------------------------------------ flags past their limits
+@pytest.mark.parametrize("args, needle, status", [
+    (("--grad_accum", "100000", "--max_steps", "3"), "make no full step of 800000", 1),
+    (("--seed", "99999999999"), "--seed must be below 2**31, got 99999999999", 2),
+])
+def test_flags_past_their_limits(env, data, tmp_path, args, needle, status):
+    refused(env, tmp_path, "cifar_cnn", "--data", data, "--batch_size", "8", "--tracker", "none", "--output_dir",
+            tmp_path / "out", *args, needle=needle, status=status)
+
+
+def test_the_marker_check_can_fail(tmp_path):
+    """Guards the matrix: the evil script does create the marker when it is run."""
+    evil = evil_script(tmp_path)
+    subprocess.run([sys.executable, str(evil)], check=True)
+    assert (tmp_path / "MARKER").exists()
+    os.remove(tmp_path / "MARKER")
