@@ -1,0 +1,43 @@
+"""benchmarks/gpu_check.sh, the one prepared GPU check, run as a dry run on the CPU (GPU_CHECK_CPU=1): every
+step it takes on a GPU, tiny, so that it cannot rot before a GPU comes. The steps it takes for each recipe are one
+code path with the recipe's name: here for cifar_cnn (GPU_CHECK_RECIPES), which keeps the test to two minutes;
+the ResNet and the MLP run in the steps taken once (the real-data epoch, the checkpointing sweep)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+from test_dataset_files import idx_folder, random_splits
+
+from conftest import ROOT
+
+
+def test_the_gpu_check_runs_every_step_on_the_cpu(env, tmp_path):
+    fashion = idx_folder(tmp_path / "fashion-mnist", random_splits((28, 28), sizes=(64, 20)))
+    out = tmp_path / "check"
+    result = subprocess.run(["bash", "benchmarks/gpu_check.sh", str(out)], cwd=ROOT, capture_output=True, text=True,
+                            env=dict(env, GPU_CHECK_CPU="1", GPU_CHECK_FASHION_MNIST=str(fashion),
+                                     GPU_CHECK_RECIPES="cifar_cnn"), timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    figures = json.loads((out / "gpu_check.json").read_text())
+    steps = figures["steps"]
+    assert figures["dry_run"] and all(step["ok"] for step in steps.values()), json.dumps(steps, indent=1)[-3000:]
+    for recipe in ("cifar_cnn",):
+        # On the CPU a resumed run is bitwise the uninterrupted one, and so is a second run: the comparison holds.
+        resumed = steps[f"{recipe} resume"]
+        assert resumed["resumed_vs_reference_max_abs"] == resumed["again_vs_reference_max_abs"] == 0.0
+        assert 2 <= resumed["stopped_at_step"] < resumed["of_steps"]
+        predicted = steps[f"{recipe} predict on the CPU"]
+        assert abs(predicted["eval_acc_cpu"] - predicted["eval_acc_gpu"]) <= 1e-4  # at most one of 10,000 images
+        assert steps[f"{recipe} auto batch"]["tried"] == [64] and steps[f"{recipe} auto batch"]["run_exit"] == 0
+        assert steps[f"{recipe} fp16"] == {"ok": True, "refused on the CPU": True,
+                                           "seconds": steps[f"{recipe} fp16"]["seconds"]}
+        for precision in ("float32", "bf16"):
+            assert steps[f"{recipe} {precision}"]["steps"] == 6 and steps[f"{recipe} {precision}"]["device"] == "cpu"
+    assert steps["cifar_cnn bf16"]["mixed_precision"] == "bf16"
+    assert steps["cifar_cnn compile"]["first_window_s"] > 0
+    epoch = steps["resnet18_fmnist real Fashion-MNIST epoch"]
+    assert epoch["steps"] == 8 and epoch["achieved_tflops"] > 0 and epoch["train_gflops_per_sample"] > 0.1
+    assert steps["throughput"]["cifar_cnn float32"]["b/a"] > 0
+    assert set(steps["deep_mlp_sweep memory"]["batch_16"]) == {"0", "2", "5", "10"}
