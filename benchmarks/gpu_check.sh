@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU path of the recipes, run once, in about 7 minutes on one H100 or H200 (benchmarks/gpu_check.py says
+# Every GPU path of the recipes, run once, in about 12 minutes on one H200 (benchmarks/gpu_check.py says
 # what it runs): writes gpu_check.log and gpu_check.json (every figure) under OUT_DIR.
 #   bash benchmarks/gpu_check.sh [OUT_DIR]                  # default runs/gpu_check-<time>
 #   GPU_CHECK_CPU=1 bash benchmarks/gpu_check.sh OUT_DIR    # the same steps, tiny, on the CPU (a test runs this)

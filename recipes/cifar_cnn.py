@@ -19,6 +19,7 @@ Results (from real runs, 2-core CPU, float32 unless said; tables in benchmarks/B
   CPU speed      cpu_bf16.yaml (bf16 autocast) with the default --channels_last: 2.06-2.07x the samples/s of
                  float32 NCHW on this AVX512-BF16 CPU; real photos 0.948 +- 0.002 in bf16, 0.948 +- 0.007 float32.
                    python benchmarks/throughput.py --recipes cifar_cnn --options float32 bf16+channels_last
+  GPU            one H200, batch 128, --data_on_device: 34,298 samples/s in float32, bf16 x0.87. gpu_check.sh
 
 Run it from the repository root (outputs in runs/cifar_cnn-<time>/: config.json, metrics.jsonl, summary.json,
 curves.png, model.safetensors, checkpoints/):
@@ -181,11 +182,13 @@ def train(cfg: Config) -> None:
     if cfg.data_on_device:  # one copy of the uint8 dataset now, instead of a host-to-GPU copy per batch
         train_set, test_set = train_set.to(accelerator.device), test_set.to(accelerator.device)
     batch_size = cfg.batch_size
-    if cfg.auto_batch_size:  # halve --batch_size until one training step fits in memory, on every process
+    if cfg.auto_batch_size:  # halve --batch_size until two training steps fit in memory, on every process
+        layout = torch.channels_last if cfg.channels_last else torch.contiguous_format  # tried as the run trains
         batch_size = largest_batch_size(accelerator, batch_size, train_set,
-                                        lambda: make_model(len(train_set.classes), cfg),
+                                        lambda: make_model(len(train_set.classes), cfg).to(memory_format=layout),
                                         lambda model: make_optimizer(model, cfg),
-                                        lambda images: preprocess(images, cfg.augment), loss_fn)
+                                        lambda images: preprocess(images, cfg.augment).contiguous(
+                                            memory_format=layout), loss_fn)
     # Each epoch's order is a function of (seed, epoch), resumable at any sample (see EpochOrder). Own generators:
     # every new DataLoader iterator draws a seed, and drawing it from the global RNG would shift the augmentation's
     # random numbers after a mid-epoch resume (no longer bitwise exact).

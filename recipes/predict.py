@@ -144,8 +144,8 @@ def recipe_config(recipe, flags, **overrides):
         if not fits(value, hints[name]):
             raise RecipeError(f"the weights' metadata gives {name} = {str(value)[:40]!r}, not a {hints[name]}: "
                               "pass weights written by this recipe")
-    try:
-        return recipe.Config(**{**kept, **overrides})
+    try:  # overrides too only where the recipe has the flag (the MLP has no --tta)
+        return recipe.Config(**{**kept, **{k: v for k, v in overrides.items() if k in hints}})
     except (ValueError, TypeError) as error:
         raise RecipeError(f"the weights' flags do not fit {recipe.__name__}.Config ({first_line(error)[:120]}): "
                           "pass weights written by this recipe") from None

@@ -1,7 +1,8 @@
 """--auto_batch_size: the largest per-process batch whose training step fits in memory.
 
 accelerate's `find_executable_batch_size` retries with a smaller batch after an out-of-memory error. Each try
-runs one real step (forward, backward, optimizer step) on a fresh, unwrapped model, so a failed try frees all
+runs two real steps (forward, backward, optimizer step; the second with the optimizer's state allocated, as every
+later step of the run has it) on a fresh, unwrapped model in the run's memory layout, so a failed try frees all
 it allocated and no process waits in a DDP all-reduce for one that failed; then the processes compare notes
 and all halve if any ran out (one process on another batch size would hang the group). The real run adds
 DDP's gradient buckets (about one more copy of the gradients): on a GPU filled to the brim, go one lower.
@@ -29,10 +30,12 @@ def largest_batch_size(accelerator, start: int, train_set, new_model, new_optimi
             model = new_model().to(accelerator.device)
             optimizer = new_optimizer(model)
             images, labels = train_set[torch.arange(batch_size) % len(train_set)]  # the recipe's own inputs
-            with accelerator.autocast():
-                loss = loss_fn(model(preprocess(images.to(accelerator.device))), labels.to(accelerator.device))
-            loss.backward()
-            optimizer.step()
+            for _ in range(2):  # the second step is the first with the optimizer's state (momentum, Adam's moments)
+                with accelerator.autocast():
+                    loss = loss_fn(model(preprocess(images.to(accelerator.device))), labels.to(accelerator.device))
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
         except RuntimeError as error:  # leaving the except block drops the traceback and the memory it holds
             if not should_reduce_batch_size(error):
                 raise
@@ -55,6 +58,7 @@ def largest_batch_size(accelerator, start: int, train_set, new_model, new_optimi
                               "use a smaller model, bf16.yaml, or a device with more memory") from None
         raise
     if accelerator.device.type == "cuda":  # summary.json's peak_mem_mb is the run's, not the try that ran out
+        torch.cuda.empty_cache()  # the blocks the failed tries split up: the run allocates afresh
         torch.cuda.reset_peak_memory_stats(accelerator.device)
     accelerator.print(f"--auto_batch_size: {batch_size} images per process fit (tried {', '.join(map(str, tried))})")
     return batch_size

@@ -205,6 +205,18 @@ def test_predict_takes_a_bare_state_dict_of_every_recipe(recipe, classes, folder
     assert f"wrote {output} ({len(rows)} images)" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("recipe", ["resnet18_fmnist", "deep_mlp_ckpt"])
+def test_evaluate_of_every_recipe_passes_only_the_flags_it_has(recipe, data, tmp_path, capsys):
+    """--evaluate hands the recipe --tta and --batch_size only where its Config has them: the MLP has no --tta
+    (found by benchmarks/gpu_check.py on an H200, and the same on a CPU)."""
+    module = {"resnet18_fmnist": resnet18_fmnist, "deep_mlp_ckpt": deep_mlp_ckpt}[recipe]
+    weights = tmp_path / "weights.pt"
+    torch.save(module.make_model(10, module.Config()).state_dict(), weights)
+    predict_script.run(predict_script.Config(str(weights), evaluate=True, data=str(data), recipe=recipe,
+                                             classes=",".join(CLASSES[:10])))
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["eval_samples"] == 40  # the test split
+
+
 def test_predict_reads_a_checkpoint_folder_beside_its_run_config(run, folder, tmp_path):
     out, _ = run
     root, test_set = folder

@@ -54,9 +54,9 @@ def test_a_copied_recipe_runs_outside_the_repository(env, tmp_path, layout):
 INTENDED = {
     ("resnet18_fmnist", "train"): """
     - lambda model: make_optimizer(model, cfg),
-    - lambda images: preprocess(images, cfg.augment), loss_fn)
+    - lambda images: preprocess(images, cfg.augment).contiguous(
     + lambda model: make_optimizer(model, cfg, cfg.lr),
-    + lambda images: preprocess(images, cfg.augment, cfg.erase), loss_fn)
+    + lambda images: preprocess(images, cfg.augment, cfg.erase).contiguous(
     + peak_lr = scaled_lr(cfg, global_batch_size)
     + if cfg.sync_bn and accelerator.num_processes > 1:
     + # BatchNorm normalizes each process's own b images: 2 processes x b do not normalize like 1 x 2b (the
@@ -111,8 +111,12 @@ INTENDED = {
     + return metrics, torch.cat(predictions).cpu()
 ''',
     ("deep_mlp_ckpt", "train"): """
+    - layout = torch.channels_last if cfg.channels_last else torch.contiguous_format  # tried as the run trains
+    - lambda: make_model(len(train_set.classes), cfg).to(memory_format=layout),
     - lambda model: make_optimizer(model, cfg),
-    - lambda images: preprocess(images, cfg.augment), loss_fn)
+    - lambda images: preprocess(images, cfg.augment).contiguous(
+    - memory_format=layout), loss_fn)
+    + lambda: make_model(len(train_set.classes), cfg),
     + lambda model: make_optimizer(model, cfg), preprocess, loss_fn)
     - if cfg.channels_last:
     - model = model.to(memory_format=torch.channels_last)

@@ -36,6 +36,16 @@ def test_auto_batch_size_halves_until_a_step_fits(env, data, tmp_path):
     assert read_json(out / "summary.json")["steps"] == 2
 
 
+def test_a_batch_that_fits_one_step_but_not_the_next_is_not_taken(env, data, tmp_path):
+    """On a GPU, a batch whose first step fit ran out of memory in the run's second step, once the optimizer's
+    state was allocated (benchmarks/gpu_check.py, H200): each try takes two steps."""
+    out = tmp_path / "run"
+    result = ok(launch(dict(env, PYTHONPATH=str(ROOT / "tests" / "faults"), FAULT_OOM_SECOND_STEP_ABOVE_BATCH="16"),
+                       "deep_mlp_ckpt", "--data", str(data), "--output_dir", str(out), *RUN, config=None))
+    assert "--auto_batch_size: 16 images per process fit (tried 64, 32, 16)" in result.stdout
+    assert read_json(out / "summary.json")["steps"] == 2
+
+
 def test_two_processes_agree_when_only_one_runs_out_of_memory(env, data, tmp_path):
     # Only the second process fails above 8: if it settled alone, the group would hang.
     out = tmp_path / "run"
