@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 from test_dataset_files import cifar_folder, idx_folder, random_splits, write_idx
 
-from conftest import ROOT, assert_bitwise_equal, launch, ok, weights
+from conftest import ROOT, assert_bitwise_equal, launch, ok, read_jsonl, weights
 from tiny_data import imagefolder_dataset, save_to_disk_dataset
 
 ADDRESS_SPACE = 8 * 2**30  # RLIMIT_AS of each run: torch alone reserves about 5 GiB of address space
@@ -165,7 +165,7 @@ def test_an_older_checkpoint_starts_a_branch_and_the_later_history_is_moved_asid
     assert snapshot(aside / "step_4") == {aside / "step_4" / p.relative_to(run / "checkpoints" / "step_4"): h
                                           for p, h in snapshot(run / "checkpoints" / "step_4").items()}
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step_{n}" for n in range(1, 7)]
-    steps = [row["step"] for row in json_lines(out / "metrics.jsonl") if "train_loss" in row]
+    steps = [row["step"] for row in read_jsonl(out / "metrics.jsonl") if "train_loss" in row]
     assert steps == [1, 2, 3, 4, 5, 6]  # one history: the new branch after step 2
     resumed = ok(launch(env, "cifar_cnn", *args, "--max_steps", "7", "--resume", "latest"))
     assert f"resuming from {out / 'checkpoints' / 'step_6'}: step 6" in resumed.stdout
@@ -179,10 +179,6 @@ def test_the_resume_report_compares_with_the_configuration_that_wrote_the_checkp
     for _ in range(2):  # the second launch finds the run's config.json written by the first, with --lr 0.1
         result = ok(launch(env, "cifar_cnn", *args))
         assert "changed since the checkpoint: lr 0.05 -> 0.1" in result.stdout, result.stdout
-
-
-def json_lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_overwrite_refuses_a_folder_that_never_held_a_run(env, data, tmp_path):

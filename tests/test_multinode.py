@@ -16,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 import slurm_cluster
+from test_checkpoints import safe_rows
 
 from conftest import ROOT, assert_bitwise_equal, exited_cleanly, free_ports, launch, ok, read_json, read_jsonl, weights
 from tiny_data import save_to_disk_dataset
@@ -218,9 +219,3 @@ def test_slurm_job_requeued_without_a_checkpoint_starts_again_and_a_finished_one
     wait_for(lambda: ended("2"), "finished job's restart", cluster, log)
     assert "already finished (model.safetensors); nothing to do" in log.read_text().split(f"job {job}, start 2:")[1]
 
-
-def safe_rows(run: Path) -> list[dict]:
-    try:
-        return read_jsonl(run / "metrics.jsonl")
-    except (FileNotFoundError, ValueError):  # not there yet, or a line half written
-        return []
