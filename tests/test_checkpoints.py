@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from unittest import mock
 
+import psutil
 import pytest
 import torch
 from accelerate.utils import load as accelerate_load
@@ -88,6 +89,24 @@ def wait_for(predicate, process, timeout=180.0):
         assert process.poll() is None, f"run ended first:\n{process.communicate()[1][-3000:]}"
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.005)
+
+
+def training_processes(launcher: int) -> list[int]:
+    try:
+        return [child.pid for child in psutil.Process(launcher).children(recursive=True)
+                if "recipes/cifar_cnn.py" in " ".join(child.cmdline())]
+    except psutil.Error:  # a process ended while being read
+        return []
+
+
+def catches_sigterm(pid: int) -> bool:
+    """Whether the process has a SIGTERM handler installed (Linux's SigCgt mask in /proc/<pid>/status)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(caught >> (signal.SIGTERM - 1) & 1)
 
 
 def test_kill_9_at_a_random_step_then_resume(env, data, reference, tmp_path):
@@ -185,9 +204,9 @@ def test_sigterm_to_the_launcher_of_2_processes_stops_them_between_log_points(en
     process = subprocess.Popen(command, cwd=ROOT, env=dict(env, ACCELERATE_USE_CPU="true",
                                                            TORCH_ELASTIC_SHUTDOWN_TIMEOUT="5"),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    # config.json is written after the signal handlers are in place and just before the first of 300 steps, each an
-    # all-reduce between the processes: signalled at once, on any machine, the run is far from its only log point.
-    wait_for(lambda: (out / "config.json").exists(), process)
+    # Signalled as soon as both training processes catch SIGTERM (their handlers are in place, before the first of
+    # 300 steps, each an all-reduce between them): on any machine, the run is far from its only log point.
+    wait_for(lambda: [catches_sigterm(pid) for pid in training_processes(process.pid)] == [True, True], process)
     process.send_signal(signal.SIGTERM)  # to torchrun, as Kubernetes or `kill <pid>` would
     stdout, stderr = process.communicate(timeout=120)
     assert "stopped by SIGTERM at step " in stdout, stderr[-3000:]
