@@ -7,19 +7,10 @@ The seed's network (Linear 1000->1000, 70 x 1000->1000, 1000->100; Adam lr 0.002
 hidden layer made a residual branch with a gate starting at 0 (ReZero; see HiddenLayer). Images are flattened
 and projected to 1000 inputs by a fixed random matrix.
 
-Results (from real runs, 2-core CPU, float32 unless said; tables in benchmarks/BENCHMARKS.md):
-  real CIFAR-100  not measured yet (no download here). On a GPU:
-                    python benchmarks/accuracy.py --hub --config 1gpu --cases deep_mlp_ckpt/photos100/cpu
-  real photos     final test accuracy 0.289 +- 0.013 (3 seeds, 0.274-0.297) after 5 epochs. 100 classes of 32x32
-                  crops of photographs (5,000 / 1,000; benchmarks/real_images.py).
-                  python benchmarks/accuracy.py --no_seed_loops --cases deep_mlp_ckpt/photos100/cpu
-                  Earlier, with overlapping seed orders: 27.5 s/epoch; --lr x0.5 or x2 0.274, 0.271; the seed's
-                  loop (plain stack, batch 16) 0.009, chance (benchmarks/BENCHMARKS.md).
-  CPU speed       cpu_bf16.yaml (bf16 autocast): 1.48-1.58x the samples/s of float32 on this AVX512-BF16 CPU; photos
-                  in bf16: 0.292 +- 0.008 (3 seeds). python benchmarks/throughput.py --recipes deep_mlp_ckpt
-  sweep           8 segments hold 0.15x the activations (125 of 836 MB at batch 1024) for 1.36x the step
-                  time; 12 and 18 hold the least (0.13x). python recipes/deep_mlp_sweep.py --repeats 5
-  GPU             one H200, batch 128: 4,710 samples/s float32, bf16 x0.62. bash benchmarks/gpu_check.sh
+Result: 8 segments hold 0.15x the activations (125 of 836 MB at batch 1024) for 1.36x the step time
+(python recipes/deep_mlp_sweep.py); photos in CIFAR-100's format (100 classes, 5,000 images): test accuracy
+0.289 +- 0.013 after 5 epochs on a 2-core CPU (3 seeds), the seed's plain stack 0.009. Real CIFAR-100: not
+measured. Other data, CPU and GPU speed: benchmarks/BENCHMARKS.md.
 
 Run it from the repository root (outputs in runs/deep_mlp_ckpt-<time>/):
   accelerate launch --config_file accelerate_configs/1gpu.yaml recipes/deep_mlp_ckpt.py --ckpt sequential
