@@ -38,6 +38,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from tools.measure import synchronize
+
 RECIPES = ("cifar_cnn", "resnet18_fmnist", "deep_mlp_ckpt")
 FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")  # Debian's dataset-fashion-mnist
 SEED_SWEEP_MB = {0: 1717, 2: 1283, 5: 1043, 10: 959}  # seed 003's CUDA memory at batch 16, by segments
@@ -243,15 +246,13 @@ def run_figures(result: subprocess.CompletedProcess, run: Path) -> dict:
 
 
 def train_flops_per_sample(recipe: str) -> float:
-    """Forward and backward FLOPs of one training sample of the recipe's model (torch.utils.flop_counter)."""
-    from torch.utils.flop_counter import FlopCounterMode
+    """Forward and backward FLOPs of one training sample of the recipe's model, counted as throughput.py counts."""
+    from throughput import flops_per_sample  # benchmarks/, this script's folder
 
-    sys.path.insert(0, str(ROOT))
     module = __import__(f"recipes.{recipe}", fromlist=["make_model"])
     model, images = module.make_model(10, module.Config()), torch.zeros(2, *module.IMAGE_SHAPE, dtype=torch.uint8)
-    with FlopCounterMode(display=False) as counter:
-        model(module.preprocess(images, training=False)).sum().backward()
-    return counter.get_total_flops() / 2
+    return flops_per_sample(model, module.preprocess(images, training=False), torch.zeros(2, dtype=torch.long),
+                            module.loss_fn)
 
 
 def read_json(path: Path) -> dict:
@@ -275,11 +276,6 @@ def load_weights(run: Path) -> dict:
 
 def max_abs_diff(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def device_name() -> str:

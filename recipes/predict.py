@@ -93,8 +93,8 @@ def describe_weights(cfg: Config) -> dict:
     if path.is_dir() and path.resolve().parent.name == "checkpoints" and run_config.is_file():
         try:
             config = json.loads(run_config.read_text())
-        except ValueError:
-            raise RecipeError(f"{run_config} is not JSON: pass --recipe and --classes") from None
+        except ValueError:  # damaged: as a bare state dict, --recipe and --classes say what it is
+            return {}
         if isinstance(config, dict):
             return {"recipe": config.get("recipe"), "flags": config, "classes": config.get("classes")}
     return {}

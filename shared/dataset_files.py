@@ -116,11 +116,12 @@ def read_idx(path: Path) -> np.ndarray:
                                   "00 00 08 and 1 to 3 dimensions): download it again")
             dims = f.read(4 * magic[3])
             shape = tuple(int.from_bytes(dims[i:i + 4], "big") for i in range(0, len(dims), 4))
-            check_size(path, math.prod(shape))
-            raw, extra = f.read(math.prod(shape)), f.read(1)  # gzip: decompresses only what it returns
+            size = math.prod(shape)
+            check_size(path, size)
+            raw, extra = f.read(size), f.read(1)  # gzip: decompresses only what it returns
     except (OSError, EOFError, zlib.error, MemoryError) as error:  # a truncated or corrupt .gz; no memory left
         raise RecipeError(f"{path} cannot be read ({first_line(error)}): download it again") from None
-    if len(dims) < 4 * magic[3] or len(raw) != math.prod(shape) or extra:
+    if len(dims) < 4 * magic[3] or len(raw) != size or extra:
         size = f"more than {len(magic + dims + raw):,}" if extra else f"{len(magic + dims + raw):,}"
         raise RecipeError(f"{path} is {size} bytes, not what its header says ({shape}): the file is truncated "
                           "or damaged; download it again")
@@ -144,9 +145,9 @@ def read_idx_splits(files: dict[str, list[Path]]):
             raise RecipeError(f"{images_file.parent}: {images_file.name} holds {images.shape} and {labels_file.name} "
                               f"{labels.shape}: expected (N, height, width) images and N labels; download them again")
         splits[split] = (torch.from_numpy(images.copy())[:, None], torch.from_numpy(labels.astype(np.int64)))
-    test_labels = files["test"][1]
-    fashion = ("fashion" in str(test_labels.parent).lower()
-               or hashlib.sha256(read_idx(test_labels).tobytes()).hexdigest().startswith(FASHION_MNIST_TEST_LABELS))
+    test_labels = splits["test"][1].to(torch.uint8).numpy().tobytes()  # the file's bytes: read once, above
+    fashion = ("fashion" in str(files["test"][1].parent).lower()
+               or hashlib.sha256(test_labels).hexdigest().startswith(FASHION_MNIST_TEST_LABELS))
     if fashion:  # its ten names: a label outside them is refused, not taken as an eleventh class
         return splits, FASHION_MNIST
     return splits, [str(i) for i in range(max(int(labels.max()) for _, labels in splits.values()) + 1)]
@@ -213,7 +214,9 @@ def read_batch(path: Path) -> dict:
     """A CIFAR file as a dict, read whole first (bounded by MAX_FILE_BYTES), its opcodes counted before it is built."""
     try:
         check_size(path, path.stat().st_size)
-        raw = path.read_bytes()  # from memory: a claimed length the file lacks allocates nothing
+        raw = path.read_bytes()
+        # genops first: it counts the operations and checks each claimed length against the bytes that follow, before
+        # the C unpickler, which allocates a string or bytes of its claimed length before reading it.
         if sum(1 for _ in pickletools.genops(raw)) > MAX_PICKLE_OPS:
             raise pickle.UnpicklingError(f"more than {MAX_PICKLE_OPS:,} pickle operations")
         batch = CifarUnpickler(io.BytesIO(raw), encoding="latin1").load()  # Python 2 wrote its strings as latin-1
