@@ -83,7 +83,7 @@ def run_recipe(recipe: str, data: str, config: str, epochs: int, seed: int, lr: 
         return {"eval_acc": None, "error": error.strip()}
     summary = json.loads((out / "summary.json").read_text())
     points = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {**{k: v for k, v in summary.items() if k.startswith("eval_acc")}, "best_eval_acc": summary["best_eval_acc"],
+    return {**{k: v for k, v in summary.items() if k.startswith("eval_acc")}, "best_eval_acc": summary["max_eval_acc"],
             "s_per_epoch": summary["wall_s"] / summary["epochs"],
             "eval_acc_per_epoch": [p["eval_acc"] for p in points if "eval_acc" in p and "steps" not in p]}
 

@@ -1,5 +1,5 @@
-"""What the recipes' `mallopt` line is worth on a CPU: the same training steps in fresh processes, with glibc's
-default allocator settings and with freed memory kept for reuse, taking turns.
+"""What the recipes' `memory.keep_freed_memory()` is worth on a CPU: the same training steps in fresh processes,
+with glibc's default allocator settings and with freed memory kept for reuse, taking turns.
 
 glibc returns a freed block over 128 KiB (a threshold that grows up to 32 MiB as blocks are freed) to the kernel,
 and trims the heap's free top; the next step's activations then come back as fresh pages that the kernel faults in
@@ -29,7 +29,9 @@ from torch.utils.data import DataLoader
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from throughput import RECIPES, benchmark_data, keep_freed_memory  # noqa: E402  (after the path setup)
+from shared.memory import keep_freed_memory  # noqa: E402  (after the path setup)
+
+from throughput import RECIPES, benchmark_data  # noqa: E402
 
 
 def child(args) -> None:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import importlib
 import itertools
 import json
@@ -56,6 +55,7 @@ from torchvision import transforms
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from shared.data import make_synthetic
+from shared.memory import keep_freed_memory
 from tools.measure import synchronize
 
 # recipe -> CPU batch size, image shape, classes, the seed-style per-image augmentation.
@@ -68,12 +68,6 @@ OPTIONS = ["float32", "bf16", "channels_last", "bf16+channels_last", "compile", 
            "channels_last+compile", "bf16+channels_last+compile"]
 # Dynamo keys its compiled code on the forward's code object, which every nn.Sequential shares: one entry per model.
 torch._dynamo.config.recompile_limit = 64
-
-
-def keep_freed_memory() -> None:
-    """What the recipes do on a Linux CPU (see their train()): glibc keeps freed memory instead of returning it."""
-    libc = ctypes.CDLL(None)
-    libc.mallopt(-3, 1 << 30), libc.mallopt(-1, 1 << 30)  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD: 1 GiB
 
 
 def benchmark_data(name: str) -> Path:

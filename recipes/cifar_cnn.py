@@ -15,10 +15,8 @@ curves.png, model.safetensors, checkpoints/):
   python recipes/cifar_cnn.py --synthetic --max_steps 200      # offline smoke run, no download
 """
 
-import ctypes
 import math
 import sys
-import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,8 +31,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it
-from shared import augment, diagnostics, schedule, tracking  # device augmentation; lr, EMA; pictures; run files
-from shared.batch_size import largest_batch_size
+from shared import augment, diagnostics, memory, schedule, tracking  # augmentation; pictures; lr, EMA; run files
 from shared.batches import EpochOrder
 from shared.checkpoints import Checkpoints, Progress
 from shared.config import RunConfig
@@ -119,9 +116,10 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean")
     return F.cross_entropy(logits.float(), labels, reduction=reduction)
 
 
-def correct(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The metric: right answers in a batch (train_acc and eval_acc divide it by the count). Add a metric here."""
-    return (logits.argmax(dim=1) == labels).sum()
+def metric_sums(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The metrics, each summed over a batch: logged as train_<name> and eval_<name> (divided by the samples) in
+    metrics.jsonl, the trackers, curves.png and summary.json, and by predict.py --evaluate. Add a metric here."""
+    return {"acc": (logits.argmax(dim=1) == labels).sum()}
 
 
 @torch.no_grad()  # no autograd graph: evaluation needs no gradients, and would hold every activation
@@ -141,7 +139,8 @@ def evaluate(model, loader, accelerator, cfg: Config) -> tuple[dict, torch.Tenso
         outputs, labels = accelerator.gather_for_metrics((outputs, labels))
         for suffix, logits in outputs.items():
             sums[f"eval_loss{suffix}"] += loss_fn(logits, labels, reduction="sum")
-            sums[f"eval_acc{suffix}"] += correct(logits, labels)
+            for name, value in metric_sums(logits, labels).items():
+                sums[f"eval_{name}{suffix}"] += value
         predictions.append(outputs[""].argmax(dim=1))
     count = sum(len(p) for p in predictions)
     return {**{k: (v / count).item() for k, v in sums.items()}, "eval_samples": count}, torch.cat(predictions).cpu()
@@ -159,11 +158,8 @@ def train(cfg: Config) -> None:
         project_dir=run_dir,
         log_with=trackers,  # wandb or TensorBoard, and config.json, metrics.jsonl, summary.json, curves.png
     )
-    if accelerator.device.type == "cpu" and sys.platform == "linux":
-        # glibc hands freed blocks over 128 KiB back to the kernel, so every step faults its activations in again as
-        # fresh zeroed pages: up to a quarter of a CPU step here (benchmarks/BENCHMARKS.md). Keep freed memory instead.
-        libc = ctypes.CDLL(None)
-        libc.mallopt(-3, 1 << 30), libc.mallopt(-1, 1 << 30)  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD: 1 GiB
+    if accelerator.device.type == "cpu":  # up to a quarter faster steps: freed activations reused (BENCHMARKS.md)
+        memory.keep_freed_memory()  # glibc keeps freed memory instead of returning it to the kernel
     set_seed(cfg.seed, device_specific=True)  # seed + rank: each process its own crops, flips and dropout masks
     with accelerator.local_main_process_first():  # one process per machine decodes into the machine's cache
         train_set, test_set = load_data(cfg)
@@ -172,11 +168,11 @@ def train(cfg: Config) -> None:
     batch_size = cfg.batch_size
     if cfg.auto_batch_size:  # halve --batch_size until two training steps fit in memory, on every process
         layout = torch.channels_last if cfg.channels_last else torch.contiguous_format  # tried as the run trains
-        batch_size = largest_batch_size(accelerator, batch_size, train_set,
-                                        lambda: make_model(len(train_set.classes), cfg).to(memory_format=layout),
-                                        lambda model: make_optimizer(model, cfg),
-                                        lambda images: preprocess(images, cfg.augment).contiguous(
-                                            memory_format=layout), loss_fn)
+        batch_size = memory.largest_batch_size(
+            accelerator, batch_size, train_set,
+            lambda: make_model(len(train_set.classes), cfg).to(memory_format=layout),
+            lambda model: make_optimizer(model, cfg),
+            lambda images: preprocess(images, cfg.augment).contiguous(memory_format=layout), loss_fn)
     # Each epoch's order is a function of (seed, epoch), resumable at any sample (see EpochOrder). Own generators:
     # every new DataLoader iterator draws a seed, and drawing it from the global RNG would shift the augmentation's
     # random numbers after a mid-epoch resume (no longer bitwise exact).
@@ -206,9 +202,11 @@ def train(cfg: Config) -> None:
                         use_buffers=True) if cfg.ema else None
     if ema is not None:
         accelerator.register_for_checkpointing(ema)  # in every checkpoint, so a resume continues it exactly
-    checkpoints = Checkpoints(accelerator, run_dir, cfg)  # SIGTERM or Ctrl-C: checkpoint after this step, exit 0
+    checkpoints = Checkpoints(accelerator, run_dir, cfg)
+    # SIGTERM (sent by SLURM and most schedulers before a kill) or Ctrl-C: finish this step, save, exit 0 (after_step).
+    checkpoints.stop_on_signals()
     checkpoint = checkpoints.resume(progress)  # with --resume: the checkpoint loaded, else None
-    order.set_position(progress.epoch, progress.samples_seen)
+    order.set_position(progress.epoch, progress.samples_into_epoch)
     # Optimizer steps to the end of --epochs from where the run stands: the rest of this epoch, then whole ones
     # (counted this way, a resume on another number of processes still ends after --epochs).
     batches_left = len(train_loader) + (cfg.epochs - progress.epoch - 1) * epoch_batches
@@ -216,14 +214,14 @@ def train(cfg: Config) -> None:
     if epoch_batches < cfg.grad_accum or total_steps == 0:  # an epoch must hold a step (drop_last: whole batches)
         raise RecipeError(f"{len(train_set)} training images make no full step of {global_batch_size}: "
                           "lower --batch_size or --grad_accum")
-    epochs = total_steps * cfg.grad_accum / epoch_batches  # a fraction with --max_steps
+    run_epochs = total_steps * cfg.grad_accum / epoch_batches  # the run's length: a fraction with --max_steps
     log_every = cfg.log_every or max(1, total_steps // 100)  # about 100 points on each curve
 
     data_name = "SYNTHETIC data" if cfg.synthetic else cfg.data
     accelerator.print(f"{RECIPE}: {data_name}, {len(train_set)} train / {len(test_set)} test images | "
                       f"{accelerator.num_processes} process(es) on {accelerator.device}, "
                       f"precision {accelerator.mixed_precision} | "
-                      f"global batch {global_batch_size}, {total_steps} steps ({epochs:.3g} epochs) | {run_dir}")
+                      f"global batch {global_batch_size}, {total_steps} steps ({run_epochs:.3g} epochs) | {run_dir}")
     config = tracking.run_config(cfg, accelerator, run_dir, recipe=RECIPE, script=__file__, data=data_name,
                                  batch_size=batch_size, global_batch_size=global_batch_size, total_steps=total_steps,
                                  train_size=len(train_set), test_size=len(test_set), classes=train_set.classes,
@@ -232,13 +230,13 @@ def train(cfg: Config) -> None:
     checkpoints.check_resume(config, progress)  # steps left to run? what changed, and what that changes
     accelerator.init_trackers(RECIPE, config=config)
 
-    start, window = time.perf_counter(), tracking.TrainWindow(accelerator)
+    window = tracking.TrainWindow(accelerator, progress)  # train_* points, and the run's time across its pieces
     profiler = diagnostics.start_profiler(accelerator, run_dir, total_steps - progress.step) if cfg.profile else None
     show_bar = accelerator.is_local_main_process and sys.stderr.isatty()
     while progress.step < total_steps:
         model.train()
-        order.set_position(progress.epoch, progress.samples_seen)  # this epoch's order, from the first unseen sample
-        bar = tqdm(train_loader, desc=f"epoch {progress.epoch + 1}/{math.ceil(epochs)}", disable=not show_bar,
+        order.set_position(progress.epoch, progress.samples_into_epoch)  # this epoch's order, from the first unseen one
+        bar = tqdm(train_loader, desc=f"epoch {progress.epoch + 1}/{math.ceil(run_epochs)}", disable=not show_bar,
                    leave=False)
         for images, labels in bar:
             lr = schedule.one_cycle_lr(progress.step, total_steps, cfg.lr)  # a function of the step, no state
@@ -256,8 +254,8 @@ def train(cfg: Config) -> None:
                     window.add_grad_norm(accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
                 optimizer.step()  # does nothing until the last batch of the accumulation
                 optimizer.zero_grad()
-            progress.samples_seen += len(labels) * accelerator.num_processes
-            window.add(loss, correct(logits.detach(), labels), len(labels))  # summed on the device: no GPU sync
+            progress.samples_into_epoch += len(labels) * accelerator.num_processes
+            window.add(loss, metric_sums(logits.detach(), labels), len(labels))  # summed on the device: no sync
             if not accelerator.sync_gradients:
                 continue
             if ema is not None:
@@ -265,28 +263,29 @@ def train(cfg: Config) -> None:
             if profiler is not None:
                 profiler.step()
             progress.step += 1
+            window.heartbeat(progress.step, total_steps)  # without a terminal (a log file): a line every 30 s
             log_now = progress.step % log_every == 0 or progress.step == total_steps
             if log_now:
-                epoch = progress.epoch + progress.samples_seen / epoch_samples
+                epoch = progress.epoch + progress.samples_into_epoch / epoch_samples
                 point = {"epoch": epoch, "lr": lr, **window.flush(progress.step)}
                 accelerator.log(point, step=progress.step)
                 bar.set_postfix(loss=f"{point['train_loss']:.3f}", acc=f"{point['train_acc']:.3f}",
                                 samples_per_s=f"{point['samples_per_s']:.0f}")
             with window.paused():  # checkpointing is not training time
-                if checkpoints.step_done(model, progress.step, synced=log_now):  # a stop was asked: saved, exit
+                if checkpoints.after_step(model, progress.step, at_log_point=log_now):  # a stop was asked: saved
                     accelerator.end_training()
                     return
             if progress.step == total_steps:
                 break
-        if len(train_set) - progress.samples_seen < batch_size * accelerator.num_processes:  # no full batch left
-            progress.epoch, progress.samples_seen = progress.epoch + 1, 0
+        if len(train_set) - progress.samples_into_epoch < batch_size * accelerator.num_processes:  # no full batch left
+            progress.epoch, progress.samples_into_epoch = progress.epoch + 1, 0
         with window.paused():
             metrics, predictions = evaluate(model, test_loader, accelerator, cfg)
             if ema is not None:  # BatchNorm statistics differ between processes: the main process's, as DDP does
                 broadcast(list(ema.module.buffers()))
                 ema_metrics, _ = evaluate(ema, test_loader, accelerator, cfg)
                 metrics |= {f"{key}_ema": value for key, value in ema_metrics.items() if key != "eval_samples"}
-        progress.best_eval_acc = max(progress.best_eval_acc, metrics["eval_acc"])
+        progress.max_eval_acc = max(progress.max_eval_acc, metrics["eval_acc"])  # reported, never selected on
         accelerator.log(metrics, step=progress.step)
         accelerator.print(f"step {progress.step}/{total_steps}  "
                           + "  ".join(f"{key} {value:.4f}" for key, value in metrics.items() if key != "eval_samples"))
@@ -294,8 +293,7 @@ def train(cfg: Config) -> None:
     if profiler is not None:
         profiler.stop()
     checkpoints.save(model, progress.step)  # a no-op if this step is already saved
-    wall_s = time.perf_counter() - start
-    summary = window.summary(progress, wall_s, progress.epoch + progress.samples_seen / epoch_samples, data_name)
+    summary = window.summary(progress.epoch + progress.samples_into_epoch / epoch_samples, data_name)  # whole run
     # With --ema the average is the model: choosing between it and the trained weights by their test accuracy would
     # select on the test set. The trained weights stay in the last checkpoint (predict.py --evaluate takes either).
     checkpoints.save_weights(model if ema is None else ema.module, {  # model.safetensors
@@ -305,8 +303,10 @@ def train(cfg: Config) -> None:
     accelerator.log(summary, step=progress.step)
     accelerator.wait_for_everyone()  # gloo's exit race (docs/troubleshooting.md) is rarer if all leave together
     accelerator.end_training()
-    accelerator.print(f"done: eval_acc {metrics['eval_acc']:.4f} after {progress.step} steps in {wall_s:.0f} s; "
-                      f"model.safetensors holds the {'trained' if ema is None else 'EMA'} weights; files in {run_dir}")
+    saved = "trained" if ema is None else "EMA"  # the weights in model.safetensors, and their test accuracy
+    accelerator.print(f"done: {saved} weights' eval_acc {metrics['eval_acc' if ema is None else 'eval_acc_ema']:.4f} "
+                      f"after {progress.step} steps, {summary['wall_s']:.0f} s in {summary['pieces']} piece(s); "
+                      f"model.safetensors and the run's files in {run_dir}")
 
 
 def main() -> None:

@@ -27,28 +27,35 @@ from shared.errors import RecipeError, first_line
 from shared.resume import check_resume, find_checkpoint, list_checkpoints
 
 STOP_CHECK_S = 1.0  # several processes agree on a stop about this often (seconds of training)
+PR_SET_PDEATHSIG = 1  # prctl: the signal this process gets when its parent dies (<linux/prctl.h>)
 
 
 class Progress:
     """Where training stands. Registered with accelerator.register_for_checkpointing, it is saved and restored
     with the model: the counters can never disagree with the weights."""
 
+    RENAMED = {"samples_seen": "samples_into_epoch", "best_eval_acc": "max_eval_acc"}  # in older checkpoints
+
     def __init__(self):
         self.step = 0  # optimizer steps taken
         self.epoch = 0  # epochs completed
-        self.samples_seen = 0  # samples of this epoch's order trained on, by all processes together
-        self.best_eval_acc = 0.0
+        self.samples_into_epoch = 0  # samples of this epoch's order trained on, by all processes together
+        self.max_eval_acc = 0.0  # the highest test accuracy of any evaluation: reported, never used to pick weights
+        self.pieces = 0  # launches that trained this run: 1, plus one per resume
+        self.train_samples, self.train_s = 0, 0.0  # samples and seconds of training (no evaluation, no saving)
+        self.wall_s = 0.0  # seconds from each launch's first step to its last checkpoint (the last: to its end)
 
     def state_dict(self) -> dict:
         return dict(vars(self))
 
     def load_state_dict(self, state: dict) -> None:
-        if "samples_seen" not in state:
+        state = {self.RENAMED.get(key, key): value for key, value in state.items()}
+        if "samples_into_epoch" not in state:
             raise ValueError("this checkpoint counts its place in the epoch in batches, as the recipes did before "
                              "they counted samples; resume it with the version of the recipe that wrote it")
-        counters = ("step", "epoch", "samples_seen")
-        if any(type(state[k]) is not int or not 0 <= state[k] < 2**62 for k in counters if k in state) \
-                or type(state.get("best_eval_acc", 0.0)) not in (int, float):
+        counts = ("step", "epoch", "samples_into_epoch", "pieces", "train_samples")
+        if any(type(state.get(k, 0)) is not int or not 0 <= state.get(k, 0) < 2**62 for k in counts) or any(
+                type(state.get(k, 0.0)) not in (int, float) for k in ("max_eval_acc", "train_s", "wall_s")):
             raise ValueError(f"its progress is not counts of steps, epochs and samples: {str(state)[:100]}")
         vars(self).update({k: state[k] for k in vars(self) if k in state})
 
@@ -56,8 +63,8 @@ class Progress:
 class Checkpoints:
     """The run's checkpoints/ folder and its final weights.
 
-    SIGTERM (what SLURM and most schedulers send before they kill a job) or SIGINT (Ctrl-C) asks the run to
-    stop: it finishes the optimizer step, saves a checkpoint and exits 0. Later signals change nothing
+    After `stop_on_signals()`, SIGTERM or SIGINT asks the run to stop: it finishes the optimizer step, saves a
+    checkpoint and exits 0. Later signals change nothing
     (torchrun forwards the first one again, and that must not cost the checkpoint); kill -9 stops at once.
 
     How soon: one process stops after the step in flight. Several processes must first agree on a step, which they
@@ -71,14 +78,19 @@ class Checkpoints:
         self.resumed_from = self.signal = None
         self.saved = set()  # checkpoints this launch wrote: the only ones `save` may take as already saved
         self.next_check, self.last_check = 0, None  # the step of the processes' next agreement on a stop; the last's
+
+    def stop_on_signals(self) -> None:
+        """From now on SIGTERM (what SLURM and most schedulers send before they kill a job) and SIGINT (Ctrl-C) ask
+        the run to stop: `after_step` then saves a checkpoint and returns True. Without this call they kill it."""
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._on_signal)
         if sys.platform == "linux" and "LOCAL_RANK" not in os.environ and launched_by_accelerate():
             # `accelerate launch` of one process starts this script and waits: it forwards no signal (accelerate
             # #929), so a SIGTERM to it (Kubernetes stops a container's first process; a user kills the pid they
-            # see) would leave this process training on, never saving. The kernel sends SIGTERM here when the
-            # launcher dies: the stop above then saves a checkpoint. torchrun (several processes) forwards signals.
-            ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+            # see) would leave this process training on, never saving. Asked here, the kernel sends SIGTERM to this
+            # process when the launcher dies, and the stop saves a checkpoint. torchrun (several processes) forwards
+            # signals itself, and a script run with `python` has no launcher to lose.
+            ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
     def _on_signal(self, signum, frame):
         self.signal = self.signal or signal.Signals(signum).name
@@ -145,21 +157,19 @@ class Checkpoints:
             check_resume(self.resumed_from, config, progress)
             self.branch(self.resumed_from, progress.step)
 
-    def step_done(self, model, step: int, synced: bool) -> bool:
+    def after_step(self, model, step: int, at_log_point: bool) -> bool:
         """After each optimizer step: checkpoint every --checkpoint_every steps, and when a stop was asked, checkpoint
         this step and print the command that continues the run. True: stop now.
 
         Several processes must agree to stop, or one would wait in the checkpoint's barrier while another runs the
-        next all-reduce. They agree where the step already waits for the device (`synced`: log points), at
+        next all-reduce. They agree where the step already waits for the device (`at_log_point`), at
         checkpoints, and at least every STOP_CHECK_S seconds: log points alone can be minutes apart, and torchrun
         kills the workers 30 s after a SIGTERM."""
         save_now = self.cfg.checkpoint_every > 0 and step % self.cfg.checkpoint_every == 0
         if self.accelerator.num_processes == 1:
             stopping = self.signal is not None
-        elif synced or save_now or step >= self.next_check:
-            stopping = self._agree_to_stop(step)
         else:
-            stopping = False
+            stopping = (at_log_point or save_now or step >= self.next_check) and self._agree_to_stop(step)
         if save_now or stopping:
             self.save(model, step)
         if stopping:

@@ -1,6 +1,8 @@
-"""Command-line flags from a Config dataclass: `--field_name` for every field, and the comment after
-the field is its `--help`, so default, unit and meaning sit on one line in the recipe. Booleans become
-`--flag / --no-flag`, `Literal[...]` fields get their choices, `X | None = None` fields are optional."""
+"""Command-line flags from a Config dataclass: `--field_name` for every field, and the comment after the field is
+its `--help`, so default, unit and meaning sit on one line in the recipe. The comments are read from the source file,
+as simple-parsing reads them: no second list of help texts to keep in step; without a file (a notebook cell, exec())
+the flags work without help. Booleans become `--flag / --no-flag`, `Literal[...]` fields get their choices,
+`X | None = None` fields are optional."""
 
 from __future__ import annotations
 
@@ -27,8 +29,11 @@ def parse_config(cls: type, argv: list[str] | None = None):
     parser.error = lambda message: parser.exit(2, f"{parser.prog}: error: {message} (see --help)\n")
     helps = {}  # field -> the comment after it, base classes first so the recipe's own comments win
     for klass in reversed(cls.__mro__):
-        if dataclasses.is_dataclass(klass):
-            helps.update(re.findall(r"^\s+(\w+): [^#\n]*#\s*(.*)$", inspect.getsource(klass), re.M))
+        try:  # the class's lines in its file: a recipe run from a notebook cell or exec() has none, and no help
+            source = inspect.getsource(klass) if dataclasses.is_dataclass(klass) else ""
+        except (OSError, TypeError):
+            source = ""
+        helps.update(re.findall(r"^\s+(\w+): [^#\n]*#\s*(.*)$", source, re.M))
     # What the recipe's Config declares (its own fields and the shared ones it gives a default) first.
     declared = {name for klass in cls.__mro__ if klass not in (RunConfig, object)
                 for name in vars(klass).get("__annotations__", {})}

@@ -14,11 +14,12 @@ import logging
 import os
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import datasets
 import numpy as np
 import torch
 import torch.nn.functional as F
+from huggingface_hub.constants import HF_HOME
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -27,9 +28,14 @@ from shared.batches import ImageTensors
 from shared.dataset_files import DatasetFiles, find_dataset_files
 from shared.errors import RecipeError, first_line, is_main_process
 
+if TYPE_CHECKING:  # for the annotations only
+    import datasets
+
 GRAYSCALE_MODES = {"1", "L", "LA"}
 WIDE_MODES = {"I", "I;16", "I;16B", "I;16L", "I;16N", "F"}  # 16/32-bit and float pixels
-CACHE_DIR = Path(datasets.config.HF_DATASETS_CACHE) / "decoded"  # beside the datasets' own cache
+# Beside datasets' own cache (its config.HF_DATASETS_CACHE, found as datasets finds it: datasets is imported only
+# where a dataset needs it, not for IDX or CIFAR files and --synthetic; it is 0.6 s of a start).
+CACHE_DIR = Path(os.environ.get("HF_DATASETS_CACHE", Path(HF_HOME) / "datasets")) / "decoded"
 
 
 def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: bool = False,
@@ -41,11 +47,13 @@ def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: b
     path = Path(source).expanduser()
     if path.is_dir() and (files := find_dataset_files(path)):
         return load_dataset_files(files, source, image_shape)
+    import datasets
+
     train, test = pick_splits(open_dataset(source), source)
     image_column, label_column, classes = find_columns(train, source)
-    stored = train.cast_column(image_column, datasets.Image(decode=False))[0][image_column]
-    file = image_file(stored)
-    read_image(file, image_shape, describe(source, "train", 0, stored))  # a bad first image: one line, at once
+    file, where = image_file(train.cast_column(image_column, datasets.Image(decode=False))[0][image_column], source,
+                             "train", 0)
+    read_image(file, image_shape, where)  # a bad first image: one line, at once
     with Image.open(io.BytesIO(file) if isinstance(file, bytes) else file) as first:  # its header: mode and size
         check_conversion(source, image_shape, 1 if first.mode in GRAYSCALE_MODES else 3, (first.height, first.width))
     return tuple(decode_split(split, name, source, image_column, label_column, classes, image_shape)
@@ -53,6 +61,8 @@ def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: b
 
 
 def open_dataset(source: str) -> datasets.DatasetDict:
+    import datasets
+
     path = Path(source).expanduser()
     if path.exists():
         datasets.disable_progress_bars()  # a local folder loads in moments: no bars on stderr
@@ -96,6 +106,8 @@ def pick_splits(splits: datasets.DatasetDict, source: str):
 
 def find_columns(split: datasets.Dataset, source: str) -> tuple[str, str, list[str]]:
     """The image column (a datasets.Image feature), the label column and the class names."""
+    import datasets
+
     features = split.features
     columns = ", ".join(f"{name} ({type(feature).__name__})" for name, feature in features.items())
     image_column = next((n for n, f in features.items() if isinstance(f, datasets.Image)), None)
@@ -116,6 +128,8 @@ def find_columns(split: datasets.Dataset, source: str) -> tuple[str, str, list[s
 def decode_split(split, name, source, image_column, label_column, classes, image_shape) -> ImageTensors:
     """Decode every image once into uint8 (N, C, H, W); cached on disk by what the tensors come from: the split's
     fingerprint (datasets' own hash of its data; it has no public name), the shape, and the decoding code."""
+    import datasets
+
     channels, height, width = image_shape
     cache = CACHE_DIR / f"{split._fingerprint}-{name}-{channels}x{height}x{width}-{decoder_hash()}.safetensors"
     if cache.exists():
@@ -127,8 +141,9 @@ def decode_split(split, name, source, image_column, label_column, classes, image
     labels = torch.empty(len(split), dtype=torch.int64)
     for start in range(0, len(split), 1000):
         batch = split[start:start + 1000]
-        for i, file in enumerate(batch[image_column], start):
-            images[i] = read_image(image_file(file), image_shape, describe(source, name, i, file))
+        for i, stored in enumerate(batch[image_column], start):
+            file, where = image_file(stored, source, name, i)
+            images[i] = read_image(file, image_shape, where)
         if None in batch[label_column]:
             raise RecipeError(f"{source} '{name}' image {start + batch[label_column].index(None)} has no label: an "
                               "imagefolder needs a subfolder per class (<split>/<class>/<image>); a dataset, a label "
@@ -142,13 +157,10 @@ def decode_split(split, name, source, image_column, label_column, classes, image
     return ImageTensors(images, labels, classes, name)
 
 
-def image_file(stored: dict) -> bytes | str:
-    """What an undecoded datasets.Image holds: the file's bytes, or its path."""
-    return stored["bytes"] if stored.get("bytes") is not None else stored.get("path") or ""
-
-
-def describe(source: str, split: str, index: int, stored: dict) -> str:
-    return f"{source} '{split}' image {index}" + (f" ({stored['path']})" if stored.get("path") else "")
+def image_file(stored: dict, source: str, split: str, index: int) -> tuple[bytes | str, str]:
+    """What an undecoded datasets.Image holds (the file's bytes, or its path), and how to name it in an error."""
+    where = f"{source} '{split}' image {index}" + (f" ({stored['path']})" if stored.get("path") else "")
+    return stored["bytes"] if stored.get("bytes") is not None else stored.get("path") or "", where
 
 
 def read_image(file: bytes | str | Path, image_shape: tuple[int, int, int], where: str) -> torch.Tensor:

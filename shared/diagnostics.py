@@ -11,7 +11,6 @@ from PIL import Image
 
 from shared.errors import RecipeError
 
-ACCURACIES = ("train_acc", "eval_acc", "eval_acc_tta", "eval_acc_ema", "eval_acc_tta_ema")  # those logged: curves.png
 PROFILE_STEPS = {"wait": 5, "warmup": 2, "active": 5}  # --profile: skip 5 optimizer steps, warm up 2, record 5
 
 
@@ -25,16 +24,18 @@ def pyplot():
 
 
 def plot_curves(rows: list[dict], path: Path, title: str) -> None:
-    """Loss and accuracy (train and eval) and the gradient norm against the optimizer step."""
+    """Loss, the recipe's metrics (train and eval) and the gradient norm against the optimizer step."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for ax, keys, ylabel in zip(axes, (("train_loss", "eval_loss"), ACCURACIES, ("grad_norm",)),
-                                ("cross-entropy loss", "accuracy", "gradient L2 norm, before clipping")):
+    metrics = sorted({key for row in rows for key in row if key.startswith(("train_", "eval_")) and "loss" not in key
+                      and key != "eval_samples"})  # train_<name> and eval_<name> of each of metric_sums
+    for ax, keys, ylabel in zip(axes, (("train_loss", "eval_loss"), metrics, ("grad_norm",)),
+                                ("loss", "metric (a fraction)", "gradient L2 norm, before clipping")):
         for key in keys:
             points = [(row["step"], row[key]) for row in rows if key in row and row.get("step") is not None]
             if points:
                 ax.plot(*zip(*points), marker="o" if key.startswith("eval") else None, markersize=3, label=key)
-        ax.set(xlabel="optimizer step", ylabel=ylabel, ylim=(0, 1) if ylabel == "accuracy" else None)
+        ax.set(xlabel="optimizer step", ylabel=ylabel, ylim=(0, 1) if keys is metrics else None)
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend()
@@ -94,18 +95,21 @@ def save_pictures(accelerator, run_dir: Path, test_set, predictions: torch.Tenso
                 ax.text(j, i, f"{fraction:.2f}", ha="center", va="center", fontsize=7,
                         color="white" if fraction > 0.5 else "black")
     ax.set(xlabel="predicted", ylabel="true", title=f"confusion matrix: {int(counts.trace())} of {len(labels)} right")
-    wrong = (predictions != labels).nonzero().flatten()
-    rows = max(1, -(-min(len(wrong), 24) // 8))
-    misclassified, axes = plt.subplots(rows, 8, figsize=(16, 2.2 * rows), squeeze=False)
-    for ax in axes.flat:
-        ax.axis("off")
-    for ax, index in zip(axes.flat, wrong[:24].tolist()):  # the first 24 the model got wrong
-        image = test_set.images[index].permute(1, 2, 0).cpu().numpy()
-        ax.imshow(image[..., 0] if image.shape[2] == 1 else image, cmap="gray" if image.shape[2] == 1 else None)
-        ax.set_title(f"{classes[labels[index]]}\n-> {classes[predictions[index]]}", fontsize=8)
-    misclassified.suptitle(f"misclassified test images: {min(len(wrong), 24)} shown of {len(wrong)}")
+    wrong = (predictions != labels).nonzero().flatten()[:24].tolist()  # the first 24 the model got wrong
+    rows, (c, h, w) = max(1, -(-len(wrong) // 8)), test_set.images.shape[1:]
+    # One image of 8 x rows cells, each with room above for its caption: one Axes draws in a tenth of the time of 24.
+    sheet = torch.full((rows, 8, c, 2 * h, w + w // 8), 255, dtype=torch.uint8)
+    misclassified, ax = plt.subplots(figsize=(16, 2.2 * rows))
+    for cell, index in enumerate(wrong):
+        sheet[cell // 8, cell % 8, :, h:, :w] = test_set.images[index].cpu()
+        ax.text((cell % 8 + 0.45) * sheet.shape[-1], (cell // 8 + 0.45) * 2 * h, ha="center", fontsize=8,
+                s=f"{classes[labels[index]]}\n-> {classes[predictions[index]]}")
+    sheet = sheet.permute(0, 3, 1, 4, 2).reshape(rows * 2 * h, 8 * sheet.shape[-1], c).numpy()
+    ax.imshow(sheet[..., 0] if c == 1 else sheet, cmap="gray" if c == 1 else None, vmin=0, vmax=255)
+    ax.axis("off")
+    ax.set_title(f"misclassified test images: {len(wrong)} shown of {int((predictions != labels).sum())}")
     for name, figure in (("confusion_matrix", confusion), ("misclassified", misclassified)):
-        figure.tight_layout()
+        figure.tight_layout()  # the confusion matrix's class names need it
         figure.canvas.draw()  # drawn once: the PNG and the trackers' images are these pixels (savefig draws again)
         pixels = np.asarray(figure.canvas.buffer_rgba())[..., :3].copy()  # (H, W, 3) uint8
         Image.fromarray(pixels).save(Path(run_dir) / f"{name}.png")

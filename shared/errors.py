@@ -35,34 +35,31 @@ def one_line_errors():
     """RecipeError -> one line on stderr (rank 0) and exit status 1."""
     try:
         yield
-    except RecipeError as error:
-        if is_main_process():
-            print(f"error: {error}", file=sys.stderr, flush=True)
-        sys.exit(1)
-    except MemoryError:  # a CPU allocation; the readers of data files name the file themselves
-        if is_main_process():
-            print("error: out of memory (MemoryError): lower --batch_size, or check that --data holds what it should",
-                  file=sys.stderr, flush=True)
-        sys.exit(1)
-    except torch.OutOfMemoryError as error:
-        if is_main_process():
-            print(f"error: out of GPU memory ({first_line(error)[:120]}): lower --batch_size or pass "
-                  "--auto_batch_size", file=sys.stderr, flush=True)
-        sys.exit(1)
-    except RuntimeError as error:
-        # A collective (barrier, all-reduce) failed because another process stopped first and printed why (or the
-        # launcher will): more tracebacks here would only bury that line. Raised in torch.distributed itself, or
-        # gloo's "Connection reset by peer" when another node died. DDP's own errors (unused parameters, a
-        # reduction left unfinished) are programming errors: they keep their traceback and whole message.
-        frames = traceback.extract_tb(error.__traceback__)
-        in_collective = (bool(frames) and f"torch{os.sep}distributed" in frames[-1].filename
-                         or isinstance(error, torch.distributed.DistError) or "gloo" in str(error))
-        if os.environ.get("WORLD_SIZE", "1") == "1" or not in_collective:
+    except (RecipeError, MemoryError, torch.OutOfMemoryError, RuntimeError) as error:
+        if isinstance(error, RecipeError):
+            message = str(error)
+        elif isinstance(error, MemoryError):  # a CPU allocation; the readers of data files name the file themselves
+            message = "out of memory (MemoryError): lower --batch_size, or check that --data holds what it should"
+        elif isinstance(error, torch.OutOfMemoryError):
+            message = f"out of GPU memory ({first_line(error)[:120]}): lower --batch_size or pass --auto_batch_size"
+        elif os.environ.get("WORLD_SIZE", "1") != "1" and in_collective(error):
+            message = (f"another process of this run stopped ({first_line(error)[:160]}): see its error, or if a node "
+                       "died, start every node again with --resume latest")
+        else:
             raise
         if is_main_process():
-            print(f"error: another process of this run stopped ({first_line(error)[:160]}): see its error, or if a "
-                  "node died, start every node again with --resume latest", file=sys.stderr, flush=True)
+            print(f"error: {message}", file=sys.stderr, flush=True)
         sys.exit(1)
+
+
+def in_collective(error: RuntimeError) -> bool:
+    """A collective (barrier, all-reduce) failed because another process stopped first and printed why (or the
+    launcher will): more tracebacks would only bury that line. Raised in torch.distributed itself, or gloo's
+    "Connection reset by peer" when another node died. DDP's own errors (unused parameters, a reduction left
+    unfinished) are programming errors: they keep their traceback and whole message."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return (bool(frames) and f"torch{os.sep}distributed" in frames[-1].filename
+            or isinstance(error, torch.distributed.DistError) or "gloo" in str(error))
 
 
 def check_launch() -> None:

@@ -50,8 +50,8 @@ def check_resume(checkpoint: Path, config: dict, progress) -> None:
                           "raise --max_steps or --epochs to train on")
     if not PartialState().is_main_process:
         return
-    epoch, left = progress.epoch + 1, config["train_size"] - progress.samples_seen
-    print(f"resuming from {checkpoint}: step {progress.step}, epoch {epoch} after {progress.samples_seen} of its "
+    epoch, left = progress.epoch + 1, config["train_size"] - progress.samples_into_epoch
+    print(f"resuming from {checkpoint}: step {progress.step}, epoch {epoch} after {progress.samples_into_epoch} of its "
           f"{config['train_size']} samples")
     # The configuration that wrote the checkpoint: saved in it (older checkpoints: the run's, beside it).
     previous = next((p for p in (checkpoint / "config.json", checkpoint.parent.parent / "config.json") if p.is_file()),

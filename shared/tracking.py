@@ -9,6 +9,7 @@ end_training). `TrainWindow` measures training between log points.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import json
 import math
 import netrc
@@ -33,6 +34,7 @@ from shared.errors import RecipeError, check_launch, first_line
 from shared.resume import find_checkpoint
 from shared.schedule import SCHEDULE_RULE
 
+HEARTBEAT_S = 30  # without a terminal, TrainWindow.heartbeat prints a line at least this often
 RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "curves.png", "confusion_matrix.png", "misclassified.png",
              "model.safetensors", "checkpoints", "wandb", "tensorboard", "profile", "abandoned")
 
@@ -152,9 +154,9 @@ class WandB(WandBTracker):
     @on_main_process
     def store_init_configuration(self, values: dict):
         # Named from the configuration actually used (--auto_batch_size settles the batch after this is built).
-        self.run.name = (f"{values['recipe']}-{values['world_size']}x{values['mixed_precision']}"
-                         f"-b{values['global_batch_size']}{'-synthetic' if values.get('synthetic') else ''}"
-                         f"-{time.strftime('%m%d-%H%M')}")
+        self.run.name = "-".join([values["recipe"], f"{values['world_size']}x{values['mixed_precision']}",
+                                  f"b{values['global_batch_size']}", *["synthetic"] * bool(values.get("synthetic")),
+                                  time.strftime("%m%d-%H%M")])
         super().store_init_configuration(values)
 
     @on_main_process
@@ -172,33 +174,34 @@ class TensorBoard(TensorBoardTracker):
 def run_config(cfg, accelerator, run_dir: Path, **extra) -> dict:
     """What config.json and the tracker record: every flag, the run folder, the launch and the versions."""
     import accelerate
-    import datasets
 
     return {**dataclasses.asdict(cfg), "output_dir": str(run_dir), **extra, "lr_schedule": SCHEDULE_RULE,
             "world_size": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision,
             "distributed_type": accelerator.distributed_type.value, "device": str(accelerator.device),
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                         "accelerate": accelerate.__version__, "datasets": datasets.__version__}}
+                         "accelerate": accelerate.__version__, "datasets": importlib.metadata.version("datasets")}}
 
 
 class TrainWindow:
-    """Training loss, accuracy, gradient norm and samples per second since the last log point. Summed on the device,
-    so a step never waits for the GPU; `flush()` syncs once per log point. Time inside `paused()` is left out."""
+    """Training loss, the recipe's metrics, gradient norm and samples per second since the last log point, summed on
+    the device so that a step never waits for the GPU (`flush()` syncs once per log point); and the whole run's
+    training time and samples, kept in `progress` (saved with every checkpoint), so that a resumed run's summary
+    covers all its pieces. Time inside `paused()` is left out."""
 
-    def __init__(self, accelerator):
-        self.accelerator, device = accelerator, accelerator.device
-        self.loss_sum, self.grad_norm_sum = torch.zeros((), device=device), torch.zeros((), device=device)
-        self.correct, self.grad_norm_steps = (torch.zeros((), device=device, dtype=torch.long) for _ in range(2))
-        self.batches = self.samples = self.total_samples = 0
-        self.seconds = self.total_seconds = 0.0
-        self.started = time.perf_counter()
+    def __init__(self, accelerator, progress):
+        self.accelerator, self.progress, self.sums = accelerator, progress, {}
+        self.loss_sum, self.grad_norm_sum, self.grad_norm_steps = torch.zeros(3, device=accelerator.device).unbind()
+        self.batches = self.samples = self.seconds = 0
+        self.started = self.launched = self.last_line = time.perf_counter()
+        self.wall_before = progress.wall_s
+        progress.pieces += 1
 
-    def add(self, loss: torch.Tensor, correct: torch.Tensor, samples: int) -> None:
-        """One batch of this process: its mean loss, its right answers (the recipe's metric) and its size."""
+    def add(self, loss: torch.Tensor, metric_sums: dict[str, torch.Tensor], samples: int) -> None:
+        """One batch of this process: its mean loss, the recipe's metrics summed over it, and its size."""
         self.loss_sum += loss.detach()  # detach: summing `loss` itself would keep every step's graph alive
-        self.correct += correct
-        self.batches += 1
-        self.samples += samples * self.accelerator.num_processes
+        self.sums = {name: self.sums.get(name, 0) + value.detach() for name, value in metric_sums.items()}
+        self.batches, samples = self.batches + 1, samples * self.accelerator.num_processes
+        self.samples, self.progress.train_samples = self.samples + samples, self.progress.train_samples + samples
 
     def add_grad_norm(self, grad_norm: torch.Tensor) -> None:
         """One step's norm before clipping; an infinite one (a step fp16's scaler skips) stays out of the mean."""
@@ -207,41 +210,55 @@ class TrainWindow:
         self.grad_norm_steps += finite
 
     def flush(self, step: int) -> dict:
-        """train_loss, train_acc, grad_norm and samples_per_s over the window and all processes; starts a new one."""
+        """train_loss, train_<metric> for each metric, grad_norm and samples_per_s over the window and all processes;
+        starts a new window."""
         train_loss = (self.accelerator.reduce(self.loss_sum, "mean") / max(self.batches, 1)).item()
-        train_acc = self.accelerator.reduce(self.correct, "sum").item() / max(self.samples, 1)
-        grad_norm = (self.grad_norm_sum / self.grad_norm_steps.clamp(min=1)).item()
         if not math.isfinite(train_loss):
             raise RecipeError(f"the training loss became {train_loss} by step {step}: lower --lr; "
                               "checkpoints already on disk hold finite weights")
         self._clock()
-        point = {"train_loss": train_loss, "train_acc": train_acc, "grad_norm": grad_norm,
+        point = {"train_loss": train_loss, **{f"train_{name}": self.accelerator.reduce(total, "sum").item()
+                                              / max(self.samples, 1) for name, total in self.sums.items()},
+                 "grad_norm": (self.grad_norm_sum / self.grad_norm_steps.clamp(min=1)).item(),
                  "samples_per_s": self.samples / max(self.seconds, 1e-9)}
-        self.total_samples, self.total_seconds = self.total_samples + self.samples, self.total_seconds + self.seconds
-        for total in (self.loss_sum, self.correct, self.grad_norm_sum, self.grad_norm_steps):
+        for total in (self.loss_sum, self.grad_norm_sum, self.grad_norm_steps):
             total.zero_()
-        self.batches, self.samples, self.seconds = 0, 0, 0.0
+        self.sums, self.batches, self.samples, self.seconds = {}, 0, 0, 0
         return point
+
+    def heartbeat(self, step: int, total_steps: int) -> None:
+        """Without a terminal (a log file, a batch job) there is no progress bar: a line at least every HEARTBEAT_S
+        seconds, from the main process's own batches (it waits for no other process)."""
+        now = time.perf_counter()
+        if now - self.last_line < HEARTBEAT_S or sys.stderr.isatty() or not self.accelerator.is_main_process:
+            return
+        self._clock()
+        self.last_line = now
+        print(f"step {step}/{total_steps}  train_loss {self.loss_sum.item() / max(self.batches, 1):.4f}  "
+              f"{self.samples / max(self.seconds, 1e-9):.0f} samples/s (since the last log point)", flush=True)
 
     @contextmanager
     def paused(self):
         self._clock()
+        self.progress.wall_s = self.wall_before + time.perf_counter() - self.launched  # saved by a checkpoint inside
         yield
         self.started = time.perf_counter()
 
     def _clock(self) -> None:
         now = time.perf_counter()
-        self.seconds, self.started = self.seconds + now - self.started, now
+        elapsed, self.started = now - self.started, now
+        self.seconds, self.progress.train_s = self.seconds + elapsed, self.progress.train_s + elapsed
 
-    def summary(self, progress, wall_s: float, epochs: float, data: str) -> dict:
-        """What summary.json reports beyond the last logged values (docs/recipe_contract.md)."""
-        self._clock()
-        device = self.accelerator.device
+    def summary(self, epochs: float, data: str) -> dict:
+        """What summary.json reports beyond the last logged values (docs/recipe_contract.md): the whole run, over
+        all its pieces (each resume is one more), but peak_mem_mb (this launch's)."""
+        with self.paused():  # brings the run's times up to now
+            device, progress = self.accelerator.device, self.progress
         peak_mem_mb = (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"  # else resident
                        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10)  # memory; Linux counts KiB
-        samples_per_s = (self.total_samples + self.samples) / max(self.total_seconds + self.seconds, 1e-9)
-        return {"best_eval_acc": progress.best_eval_acc, "steps": progress.step, "epochs": epochs, "wall_s": wall_s,
-                "samples_per_s": samples_per_s, "peak_mem_mb": peak_mem_mb, "data": data,
+        return {"max_eval_acc": progress.max_eval_acc, "steps": progress.step, "epochs": epochs, "data": data,
+                "pieces": progress.pieces, "wall_s": progress.wall_s, "train_s": progress.train_s,
+                "samples_per_s": progress.train_samples / max(progress.train_s, 1e-9), "peak_mem_mb": peak_mem_mb,
                 "world_size": self.accelerator.num_processes, "mixed_precision": self.accelerator.mixed_precision}
 
 
@@ -269,7 +286,7 @@ class RunFiles(GeneralTracker):
     def log(self, values: dict, step: int | None = None, **kwargs):
         with self.metrics.open("a") as f:
             f.write(json.dumps({"step": step, **values, **self.labels}) + "\n")
-        self.summary.update(values)
+        self.summary.update(values, step=step)  # the last logged step: a run stopped early says where it stopped
 
     def finish(self):
         write_json(self.run_dir / "summary.json", {**self.summary, **self.labels})

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import random
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from safetensors.torch import save_file
 from recipes.cifar_cnn import make_model
 from recipes.predict import load_weights
 from shared.errors import RecipeError
+from tools.runs import collect
 
 from conftest import ROOT, assert_bitwise_equal, ema_state, launch, ok, read_json, read_jsonl, weights
 from tiny_data import save_to_disk_dataset
@@ -57,12 +59,18 @@ def reference(env, data, tmp_path_factory):
 
 @pytest.mark.parametrize("processes, step, where", [
     (1, 4, "middle of epoch 1"),  # 64 images / batch 8: 8 steps per epoch
-    (1, 12, "middle of epoch 2"),
+    (1, 12, "middle of epoch 2, a checkpoint with the older names of its progress"),
     (2, 2, "middle of epoch 1"),  # 2 processes x 8: 4 steps per epoch
     (2, 10, "middle of epoch 3"),
 ])
 def test_resume_from_a_checkpoint_is_bitwise_exact(env, data, reference, tmp_path, processes, step, where):
     checkpoint = reference[processes] / "checkpoints" / f"step_{step}"
+    if "older names" in where:  # as the recipes wrote it before samples_into_epoch, max_eval_acc and the run's time
+        checkpoint = Path(shutil.copytree(checkpoint, tmp_path / "older" / checkpoint.name))
+        state = torch.load(checkpoint / "custom_checkpoint_0.pkl", weights_only=True)
+        state = {"step": state["step"], "epoch": state["epoch"], "samples_seen": state["samples_into_epoch"],
+                 "best_eval_acc": state["max_eval_acc"]}
+        torch.save(state, checkpoint / "custom_checkpoint_0.pkl")
     out = tmp_path / "resumed"
     kwargs, ema = ({"config": "2gpu", "use_cpu": True}, EMA) if processes == 2 else ({}, ())
     result = ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out), *RUN, *ema,
@@ -160,10 +168,18 @@ def test_sigterm_saves_the_current_step_exits_0_and_prints_a_working_resume_comm
     stopped = int(stdout.split("stopped by SIGTERM at step ")[1].split(",")[0])
     assert 5 <= stopped < 20 and (out / "checkpoints" / f"step_{stopped}").is_dir()
     assert not (out / "model.safetensors").exists()  # stopped, not finished
+    first = torch.load(out / "checkpoints" / f"step_{stopped}" / "custom_checkpoint_0.pkl", weights_only=True)
+    assert first["pieces"] == 1 and first["wall_s"] > 0 and first["train_samples"] == 8 * stopped
+    assert collect(out)[0]["state"] == f"stopped at step {read_json(out / 'summary.json')['step']}"
     resume = stdout.split("continue with:\n")[1].strip().splitlines()[0]
     assert "--resume latest" in resume and f"--output_dir {out}" in resume
     ok(subprocess.run([sys.executable, *shlex.split(resume)[1:]], cwd=ROOT, env=env, capture_output=True, text=True))
     assert_bitwise_equal(weights(out), weights(reference[1]))
+    # The summary is the whole run's, both pieces: every sample trained on once, the first piece's time included.
+    summary, row = read_json(out / "summary.json"), collect(out)[0]
+    assert summary["pieces"] == 2 and summary["wall_s"] > first["wall_s"] and summary["train_s"] > first["train_s"]
+    assert round(summary["samples_per_s"] * summary["train_s"]) == 8 * 20 and summary["steps"] == 20
+    assert row["state"] == "finished" and row["pieces"] == 2 and row["wall_s"] == summary["wall_s"]
 
 
 def test_sigterm_to_the_launcher_of_1_process_reaches_the_training_process(env, data, tmp_path):

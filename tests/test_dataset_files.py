@@ -7,6 +7,8 @@ from __future__ import annotations
 import gzip
 import os
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import datasets
@@ -16,7 +18,7 @@ import torch
 from PIL import Image
 from test_errors import one_line
 
-from conftest import launch, ok, read_json
+from conftest import ROOT, launch, ok, read_json
 
 FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 needs_fashion_mnist = pytest.mark.skipif(not FASHION_MNIST.is_dir(), reason=(
@@ -261,3 +263,14 @@ def test_resnet_trains_on_real_fashion_mnist_idx_files(env, real_subset, tmp_pat
     config = read_json(out / "config.json")
     assert (config["train_size"], config["test_size"], config["classes"][0]) == (2000, 500, "T-shirt/top")
     assert read_json(out / "summary.json")["eval_samples"] == 500
+
+
+def test_the_decode_cache_sits_beside_datasets_own_cache_without_importing_datasets():
+    code = ("import sys; from shared import data; import datasets.config; "
+            "assert data.CACHE_DIR.parent == datasets.config.HF_DATASETS_CACHE, data.CACHE_DIR")
+    for extra in ({}, {"HF_HOME": "/tmp/hf-home"}, {"HF_DATASETS_CACHE": "/tmp/hf-datasets"}):
+        env = {k: v for k, v in os.environ.items() if k not in ("HF_HOME", "HF_DATASETS_CACHE")} | extra
+        subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True)
+    # Reading IDX files or --synthetic needs no datasets (0.6 s of a start): only the hub and datasets' folders do.
+    code = "import sys, recipes.cifar_cnn, recipes.predict; assert 'datasets' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
@@ -246,7 +247,7 @@ def test_checkpoint_that_counts_batches(env, data, finished, tmp_path):
     shutil.copytree(finished, old)
     progress = old / "checkpoints" / "step_2" / "custom_checkpoint_0.pkl"
     state = torch.load(progress, weights_only=True)
-    state["batches_seen"] = state.pop("samples_seen") // 8
+    state["batches_seen"] = state.pop("samples_into_epoch") // 8
     torch.save(state, progress)
     one_line(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(old), *SHORT,
                     "--resume", str(progress.parent), config=None), "counts its place in the epoch in batches")
@@ -324,3 +325,17 @@ def test_ddp_errors_keep_their_message_and_collective_failures_are_one_line(monk
     with pytest.raises(SystemExit), one_line_errors():
         raise_in("distributed/distributed_c10d.py", RuntimeError("[gloo] Connection closed by peer"))
     assert capsys.readouterr().err.startswith("error: another process of this run stopped ([gloo] Connection closed")
+
+
+def test_flags_parse_without_the_source_file_and_take_help_from_it_when_there(capsys):
+    """A recipe run from a notebook cell or exec() has no source file to read the comments from: no help, same flags."""
+    from shared.config import RunConfig, parse_config
+
+    namespace = {"RunConfig": RunConfig, "dataclass": dataclass}
+    exec("@dataclass\nclass Config(RunConfig):\n    widen: int = 2  # times wider\n", namespace)
+    config = parse_config(namespace["Config"], ["--widen", "3", "--epochs", "4"])
+    assert (config.widen, config.epochs) == (3, 4)
+    with pytest.raises(SystemExit):
+        parse_config(namespace["Config"], ["--help"])
+    text = capsys.readouterr().out
+    assert "--widen INT" in text and "passes over the training set" in text  # RunConfig's file is there

@@ -58,7 +58,8 @@ def test_with_ema_model_safetensors_holds_the_average_whatever_the_test_set_says
         about = f.metadata()
     last = [row for row in read_jsonl(out / "metrics.jsonl") if "eval_acc" in row][-1]
     assert last["eval_loss_ema"] != last["eval_loss"]  # two sets of weights; the test split does not pick one
-    assert about["weights"] == "ema" and "holds the EMA weights" in stdout
+    done = next(line for line in stdout.splitlines() if line.startswith("done: "))
+    assert about["weights"] == "ema" and done.startswith(f"done: EMA weights' eval_acc {last['eval_acc_ema']:.4f} ")
     assert json.loads(about["classes"]) == CLASSES[:10]
     assert json.loads(about["flags"])["ema"] == 0.5
     saved = load_file(out / "model.safetensors")

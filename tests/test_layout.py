@@ -13,12 +13,53 @@ import pytest
 from PIL import Image
 
 from conftest import ROOT, ok, read_json, read_jsonl
+from tiny_data import save_to_disk_dataset
 
 
-@pytest.mark.parametrize("layout", ["flat", "recipes/ and shared/"])
-def test_a_copied_recipe_runs_outside_the_repository(env, tmp_path, layout):
+def test_one_command_makes_a_project_that_runs_its_readme_and_a_metric_is_one_edit(env, tmp_path):
+    """tools.new_project, then the README's commands inside the project, with nothing of the repository on the path;
+    one edit of metric_sums adds top-2 accuracy to training, evaluation, the run's files and predict.py."""
+    data = save_to_disk_dataset(tmp_path / "data", sizes={"train": 64, "test": 20})
+    project = tmp_path / "my_project"
+    ok(subprocess.run([sys.executable, "-m", "tools.new_project", str(project), "--from", "cifar_cnn", "--data",
+                       str(data)], cwd=ROOT, env=env, capture_output=True, text=True))
+    train = project / "train.py"
+    one_metric = '    return {"acc": (logits.argmax(dim=1) == labels).sum()}\n'
+    two = one_metric.replace("}", ', "top2": (logits.topk(2, dim=1).indices == labels[:, None]).any(dim=1).sum()}')
+    assert train.read_text().count(one_metric) == 1
+    train.write_text(train.read_text().replace(one_metric, two))
+    readme = (project / "README.md").read_text()
+    commands = readme.split("```bash\n")[1].split("```")[0].splitlines()[2:]  # after the install and smoke run
+    short = "--batch_size 8 --log_every 1 --checkpoint_every 3 --tracker none"
+    photos = project / "my_photos"
+    photos.mkdir()
+    for n in range(3):
+        Image.new("RGB", (40, 40), (80 * n, 90, 200)).save(photos / f"{n}.png")
+    clean = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+    outputs = []
+    for command, extra in zip(commands, (f"--max_steps 3 {short} --output_dir runs/RUN", f"--max_steps 6 {short}", "",
+                                         "")):
+        words = (command + " " + extra).split()
+        launcher = ([sys.executable, "-m", "accelerate.commands.accelerate_cli"] if words[0] == "accelerate"
+                    else [sys.executable])
+        outputs.append(ok(subprocess.run(launcher + words[1:], cwd=project, env=clean, capture_output=True,
+                                         text=True, timeout=600)).stdout)
+    run = project / "runs" / "RUN"
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert [row["step"] for row in rows if "train_loss" in row] == [1, 2, 3, 4, 5, 6]  # resumed at step 3
+    assert all("train_top2" in row and row["train_top2"] >= row["train_acc"] for row in rows if "train_loss" in row)
+    assert all("eval_top2" in row and row["eval_top2"] >= row["eval_acc"] for row in rows if "eval_loss" in row)
+    summary, config = read_json(run / "summary.json"), read_json(run / "config.json")
+    assert summary["pieces"] == 2 and config["recipe"] == "my_project" and config["data"] == str(data)
+    assert len((project / "predictions.csv").read_text().splitlines()) == 4  # a header and a row per image
+    evaluated = json.loads(outputs[3].strip().splitlines()[-1])
+    assert evaluated["eval_top2"] == summary["eval_top2"] and evaluated["eval_samples"] == 20
+
+
+def test_a_recipe_copied_beside_shared_runs_outside_the_repository(env, tmp_path):
+    """The other way to copy: recipes/ beside shared/, as in this repository, under another name."""
     project = tmp_path / "my_project"  # nothing of the repository on its path
-    script = project / "train.py" if layout == "flat" else project / "recipes" / "train.py"
+    script = project / "recipes" / "train.py"
     script.parent.mkdir(parents=True)
     shutil.copy(ROOT / "recipes" / "cifar_cnn.py", script)
     shutil.copytree(ROOT / "shared", project / "shared", ignore=shutil.ignore_patterns("__pycache__"))
@@ -36,14 +77,6 @@ def test_a_copied_recipe_runs_outside_the_repository(env, tmp_path, layout):
                                   cwd=project, env=clean, capture_output=True, text=True, timeout=600))
     metrics = json.loads(evaluated.stdout.strip().splitlines()[-1])
     assert metrics["eval_acc"] == read_json(out / "summary.json")["eval_acc"] and metrics["eval_samples"] == 10_000
-    photos = project / "photos"
-    photos.mkdir()
-    for n in range(3):
-        Image.new("RGB", (40, 40), (80 * n, 90, 200)).save(photos / f"{n}.png")
-    ok(subprocess.run([sys.executable, str(script.parent / "predict.py"), "--weights", str(out / "model.safetensors"),
-                       "--recipe", str(script), "--images", str(photos), "--output", str(project / "p.csv")],
-                      cwd=project, env=clean, capture_output=True, text=True, timeout=600))
-    assert len((project / "p.csv").read_text().splitlines()) == 4  # a header and a row per image
 
 
 # What each recipe's evaluate(), train() and main() do differently from cifar_cnn's, on purpose: its model's
@@ -54,9 +87,9 @@ def test_a_copied_recipe_runs_outside_the_repository(env, tmp_path, layout):
 INTENDED = {
     ("resnet18_fmnist", "train"): """
     - lambda model: make_optimizer(model, cfg),
-    - lambda images: preprocess(images, cfg.augment).contiguous(
+    - lambda images: preprocess(images, cfg.augment).contiguous(memory_format=layout), loss_fn)
     + lambda model: make_optimizer(model, cfg, cfg.lr),
-    + lambda images: preprocess(images, cfg.augment, cfg.erase).contiguous(
+    + lambda images: preprocess(images, cfg.augment, cfg.erase).contiguous(memory_format=layout), loss_fn)
     + peak_lr = scaled_lr(cfg, global_batch_size)
     + if cfg.sync_bn and accelerator.num_processes > 1:
     + # BatchNorm normalizes each process's own b images: 2 processes x b do not normalize like 1 x 2b (the
@@ -67,8 +100,8 @@ INTENDED = {
     + model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     - optimizer = make_optimizer(model, cfg)
     + optimizer = make_optimizer(model, cfg, peak_lr)
-    - f"global batch {global_batch_size}, {total_steps} steps ({epochs:.3g} epochs) | {run_dir}")
-    + f"global batch {global_batch_size}, {total_steps} steps ({epochs:.3g} epochs) | "
+    - f"global batch {global_batch_size}, {total_steps} steps ({run_epochs:.3g} epochs) | {run_dir}")
+    + f"global batch {global_batch_size}, {total_steps} steps ({run_epochs:.3g} epochs) | "
     + f"lr {cfg.lr} for batch {REFERENCE_BATCH} -> {peak_lr:.4g} ({cfg.lr_scaling} scaling) | "
     + f"{run_dir}")
     - batch_size=batch_size, global_batch_size=global_batch_size, total_steps=total_steps,
@@ -87,9 +120,6 @@ INTENDED = {
     - each image's logits averaged with its mirror's (eval_loss_tta, eval_acc_tta): training flips, so both count."""
     + """Test loss and accuracy over every process, and the predictions in test-set order. (No --tta here: this
     + recipe trains without flips, so a mirrored image is not one it learned.)"""
-    - sums, predictions = defaultdict(int), []
-    + loss_sum = right = 0
-    + predictions = []
     - inputs = preprocess(images, training=False)
     - if cfg.channels_last:  # the layout the model was trained in
     - inputs = inputs.contiguous(memory_format=torch.channels_last)
@@ -100,23 +130,22 @@ INTENDED = {
     - outputs, labels = accelerator.gather_for_metrics((outputs, labels))
     - for suffix, logits in outputs.items():
     - sums[f"eval_loss{suffix}"] += loss_fn(logits, labels, reduction="sum")
-    - sums[f"eval_acc{suffix}"] += correct(logits, labels)
+    - for name, value in metric_sums(logits, labels).items():
+    - sums[f"eval_{name}{suffix}"] += value
     - predictions.append(outputs[""].argmax(dim=1))
     + logits, labels = accelerator.gather_for_metrics((logits, labels))
-    + loss_sum += loss_fn(logits, labels, reduction="sum")
-    + right += correct(logits, labels)
+    + sums["eval_loss"] += loss_fn(logits, labels, reduction="sum")
+    + for name, value in metric_sums(logits, labels).items():
+    + sums[f"eval_{name}"] += value
     + predictions.append(logits.argmax(dim=1))
-    - return {**{k: (v / count).item() for k, v in sums.items()}, "eval_samples": count}, torch.cat(predictions).cpu()
-    + metrics = {"eval_loss": (loss_sum / count).item(), "eval_acc": (right / count).item(), "eval_samples": count}
-    + return metrics, torch.cat(predictions).cpu()
 ''',
     ("deep_mlp_ckpt", "train"): """
     - layout = torch.channels_last if cfg.channels_last else torch.contiguous_format  # tried as the run trains
+    - accelerator, batch_size, train_set,
     - lambda: make_model(len(train_set.classes), cfg).to(memory_format=layout),
     - lambda model: make_optimizer(model, cfg),
-    - lambda images: preprocess(images, cfg.augment).contiguous(
-    - memory_format=layout), loss_fn)
-    + lambda: make_model(len(train_set.classes), cfg),
+    - lambda images: preprocess(images, cfg.augment).contiguous(memory_format=layout), loss_fn)
+    + accelerator, batch_size, train_set, lambda: make_model(len(train_set.classes), cfg),
     + lambda model: make_optimizer(model, cfg), preprocess, loss_fn)
     - if cfg.channels_last:
     - model = model.to(memory_format=torch.channels_last)

@@ -151,7 +151,7 @@ def test_a_checkpoint_without_its_config_json_still_resumes_and_says_so(tmp_path
     checkpoint = tmp_path / "copied" / "step_16"  # copied out of its run folder: no ../../config.json
     checkpoint.mkdir(parents=True)
     progress = Progress()
-    progress.step, progress.epoch, progress.samples_seen = 16, 2, 32
+    progress.step, progress.epoch, progress.samples_into_epoch = 16, 2, 32
     check_resume(checkpoint, {"train_size": 64, "total_steps": 20}, progress)
     assert capsys.readouterr().out.splitlines() == [
         f"resuming from {checkpoint}: step 16, epoch 3 after 32 of its 64 samples",

@@ -203,15 +203,16 @@ def test_logged_gradient_norm_is_the_mean_of_the_finite_steps():
     # would turn the logged mean into Infinity, so it is left out.
     from accelerate import Accelerator
 
+    from shared.checkpoints import Progress
     from shared.tracking import TrainWindow
 
-    window = TrainWindow(Accelerator(cpu=True))
-    window.add(torch.tensor(0.5), torch.tensor(1), 2)
+    window = TrainWindow(Accelerator(cpu=True), Progress())
+    window.add(torch.tensor(0.5), {"acc": torch.tensor(1)}, 2)
     for norm in (2.0, float("inf"), 4.0):
         window.add_grad_norm(torch.tensor(norm))
     point = window.flush(step=3)
     assert point["grad_norm"] == 3.0 and point["train_loss"] == 0.5 and point["train_acc"] == 0.5
-    window.add(torch.tensor(0.5), torch.tensor(2), 2)
+    window.add(torch.tensor(0.5), {"acc": torch.tensor(2)}, 2)
     window.add_grad_norm(torch.tensor(1.0))
     assert window.flush(step=4)["grad_norm"] == 1.0  # a new window starts from zero
 
@@ -250,3 +251,26 @@ def test_pictures_are_drawn_from_tensors_on_any_device(tmp_path, on_the_gpu):
     for name in ("confusion_matrix.png", "misclassified.png"):
         with Image.open(tmp_path / name) as image:
             assert image.format == "PNG" and image.size[0] >= 400
+
+
+def test_without_a_terminal_a_line_comes_at_least_every_30_s(monkeypatch, capsys):
+    from accelerate import Accelerator
+
+    from shared import tracking
+    from shared.checkpoints import Progress
+
+    clock = [1000.0]
+    monkeypatch.setattr(tracking.time, "perf_counter", lambda: clock[0])
+    window = tracking.TrainWindow(Accelerator(cpu=True), Progress())
+    window.add(torch.tensor(0.5), {"acc": torch.tensor(1)}, 8)
+    clock[0] += 29
+    window.heartbeat(1, 10)
+    assert capsys.readouterr().out == ""  # not yet
+    clock[0] += 2
+    window.heartbeat(2, 10)
+    assert capsys.readouterr().out == "step 2/10  train_loss 0.5000  0 samples/s (since the last log point)\n"
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a terminal has the progress bar instead
+    clock[0] += 60
+    window.heartbeat(3, 10)
+    assert capsys.readouterr().out == ""
+

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from tools.report import markdown_table
 
-COLUMNS = ["run", "recipe", "data", "launch", "world_size", "precision", "global_batch", "epochs", "final_acc",
-           "best_acc", "samples_per_s", "wall_s"]
+COLUMNS = ["run", "recipe", "state", "data", "launch", "world_size", "precision", "global_batch", "epochs",
+           "final_acc", "max_acc", "samples_per_s", "wall_s", "pieces"]
 
 
 def collect(folder: Path) -> list[dict]:
@@ -25,12 +25,15 @@ def collect(folder: Path) -> list[dict]:
         config = json.loads((run / "config.json").read_text()) if (run / "config.json").exists() else {}
         rows.append({
             "run": str(run.relative_to(folder)) if run != Path(folder) else run.name,
-            "recipe": config.get("recipe"), "data": summary.get("data"),
+            "recipe": config.get("recipe"), "data": summary.get("data") or config.get("data"),
+            # Only the end of a run writes `steps`; a stop (SIGTERM, Ctrl-C) leaves its last logged values.
+            "state": "finished" if "steps" in summary else f"stopped at step {summary.get('step', '?')}",
             "launch": f"{config.get('distributed_type', '?')} on {config.get('device', '?')}",
             "world_size": summary.get("world_size"), "precision": summary.get("mixed_precision"),
             "global_batch": config.get("global_batch_size"), "epochs": summary.get("epochs"),
-            "final_acc": summary.get("eval_acc"), "best_acc": summary.get("best_eval_acc"),
+            "final_acc": summary.get("eval_acc"), "max_acc": summary.get("max_eval_acc"),
             "samples_per_s": summary.get("samples_per_s"), "wall_s": summary.get("wall_s"),
+            "pieces": summary.get("pieces"),  # launches: 1 + resumes; samples_per_s and wall_s cover them all
         })
     return rows
 

@@ -1,0 +1,88 @@
+"""A project of your own from a recipe, in one command: the recipe as train.py, predict.py, shared/, the accelerate
+configs and requirements.txt, with the recipe's name replaced by the project's and a README of the commands.
+
+    python -m tools.new_project my_project --from cifar_cnn
+    python -m tools.new_project ~/work/shoes --from resnet18_fmnist --data ~/data/shoes   # its default --data
+
+train.py keeps the recipe's code and comments; its header is replaced, since the recipe's results are not yours.
+Nothing of this repository is needed afterwards: the folder runs on its own (tested with its README's commands).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ("cifar_cnn", "resnet18_fmnist", "deep_mlp_ckpt")
+FIND_SHARED = "sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it"
+COMMANDS = """\
+accelerate launch -q --config_file accelerate_configs/cpu.yaml train.py --synthetic --max_steps 200
+accelerate launch -q --config_file accelerate_configs/cpu.yaml train.py --data {data}
+accelerate launch -q --config_file accelerate_configs/cpu.yaml train.py --output_dir runs/RUN --resume latest
+python predict.py --recipe train --weights runs/RUN/model.safetensors --images my_photos/
+python predict.py --recipe train --weights runs/RUN/model.safetensors --evaluate"""
+
+
+def header(name: str, recipe: str) -> str:
+    return f'''"""{name}: started from the accelerate recipes' {recipe}.py (whose header and benchmarks/BENCHMARKS.md
+say what it reached, on which data and hardware).
+
+Result: not measured yet. Write here what this script reaches on your data, the hardware and the command.
+
+Run it from this folder (outputs in runs/{name}-<time>/: config.json, metrics.jsonl, summary.json,
+curves.png, model.safetensors, checkpoints/); README.md lists the commands.
+"""'''
+
+
+def make_project(folder: Path, recipe: str, data: str | None) -> Path:
+    name = re.sub(r"[^a-z0-9_]", "_", folder.name.lower()).strip("_") or "project"
+    source = (ROOT / "recipes" / f"{recipe}.py").read_text()
+    if FIND_SHARED not in source or f'RECIPE = "{recipe}"' not in source:
+        raise SystemExit(f"error: recipes/{recipe}.py no longer has the lines this tool rewrites: update the tool")
+    script = source[source.index('"""', 3) + 3:]  # the recipe without its header
+    script = header(name, recipe) + script.replace(f'RECIPE = "{recipe}"', f'RECIPE = "{name}"').replace(
+        FIND_SHARED, "sys.path.insert(0, str(Path(__file__).resolve().parent))  # find shared/ beside this file")
+    default_data = re.search(r'\n    data: str = "([^"]*)"', script)
+    if default_data is None:
+        raise SystemExit(f"error: recipes/{recipe}.py has no `data: str = ...` default: update the tool")
+    if data:
+        script = script.replace(default_data.group(0), f"\n    data: str = {json.dumps(data)}")
+    folder.mkdir(parents=True)
+    (folder / "train.py").write_text(script)
+    shutil.copy(ROOT / "recipes" / "predict.py", folder / "predict.py")
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(ROOT / "shared", folder / "shared", ignore=skip)
+    shutil.copytree(ROOT / "accelerate_configs", folder / "accelerate_configs", ignore=skip)
+    shutil.copy(ROOT / "requirements.txt", folder / "requirements.txt")
+    commands = COMMANDS.format(data=data or default_data.group(1))
+    (folder / "README.md").write_text(
+        f"# {name}\n\nStarted from the `{recipe}` recipe. Install, then train, continue a stopped run (RUN: the "
+        f"folder a run printed), and use the model:\n\n```bash\npip install -r requirements.txt\n{commands}\n```\n\n"
+        "Edit train.py: `make_model`, `IMAGE_SHAPE`, `MEAN` and `STD`, `loss_fn`, `metric_sums` (a new entry is logged "
+        "as train_<name> and eval_<name>), `preprocess`, and the `Config` fields (each is a flag; its comment, the "
+        "--help). `accelerate_configs/` holds the configs for one or two GPUs, bf16, fp16 and several nodes.\n")
+    return folder
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("folder", type=Path, help="the new project's folder (must not exist, or be empty)")
+    parser.add_argument("--from", dest="recipe", choices=RECIPES, required=True, help="the recipe to start from")
+    parser.add_argument("--data", help="the project's default --data: a hub id or a folder")
+    args = parser.parse_args(argv)
+    if args.folder.exists() and (not args.folder.is_dir() or any(args.folder.iterdir())):
+        parser.exit(2, f"error: {args.folder} already exists and is not empty: pick a new folder\n")
+    if args.folder.exists():
+        args.folder.rmdir()
+    folder = make_project(args.folder, args.recipe, args.data)
+    print(f"{folder}: train.py (from {args.recipe}), predict.py, shared/, accelerate_configs/, requirements.txt, "
+          f"README.md\n  cd {folder} && {COMMANDS.splitlines()[0]}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
