@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from accelerate.utils import ProfileKwargs
 from PIL import Image
 
 from shared.errors import RecipeError
@@ -67,10 +68,8 @@ def start_profiler(accelerator, run_dir: Path, steps_left: int) -> torch.profile
                                                 row_limit=15))
             print(f"profile of {steps} on the main process: {trace}; open it in https://ui.perfetto.dev", flush=True)
 
-    activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * cuda
-    schedule = torch.profiler.schedule(**PROFILE_STEPS, repeat=1)
-    profiler = torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=write,
-                                      record_shapes=True)
+    profiler = ProfileKwargs(activities=["cpu", "cuda"] if cuda else ["cpu"], schedule_option={**PROFILE_STEPS,
+                             "repeat": 1}, on_trace_ready=write, record_shapes=True).build()  # a torch.profiler
     profiler.start()
     return profiler
 

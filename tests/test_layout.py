@@ -64,9 +64,9 @@ def test_a_recipe_copied_beside_shared_runs_outside_the_repository(env, tmp_path
     shutil.copy(ROOT / "recipes" / "cifar_cnn.py", script)
     shutil.copytree(ROOT / "shared", project / "shared", ignore=shutil.ignore_patterns("__pycache__"))
     clean = {k: v for k, v in env.items() if k != "PYTHONPATH"}
-    out = project / "run"
-    ok(subprocess.run([sys.executable, str(script), "--synthetic", "--max_steps", "5", "--log_every", "1",
-                       "--tracker", "none", "--output_dir", str(out)],
+    out, data = project / "run", save_to_disk_dataset(tmp_path / "data", sizes={"train": 64, "test": 20})
+    ok(subprocess.run([sys.executable, str(script), "--data", str(data), "--batch_size", "8", "--max_steps", "5",
+                       "--log_every", "1", "--tracker", "none", "--output_dir", str(out)],
                       cwd=project, env=clean, capture_output=True, text=True, timeout=600))
     assert [row["step"] for row in read_jsonl(out / "metrics.jsonl") if "train_loss" in row] == [1, 2, 3, 4, 5]
     assert (out / "model.safetensors").exists() and (out / "checkpoints" / "step_5").is_dir()
@@ -76,7 +76,7 @@ def test_a_recipe_copied_beside_shared_runs_outside_the_repository(env, tmp_path
                                    str(out / "model.safetensors"), "--recipe", str(script), "--evaluate"],
                                   cwd=project, env=clean, capture_output=True, text=True, timeout=600))
     metrics = json.loads(evaluated.stdout.strip().splitlines()[-1])
-    assert metrics["eval_acc"] == read_json(out / "summary.json")["eval_acc"] and metrics["eval_samples"] == 10_000
+    assert metrics["eval_acc"] == read_json(out / "summary.json")["eval_acc"] and metrics["eval_samples"] == 20
 
 
 # What each recipe's evaluate(), train() and main() do differently from cifar_cnn's, on purpose: its model's
