@@ -16,7 +16,8 @@ benchmarks/throughput.py's b/a and d/b for each recipe. What is timed runs alone
 nothing, run side by side for the three recipes.
 
 --dry_run (GPU_CHECK_CPU=1 in gpu_check.sh): the same steps on the CPU, tiny (cpu.yaml and cpu_bf16.yaml stand in
-for the GPU configs, fp16 is expected to be refused), so that this script is tested before a GPU comes.
+for the GPU configs, fp16 is expected to be refused, the recipes read --fashion_mnist instead of --synthetic), so
+that this script is tested before a GPU comes.
 
   bash benchmarks/gpu_check.sh                      # writes runs/gpu_check-<time>/gpu_check.json and .log
   python benchmarks/gpu_check.py --dry_run --out /tmp/check --fashion_mnist tests/...
@@ -101,8 +102,9 @@ class Check:
         return 6 if self.args.dry_run else 200
 
     def common(self, recipe: str, run: str) -> list:
-        batch = 8 if self.args.dry_run else 128
-        return ["--synthetic", "--data_on_device", "--batch_size", batch, "--tracker", "none",
+        # The dry run reads the (tiny) --fashion_mnist instead: each run then evaluates 20 images, not 10,000.
+        data = ["--data", self.args.fashion_mnist] if self.args.dry_run else ["--synthetic"]
+        return [*data, "--data_on_device", "--batch_size", 8 if self.args.dry_run else 128, "--tracker", "none",
                 "--output_dir", self.out / "runs" / f"{recipe}-{run}", "--overwrite"]
 
     def precision(self, recipe: str, precision: str) -> dict:
