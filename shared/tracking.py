@@ -154,9 +154,9 @@ class WandB(WandBTracker):
     @on_main_process
     def store_init_configuration(self, values: dict):
         # Named from the configuration actually used (--auto_batch_size settles the batch after this is built).
-        self.run.name = "-".join([values["recipe"], f"{values['world_size']}x{values['mixed_precision']}",
-                                  f"b{values['global_batch_size']}", *["synthetic"] * bool(values.get("synthetic")),
-                                  time.strftime("%m%d-%H%M")])
+        self.run.name = (f"{values['recipe']}-{values['world_size']}x{values['mixed_precision']}"
+                         f"-b{values['global_batch_size']}{'-synthetic' if values.get('synthetic') else ''}"
+                         f"-{time.strftime('%m%d-%H%M')}")
         super().store_init_configuration(values)
 
     @on_main_process
@@ -189,8 +189,9 @@ class TrainWindow:
     covers all its pieces. Time inside `paused()` is left out."""
 
     def __init__(self, accelerator, progress):
-        self.accelerator, self.progress, self.sums = accelerator, progress, {}
-        self.loss_sum, self.grad_norm_sum, self.grad_norm_steps = torch.zeros(3, device=accelerator.device).unbind()
+        self.accelerator, self.progress, self.sums, device = accelerator, progress, {}, accelerator.device
+        self.loss_sum, self.grad_norm_sum = torch.zeros((), device=device), torch.zeros((), device=device)
+        self.grad_norm_steps = torch.zeros((), device=device, dtype=torch.long)
         self.batches = self.samples = self.seconds = 0
         self.started = self.launched = self.last_line = time.perf_counter()
         self.wall_before = progress.wall_s
@@ -199,9 +200,11 @@ class TrainWindow:
     def add(self, loss: torch.Tensor, metric_sums: dict[str, torch.Tensor], samples: int) -> None:
         """One batch of this process: its mean loss, the recipe's metrics summed over it, and its size."""
         self.loss_sum += loss.detach()  # detach: summing `loss` itself would keep every step's graph alive
-        self.sums = {name: self.sums.get(name, 0) + value.detach() for name, value in metric_sums.items()}
-        self.batches, samples = self.batches + 1, samples * self.accelerator.num_processes
-        self.samples, self.progress.train_samples = self.samples + samples, self.progress.train_samples + samples
+        for name, value in metric_sums.items():
+            self.sums[name] = self.sums.get(name, 0) + value.detach()
+        self.batches += 1
+        self.samples += samples * self.accelerator.num_processes
+        self.progress.train_samples += samples * self.accelerator.num_processes
 
     def add_grad_norm(self, grad_norm: torch.Tensor) -> None:
         """One step's norm before clipping; an infinite one (a step fp16's scaler skips) stays out of the mean."""
@@ -239,21 +242,23 @@ class TrainWindow:
 
     @contextmanager
     def paused(self):
-        self._clock()
-        self.progress.wall_s = self.wall_before + time.perf_counter() - self.launched  # saved by a checkpoint inside
+        self._clock()  # the run's times up to now, for a checkpoint saved inside
         yield
         self.started = time.perf_counter()
 
     def _clock(self) -> None:
+        """Training time since the last call into the window and the run's totals; the run's wall time up to now."""
         now = time.perf_counter()
-        elapsed, self.started = now - self.started, now
-        self.seconds, self.progress.train_s = self.seconds + elapsed, self.progress.train_s + elapsed
+        self.seconds += now - self.started
+        self.progress.train_s += now - self.started
+        self.progress.wall_s = self.wall_before + now - self.launched
+        self.started = now
 
     def summary(self, epochs: float, data: str) -> dict:
         """What summary.json reports beyond the last logged values (docs/recipe_contract.md): the whole run, over
         all its pieces (each resume is one more), but peak_mem_mb (this launch's)."""
-        with self.paused():  # brings the run's times up to now
-            device, progress = self.accelerator.device, self.progress
+        self._clock()
+        device, progress = self.accelerator.device, self.progress
         peak_mem_mb = (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"  # else resident
                        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10)  # memory; Linux counts KiB
         return {"max_eval_acc": progress.max_eval_acc, "steps": progress.step, "epochs": epochs, "data": data,

@@ -52,7 +52,7 @@ def make_project(folder: Path, recipe: str, data: str | None) -> Path:
         raise SystemExit(f"error: recipes/{recipe}.py has no `data: str = ...` default: update the tool")
     if data:
         script = script.replace(default_data.group(0), f"\n    data: str = {json.dumps(data)}")
-    folder.mkdir(parents=True)
+    folder.mkdir(parents=True, exist_ok=True)  # main() refused a folder with anything in it
     (folder / "train.py").write_text(script)
     shutil.copy(ROOT / "recipes" / "predict.py", folder / "predict.py")
     skip = shutil.ignore_patterns("__pycache__", "*.pyc")
@@ -77,8 +77,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.folder.exists() and (not args.folder.is_dir() or any(args.folder.iterdir())):
         parser.exit(2, f"error: {args.folder} already exists and is not empty: pick a new folder\n")
-    if args.folder.exists():
-        args.folder.rmdir()
     folder = make_project(args.folder, args.recipe, args.data)
     print(f"{folder}: train.py (from {args.recipe}), predict.py, shared/, accelerate_configs/, requirements.txt, "
           f"README.md\n  cd {folder} && {COMMANDS.splitlines()[0]}")
