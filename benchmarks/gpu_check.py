@@ -4,8 +4,6 @@ when it ran there in pieces, with the resume runs twice as long as now; most of 
 
 For each recipe, on --synthetic data held on the GPU (--data_on_device, the default --channels_last):
   precision    1gpu.yaml (float32), bf16.yaml, fp16.yaml: 200 steps each; steady samples/s, loss, peak memory
-  auto batch   --auto_batch_size from a batch that cannot fit (a second process holds all but 8 GiB of the GPU
-               first, so that the largest batch that fits is below the training set), down to one that does
   resume       SIGTERM to `accelerate launch` mid-epoch, then --resume latest; the weights against an
                uninterrupted run, and that run against a second one (GPU kernels need not be deterministic)
   predict      recipes/predict.py --evaluate on the CPU of the weights written on the GPU
@@ -128,21 +126,6 @@ class Check:
         if plain:
             figures["steady_x_plain_bf16"] = figures["steady_samples_per_s"] / plain
         return figures
-
-    def auto_batch(self, recipe: str) -> dict:
-        start = 64 if self.args.dry_run else 2**20
-        result = self.run(self.launch_command(recipe, *self.common(recipe, "auto_batch"), "--auto_batch_size",
-                                              "--batch_size", start, "--max_steps", 3), 600)
-        line = next((line for line in result.stdout.splitlines() if line.startswith("--auto_batch_size")), None)
-        assert line, result.stderr[-2000:]
-        tried = [int(n) for n in line.split("tried ")[1].rstrip(")").split(", ")]
-        if not self.args.dry_run:
-            assert len(tried) > 1, f"the first batch, {start}, already fit: nothing was checked"
-        # The training that follows: on a GPU filled to the brim, DDP-free as it is, it may still run out.
-        summary = self.out / "runs" / f"{recipe}-auto_batch" / "summary.json"
-        return {"line": line, "tried": tried, "fits": tried[-1], "run_exit": result.returncode,
-                "run_error": result.stderr.strip().splitlines()[-1][:300] if result.returncode else None,
-                "peak_mem_mb": read_json(summary)["peak_mem_mb"] if summary.exists() else None}
 
     def resume(self, recipe: str) -> dict:
         steps, stop_after = (8, 2) if self.args.dry_run else (600, 100)
@@ -298,16 +281,6 @@ def versions() -> dict:
     return found
 
 
-def hold_gpu_memory(leave_gib: float) -> subprocess.Popen:
-    """A second process that allocates all but `leave_gib` of the GPU and sleeps: a GPU that is mostly taken."""
-    code = ("import sys, time, torch\nfree, _ = torch.cuda.mem_get_info()\n"
-            f"block = torch.empty(max(0, free - int({leave_gib} * 2**30)), dtype=torch.uint8, device='cuda')\n"
-            "print('held', flush=True)\ntime.sleep(3600)\n")
-    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline().strip() == "held"
-    return holder
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=f"runs/gpu_check-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -320,18 +293,10 @@ def main() -> None:
     check = Check(args)
     print(f"gpu_check on {check.results['device']}: {json.dumps(check.results['versions'])}", flush=True)
     check.step("bf16 matmul peak", check.matmul_peak)
-    # Correctness first, side by side (nothing is timed): resume and predict per recipe, then auto batch.
+    # Correctness first, side by side (nothing is timed): resume and predict per recipe.
     with ThreadPoolExecutor(len(args.recipes)) as pool:
         list(pool.map(lambda r: (check.step(f"{r} resume", check.resume, r),
                                  check.step(f"{r} predict on the CPU", check.predict_on_cpu, r)), args.recipes))
-    holder = None if args.dry_run else hold_gpu_memory(leave_gib=8)
-    try:
-        for recipe in args.recipes:
-            check.step(f"{recipe} auto batch", check.auto_batch, recipe)
-    finally:
-        if holder is not None:
-            holder.kill()
-            holder.wait()
     # Timed, one at a time.
     for recipe in args.recipes:
         for precision in ("float32", "bf16", "fp16"):

@@ -43,7 +43,7 @@ RECIPE = "cifar_cnn"
 
 @dataclass
 class Config(RunConfig):
-    data: str = "uoft-cs/cifar10"  # hub id, or a folder: save_to_disk, parquet, imagefolder, IDX, CIFAR batches
+    data: str = "uoft-cs/cifar10"  # hub id, or a folder: save_to_disk, parquet, imagefolder, IDX, CIFAR binary
     epochs: int = 30  # passes over the training set
     batch_size: int = 128  # images per process per step; global batch = batch_size x processes x grad_accum
     grad_accum: int = 1  # batches whose gradients are summed into one optimizer step
@@ -112,7 +112,7 @@ def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
 
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """The objective. Training, evaluation and --auto_batch_size all call this one: change the loss here."""
+    """The objective. Training and evaluation both call this one: change the loss here."""
     return F.cross_entropy(logits.float(), labels, reduction=reduction)
 
 
@@ -165,24 +165,16 @@ def train(cfg: Config) -> None:
         train_set, test_set = load_data(cfg)
     if cfg.data_on_device:  # one copy of the uint8 dataset now, instead of a host-to-GPU copy per batch
         train_set, test_set = train_set.to(accelerator.device), test_set.to(accelerator.device)
-    batch_size = cfg.batch_size
-    if cfg.auto_batch_size:  # halve --batch_size until two training steps fit in memory, on every process
-        layout = torch.channels_last if cfg.channels_last else torch.contiguous_format  # tried as the run trains
-        batch_size = memory.largest_batch_size(
-            accelerator, batch_size, train_set,
-            lambda: make_model(len(train_set.classes), cfg).to(memory_format=layout),
-            lambda model: make_optimizer(model, cfg),
-            lambda images: preprocess(images, cfg.augment).contiguous(memory_format=layout), loss_fn)
     # Each epoch's order is a function of (seed, epoch), resumable at any sample (see EpochOrder). Own generators:
     # every new DataLoader iterator draws a seed, and drawing it from the global RNG would shift the augmentation's
     # random numbers after a mid-epoch resume (no longer bitwise exact).
     order = EpochOrder(len(train_set), cfg.seed)
     pin = train_set.images.device.type == "cpu" and accelerator.device.type == "cuda"  # page-locked: async copies
-    train_loader = DataLoader(train_set, batch_size, sampler=order, drop_last=True, collate_fn=train_set.whole_batch,
-                              generator=torch.Generator(), pin_memory=pin)
-    test_loader = DataLoader(test_set, 2 * batch_size, collate_fn=test_set.whole_batch, generator=torch.Generator())
+    train_loader = DataLoader(train_set, cfg.batch_size, sampler=order, drop_last=True,
+                              collate_fn=train_set.whole_batch, generator=torch.Generator(), pin_memory=pin)
+    test_loader = DataLoader(test_set, 2 * cfg.batch_size, collate_fn=test_set.whole_batch, generator=torch.Generator())
 
-    global_batch_size = batch_size * accelerator.num_processes * cfg.grad_accum
+    global_batch_size = cfg.batch_size * accelerator.num_processes * cfg.grad_accum
     model = make_model(len(train_set.classes), cfg)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -193,7 +185,7 @@ def train(cfg: Config) -> None:
 
     # After prepare, len(train_loader) counts this process's batches: its share of an epoch.
     epoch_batches = len(train_loader)
-    epoch_samples = epoch_batches * batch_size * accelerator.num_processes  # less a remainder short of a batch
+    epoch_samples = epoch_batches * cfg.batch_size * accelerator.num_processes  # less a remainder short of a batch
     progress = Progress()
     accelerator.register_for_checkpointing(progress)  # saved and restored with every checkpoint
     # --ema: an average of the weights, updated on every process after every optimizer step. The processes hold the
@@ -223,7 +215,7 @@ def train(cfg: Config) -> None:
                       f"precision {accelerator.mixed_precision} | "
                       f"global batch {global_batch_size}, {total_steps} steps ({run_epochs:.3g} epochs) | {run_dir}")
     config = tracking.run_config(cfg, accelerator, run_dir, recipe=RECIPE, script=__file__, data=data_name,
-                                 batch_size=batch_size, global_batch_size=global_batch_size, total_steps=total_steps,
+                                 global_batch_size=global_batch_size, total_steps=total_steps,
                                  train_size=len(train_set), test_size=len(test_set), classes=train_set.classes,
                                  resumed_from=str(checkpoint) if checkpoint else None,
                                  resumed_step=progress.step if checkpoint else None)
@@ -231,7 +223,6 @@ def train(cfg: Config) -> None:
     accelerator.init_trackers(RECIPE, config=config)
 
     window = tracking.TrainWindow(accelerator, progress)  # train_* points, and the run's time across its pieces
-    profiler = diagnostics.start_profiler(accelerator, run_dir, total_steps - progress.step) if cfg.profile else None
     show_bar = accelerator.is_local_main_process and sys.stderr.isatty()
     while progress.step < total_steps:
         model.train()
@@ -260,8 +251,6 @@ def train(cfg: Config) -> None:
                 continue
             if ema is not None:
                 ema.update_parameters(model)
-            if profiler is not None:
-                profiler.step()
             progress.step += 1
             window.heartbeat(progress.step, total_steps)  # without a terminal (a log file): a line every 30 s
             log_now = progress.step % log_every == 0 or progress.step == total_steps
@@ -277,7 +266,7 @@ def train(cfg: Config) -> None:
                     return
             if progress.step == total_steps:
                 break
-        if len(train_set) - progress.samples_into_epoch < batch_size * accelerator.num_processes:  # no full batch left
+        if len(train_set) - progress.samples_into_epoch < cfg.batch_size * accelerator.num_processes:  # no batch left
             progress.epoch, progress.samples_into_epoch = progress.epoch + 1, 0
         with window.paused():
             metrics, predictions = evaluate(model, test_loader, accelerator, cfg)
@@ -290,8 +279,6 @@ def train(cfg: Config) -> None:
         accelerator.print(f"step {progress.step}/{total_steps}  "
                           + "  ".join(f"{key} {value:.4f}" for key, value in metrics.items() if key != "eval_samples"))
 
-    if profiler is not None:
-        profiler.stop()
     checkpoints.save(model, progress.step)  # a no-op if this step is already saved
     summary = window.summary(progress.epoch + progress.samples_into_epoch / epoch_samples, data_name)  # whole run
     # With --ema the average is the model: choosing between it and the trained weights by their test accuracy would

@@ -3,8 +3,6 @@ image, instead of torchvision's per-image transforms in a Python loop on the CPU
 pixels before `normalize` makes them floats: a quarter of float32's bytes, and half the time for a CIFAR batch of
 128 on a 2-core CPU (benchmarks/BENCHMARKS.md, "On a CPU")."""
 
-from __future__ import annotations
-
 import functools
 import math
 

@@ -6,8 +6,6 @@ run killed mid-save leaves the previous checkpoint as the newest. The learning r
 (shared/schedule.py), so there is no scheduler state and a run can be resumed with another length.
 """
 
-from __future__ import annotations
-
 import ctypes
 import json
 import os

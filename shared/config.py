@@ -4,8 +4,6 @@ as simple-parsing reads them: no second list of help texts to keep in step; with
 the flags work without help. Booleans become `--flag / --no-flag`, `Literal[...]` fields get their choices,
 `X | None = None` fields are optional."""
 
-from __future__ import annotations
-
 import argparse
 import dataclasses
 import inspect
@@ -61,7 +59,7 @@ class RunConfig:
     """Flags every recipe shares (docs/recipe_contract.md). A recipe redeclares a field to set its own default;
     these are the only fields shared/ reads. `Config.parse()` reads them from the command line."""
 
-    data: str = ""  # hub id, or a folder: save_to_disk, parquet, imagefolder, IDX, CIFAR batches
+    data: str = ""  # hub id, or a folder: save_to_disk, parquet, imagefolder, IDX, CIFAR binary
     epochs: int = 10  # passes over the training set
     batch_size: int = 128  # images per process per step; global batch = batch_size x processes x grad_accum
     grad_accum: int = 1  # batches whose gradients are summed into one optimizer step
@@ -80,9 +78,7 @@ class RunConfig:
     compile: bool = False  # torch.compile the model (the first steps wait 10-40 s while it compiles)
     channels_last: bool = False  # NHWC memory layout for convolutions (faster on CPUs; GPUs with bf16/fp16)
     data_on_device: bool = False  # hold the whole uint8 dataset in GPU memory: no host-to-GPU copy per batch
-    auto_batch_size: bool = False  # halve --batch_size until a training step fits in memory (all processes agree)
     ema: float | None = None  # also keep an average of the weights over the last ~1/(1 - EMA) steps, e.g. 0.99
-    profile: bool = False  # trace this launch's optimizer steps 8-12 into profile/; print the slowest operators
 
     parse = classmethod(parse_config)
 

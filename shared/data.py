@@ -1,5 +1,5 @@
 """Image-classification data as uint8 tensors (shared/batches.py's ImageTensors): from a hub id, a save_to_disk,
-parquet or imagefolder folder, IDX files or CIFAR batches (shared/dataset_files.py), or generated (synthetic=True,
+parquet or imagefolder folder, IDX files or CIFAR binary files (shared/dataset_files.py), or generated (synthetic=True,
 never a fallback). Images are decoded once into one uint8 (N, C, H, W) tensor, converted to the recipe's channels
 and size (one printed line says so), and cached on disk by the dataset's fingerprint (or the files' paths, sizes
 and times)."""
@@ -31,7 +31,6 @@ from shared.errors import RecipeError, first_line, is_main_process
 if TYPE_CHECKING:  # for the annotations only
     import datasets
 
-GRAYSCALE_MODES = {"1", "L", "LA"}
 WIDE_MODES = {"I", "I;16", "I;16B", "I;16L", "I;16N", "F"}  # 16/32-bit and float pixels
 # Beside datasets' own cache (its config.HF_DATASETS_CACHE, found as datasets finds it: datasets is imported only
 # where a dataset needs it, not for IDX or CIFAR files and --synthetic; it is 0.6 s of a start).
@@ -55,7 +54,7 @@ def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: b
                              "train", 0)
     read_image(file, image_shape, where)  # a bad first image: one line, at once
     with Image.open(io.BytesIO(file) if isinstance(file, bytes) else file) as first:  # its header: mode and size
-        check_conversion(source, image_shape, 1 if first.mode in GRAYSCALE_MODES else 3, (first.height, first.width))
+        check_conversion(source, image_shape, 1 if first.mode in ("1", "L", "LA") else 3, (first.height, first.width))
     return tuple(decode_split(split, name, source, image_column, label_column, classes, image_shape)
                  for name, split in (("train", train), ("test", test)))
 
@@ -74,7 +73,7 @@ def open_dataset(source: str) -> datasets.DatasetDict:
         except Exception as error:
             raise RecipeError(f"could not read a dataset from {path} ({type(error).__name__}: {first_line(error)}): "
                               "expected a save_to_disk folder, parquet files, an imagefolder (one subfolder per "
-                              "class) with examples in every split, IDX files or CIFAR batches") from None
+                              "class) with examples in every split, IDX files or CIFAR's binary version") from None
         return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict(train=loaded)
     if source.startswith((".", "/", "~")) or source.count("/") != 1:  # a local name: no hub lookup, no stale cache
         raise RecipeError(f"--data {source}: no such folder (looked for {path.resolve()}), and hub ids are owner/name: "
@@ -86,7 +85,7 @@ def open_dataset(source: str) -> datasets.DatasetDict:
     except (ConnectionError, OSError, datasets.exceptions.DatasetNotFoundError) as error:
         raise RecipeError(f"--data {source}: not a local folder, and the Hugging Face hub could not provide it "
                           f"({type(error).__name__}: {first_line(error)}): pass --data PATH of a local copy "
-                          "(save_to_disk, parquet, imagefolder, IDX or CIFAR batches), or --synthetic for an offline "
+                          "(save_to_disk, parquet, imagefolder, IDX or CIFAR binary), or --synthetic for an offline "
                           "run") from None
 
 
@@ -200,7 +199,7 @@ def decoder_hash() -> str:
 
 
 def load_dataset_files(files: DatasetFiles, source: str, image_shape) -> tuple[ImageTensors, ImageTensors]:
-    """IDX files or CIFAR batches, converted to `image_shape` as a dataset's images would be (tested); cached by
+    """IDX files or CIFAR binary files, converted to `image_shape` as a dataset's images would be (tested); cached by
     the files' paths, sizes and modification times."""
     stamps = [(str(file.resolve()), file.stat().st_size, file.stat().st_mtime_ns) for file in files.all_files()]
     key = hashlib.sha256(json.dumps([stamps, image_shape, decoder_hash()]).encode()).hexdigest()[:16]

@@ -1,26 +1,21 @@
-"""The files image datasets are published in, read as they are: the MNIST family's IDX files and CIFAR's batches.
+"""The files image datasets are published in, read as they are: the MNIST family's IDX files and CIFAR's binary version.
 
-`find_dataset_files(folder)` returns a `DatasetFiles` for a folder (or one below it) that holds
+`find_dataset_files(folder)` returns a `DatasetFiles` (or None) for a folder, or one below it, that holds
 - IDX files, gzipped or not, as the MNIST and Fashion-MNIST authors publish them, torchvision downloads them
   (`<root>/FashionMNIST/raw/`) and Debian installs them (`/usr/share/datasets/fashion-mnist/`):
   `train-images-idx3-ubyte`, `train-labels-idx1-ubyte`, and `t10k-*` (or `test-*`) for the test split;
-- CIFAR-10 or CIFAR-100 as torchvision downloads them (`cifar-10-batches-py/`, `cifar-100-python/`). Those
-  batches are pickles, and unpickling can run any code: they are read by an unpickler that builds only Python's
-  containers, numbers, strings and uint8 arrays of the file's own bytes, and refuses everything else.
-Every reader checks what a header claims against MAX_FILE_BYTES and the free memory before it allocates.
-else None. `.read()` returns {"train": (images, labels), "test": ...}, uint8 (N, C, H, W) and int64 (N,), and
-the class names.
+- CIFAR-10 or CIFAR-100 in the authors' binary version (`cifar-10-batches-bin/`, `cifar-100-binary/`): records of
+  label bytes and 3,072 pixel bytes, nothing to interpret. Their Python version (torchvision's download) is pickles,
+  and unpickling can run any code: it is refused with one line, never opened.
+Every reader checks the size a file or header claims against MAX_FILE_BYTES and the free memory before it
+allocates. `.read()` returns {"train": (images, labels), "test": ...}, uint8 (N, C, H, W) and int64 (N,), and the
+class names.
 """
-
-from __future__ import annotations
 
 import gzip
 import hashlib
-import io
 import math
 import os
-import pickle
-import pickletools
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,30 +28,28 @@ from shared.errors import RecipeError, first_line
 FASHION_MNIST = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
                  "Ankle boot"]
 FASHION_MNIST_TEST_LABELS = "0402a96d92fd2663"  # sha256 of t10k-labels-idx1-ubyte, uncompressed: the names follow
-# Limits for files from anywhere (docs/troubleshooting.md): what a header may claim, and what a pickle may build.
+# Limits for files from anywhere (docs/troubleshooting.md): what a file or its header may claim.
 MAX_FILE_BYTES = 4 * 2**30  # one dataset file: 4 GiB (the real MNIST family's largest is under 1 GiB)
-MAX_PICKLE_OPS = 2_000_000  # a CIFAR-100 train file has about 300,000
-MAX_CLASSES = 10_000
+MAX_NAMES_BYTES = 2**20  # a file of class names: CIFAR-100's is under 1 KiB
 IDX_SPLITS = {"train": ("train",), "test": ("t10k", "test")}
-CIFAR_SPLITS = {  # folder -> the files of each split, the meta file, its names key, the labels key
-    "cifar-10-batches-py": ({"train": [f"data_batch_{i}" for i in range(1, 6)], "test": ["test_batch"]},
-                            "batches.meta", "label_names", "labels"),
-    "cifar-100-python": ({"train": ["train"], "test": ["test"]}, "meta", "fine_label_names", "fine_labels"),
+CIFAR_BINARY = {  # folder -> the files of each split, the class names' file, the label bytes before each image
+    "cifar-10-batches-bin": ({"train": [f"data_batch_{i}.bin" for i in range(1, 6)], "test": ["test_batch.bin"]},
+                             "batches.meta.txt", 1),
+    "cifar-100-binary": ({"train": ["train.bin"], "test": ["test.bin"]}, "fine_label_names.txt", 2),  # coarse, fine
 }
+PICKLED_CIFAR = {"cifar-10-batches-py": "cifar-10-binary.tar.gz", "cifar-100-python": "cifar-100-binary.tar.gz"}
 
 
 @dataclass
 class DatasetFiles:
-    kind: str  # "idx", or a CIFAR_SPLITS folder name
+    kind: str  # "idx", or a CIFAR_BINARY folder name
     files: dict[str, list[Path]]  # split -> its files (IDX: images then labels)
 
     def all_files(self) -> list[Path]:
         return [file for files in self.files.values() for file in files]
 
     def read(self) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], list[str]]:
-        if self.kind == "idx":
-            return read_idx_splits(self.files)
-        return read_cifar_splits(self.kind, self.files)
+        return read_idx_splits(self.files) if self.kind == "idx" else read_cifar_splits(self.kind, self.files)
 
 
 def find_dataset_files(folder: Path) -> DatasetFiles | None:
@@ -92,15 +85,18 @@ def idx_files(folder: Path) -> DatasetFiles | None:
 
 
 def cifar_files(folder: Path) -> DatasetFiles | None:
-    if folder.name not in CIFAR_SPLITS:
+    if folder.name in PICKLED_CIFAR:
+        raise RecipeError(f"{folder} is CIFAR's Python version (torchvision's download): pickles, and unpickling can "
+                          f"run any code, so it is never opened: use the binary version ({PICKLED_CIFAR[folder.name]} "
+                          "from https://www.cs.toronto.edu/~kriz/cifar.html) or the hub id")
+    if folder.name not in CIFAR_BINARY:
         return None
-    splits, meta, _, _ = CIFAR_SPLITS[folder.name]
+    splits, names, _ = CIFAR_BINARY[folder.name]
     files = {split: [folder / name for name in names] for split, names in splits.items()}
-    files["meta"] = [folder / meta]
-    missing = [file.name for file in files["meta"] + files["train"] + files["test"] if not file.is_file()]
+    files["names"] = [folder / names]
+    missing = [file.name for file in files["names"] + files["train"] + files["test"] if not file.is_file()]
     if missing:
-        raise RecipeError(f"{folder} lacks {', '.join(missing)}: download the dataset again "
-                          "(torchvision.datasets.CIFAR10/CIFAR100(root, download=True))")
+        raise RecipeError(f"{folder} lacks {', '.join(missing)}: download the dataset again")
     return DatasetFiles(folder.name, files)
 
 
@@ -153,107 +149,25 @@ def read_idx_splits(files: dict[str, list[Path]]):
     return splits, [str(i) for i in range(max(int(labels.max()) for _, labels in splits.values()) + 1)]
 
 
-class CifarUnpickler(pickle.Unpickler):
-    """Builds what a CIFAR batch holds, nothing else: dicts, lists, numbers, strings, and uint8 arrays whose bytes are
-    in the file. Every class or function a pickle names is refused before it is looked up (os.system, a model's class,
-    numpy.ndarray itself, which would allocate any size), but for stand-ins that check what they are given."""
-
-    def find_class(self, module, name):
-        if (module, name) in (("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct")):
-            return PickledArray  # how NumPy pickles an array (numpy 2 moved numpy.core to numpy._core)
-        if (module, name) == ("numpy", "ndarray"):
-            return NDArrayName
-        if (module, name) == ("numpy", "dtype"):
-            return PickledDtype
-        if (module, name) == ("_codecs", "encode"):  # how Python 3 writes bytes at pickle protocol 2
-            return latin1_bytes
-        raise pickle.UnpicklingError(f"it would call {module}.{name}")
-
-
-class NDArrayName:
-    """numpy.ndarray as a pickle names it: an argument of _reconstruct, refused as a call (it allocates any size)."""
-
-    def __init__(self, *args):
-        raise pickle.UnpicklingError("it would call numpy.ndarray")
-
-
-def latin1_bytes(text: str, encoding: str) -> bytes:
-    if not isinstance(text, str) or encoding != "latin1":
-        raise pickle.UnpicklingError(f"it would encode as {str(encoding)[:20]}")
-    return text.encode("latin1")
-
-
-class PickledDtype:
-    def __init__(self, kind, align=False, copy=True):
-        self.kind = kind
-
-    def __setstate__(self, state):
-        pass  # byte order and alignment: nothing to say for single bytes, and other types are refused
-
-
-class PickledArray:
-    """An array as NumPy pickles it: _reconstruct(ndarray, ...), then its state (shape, dtype, the bytes). Only uint8
-    arrays in C order whose bytes are all in the file: a shape never allocates more than the file holds."""
-
-    def __init__(self, cls, shape=(0,), typecode=b"b"):
-        if cls is not NDArrayName:
-            raise pickle.UnpicklingError("it would build an array of another class")
-        self.array = None
-
-    def __setstate__(self, state):
-        _, shape, dtype, fortran_order, raw = state
-        raw = raw.encode("latin1") if isinstance(raw, str) else raw  # Python 2 wrote the bytes as a str
-        if not (isinstance(dtype, PickledDtype) and dtype.kind in ("u1", "uint8") and not fortran_order
-                and isinstance(raw, bytes) and isinstance(shape, tuple) and len(shape) <= 4
-                and all(type(n) is int and 0 <= n <= len(raw) for n in shape) and len(raw) == math.prod(shape)):
-            raise pickle.UnpicklingError("an array that is not uint8 bytes of its own shape")
-        self.array = np.frombuffer(raw, np.uint8).reshape(shape)
-
-
-def read_batch(path: Path) -> dict:
-    """A CIFAR file as a dict, read whole first (bounded by MAX_FILE_BYTES), its opcodes counted before it is built."""
-    try:
-        check_size(path, path.stat().st_size)
-        raw = path.read_bytes()
-        # genops first: it counts the operations and checks each claimed length against the bytes that follow, before
-        # the C unpickler, which allocates a string or bytes of its claimed length before reading it.
-        if sum(1 for _ in pickletools.genops(raw)) > MAX_PICKLE_OPS:
-            raise pickle.UnpicklingError(f"more than {MAX_PICKLE_OPS:,} pickle operations")
-        batch = CifarUnpickler(io.BytesIO(raw), encoding="latin1").load()  # Python 2 wrote its strings as latin-1
-    except RecipeError:
-        raise
-    except Exception as error:  # anything a damaged pickle raises
-        raise RecipeError(f"{path} is not a plain CIFAR batch, refused ({first_line(error)[:200]}): download the "
-                          "dataset again from its authors or torchvision") from None
-    if not isinstance(batch, dict):
-        raise RecipeError(f"{path} holds a {type(batch).__name__}, not a CIFAR batch (a dict): download it again")
-    return batch
-
-
-def small_ints(values, limit: int) -> bool:
-    return isinstance(values, list) and all(type(v) is int and 0 <= v < limit for v in values)
-
-
 def read_cifar_splits(kind: str, files: dict[str, list[Path]]):
-    _, _, names_key, labels_key = CIFAR_SPLITS[kind]
-    classes = read_batch(files["meta"][0]).get(names_key)
-    if not (isinstance(classes, list) and 0 < len(classes) <= MAX_CLASSES
-            and all(isinstance(name, str) and len(name) <= 100 for name in classes)):
-        raise RecipeError(f"{files['meta'][0]} has no '{names_key}' list of up to {MAX_CLASSES:,} names of up to 100 "
-                          "characters: download the dataset again")
-    splits = {}
+    _, _, label_bytes = CIFAR_BINARY[kind]
+    with open(files["names"][0], "rb") as f:
+        text = f.read(MAX_NAMES_BYTES + 1)  # no more than a names file may hold, whatever the file's size
+    classes = [line.strip() for line in text.decode("utf-8", "replace").splitlines() if line.strip()]
+    if len(text) > MAX_NAMES_BYTES or not 0 < len(classes) <= 256 or max(map(len, classes)) > 100:
+        raise RecipeError(f"{files['names'][0]} is not up to 256 class names of up to 100 characters, one per line: "
+                          "download the dataset again")
+    record, splits = label_bytes + 3 * 32 * 32, {}
     for split in ("train", "test"):
-        images, labels = [], []
+        rows = []
         for path in files[split]:
-            batch = read_batch(path)
-            data = batch.get("data")
-            data = data.array if isinstance(data, PickledArray) else None
-            if data is None or data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
-                raise RecipeError(f"{path}: its 'data' is not uint8 rows of 3,072 bytes: download it again")
-            if not small_ints(batch.get(labels_key), len(classes)) or len(batch[labels_key]) != len(data):
-                raise RecipeError(f"{path}: its '{labels_key}' are not {len(data)} labels in 0..{len(classes) - 1}, "
-                                  "one per image: download it again")
-            images.append(data.reshape(-1, 3, 32, 32))
-            labels.append(np.array(batch[labels_key], np.int64))
-        splits[split] = (torch.from_numpy(np.concatenate(images)), torch.from_numpy(np.concatenate(labels)))
+            size = path.stat().st_size
+            check_size(path, size)
+            if size == 0 or size % record:
+                raise RecipeError(f"{path} is {size:,} bytes, not whole records of {record:,} ({label_bytes} label "
+                                  "byte(s), then a 3x32x32 image): the file is truncated or damaged; download it again")
+            rows.append(np.fromfile(path, np.uint8, count=size).reshape(-1, record))
+        rows = np.concatenate(rows)
+        splits[split] = (torch.from_numpy(rows[:, label_bytes:].reshape(-1, 3, 32, 32).copy()),
+                         torch.from_numpy(rows[:, label_bytes - 1].astype(np.int64)))  # the last label byte: fine
     return splits, classes

@@ -5,8 +5,6 @@ A recipe raises `RecipeError` for anything the user can fix. Every process of a 
 rank 0 alone prints. Programming errors keep their traceback: those are for whoever changes the code.
 """
 
-from __future__ import annotations
-
 import os
 import sys
 import traceback
@@ -41,7 +39,7 @@ def one_line_errors():
         elif isinstance(error, MemoryError):  # a CPU allocation; the readers of data files name the file themselves
             message = "out of memory (MemoryError): lower --batch_size, or check that --data holds what it should"
         elif isinstance(error, torch.OutOfMemoryError):
-            message = f"out of GPU memory ({first_line(error)[:120]}): lower --batch_size or pass --auto_batch_size"
+            message = f"out of GPU memory ({first_line(error)[:120]}): lower --batch_size"
         elif os.environ.get("WORLD_SIZE", "1") != "1" and in_collective(error):
             message = (f"another process of this run stopped ({first_line(error)[:160]}): see its error, or if a node "
                        "died, start every node again with --resume latest")

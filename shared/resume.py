@@ -1,8 +1,6 @@
 """Which checkpoint --resume names, and what a resume continues: steps left, and what changed since the checkpoint
 (the config.json beside it) and what that does to the sample order, exactness and schedule."""
 
-from __future__ import annotations
-
 import json
 import re
 from pathlib import Path

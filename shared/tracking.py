@@ -6,8 +6,6 @@ accelerator.log), summary.json (the last value of every key, like wandb's run su
 end_training). `TrainWindow` measures training between log points.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import importlib.metadata
 import json
@@ -35,6 +33,7 @@ from shared.resume import find_checkpoint
 from shared.schedule import SCHEDULE_RULE
 
 HEARTBEAT_S = 30  # without a terminal, TrainWindow.heartbeat prints a line at least this often
+# What a run writes (misclassified.png and profile/: what earlier versions wrote), and all --overwrite deletes.
 RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "curves.png", "confusion_matrix.png", "misclassified.png",
              "model.safetensors", "checkpoints", "wandb", "tensorboard", "profile", "abandoned")
 
@@ -153,7 +152,7 @@ class WandB(WandBTracker):
 
     @on_main_process
     def store_init_configuration(self, values: dict):
-        # Named from the configuration actually used (--auto_batch_size settles the batch after this is built).
+        # Named from the configuration the run records: its launch, precision and global batch.
         self.run.name = (f"{values['recipe']}-{values['world_size']}x{values['mixed_precision']}"
                          f"-b{values['global_batch_size']}{'-synthetic' if values.get('synthetic') else ''}"
                          f"-{time.strftime('%m%d-%H%M')}")
@@ -273,13 +272,10 @@ class RunFiles(GeneralTracker):
     name, requires_logging_directory = "run_files", False
 
     def __init__(self, run_dir: Path, run_id: str, labels: dict):
+        self.tracker = self  # what accelerator.get_tracker("run_files", unwrap=True) returns
         super().__init__()
         self.run_dir, self.run_id, self.labels, self.summary = Path(run_dir), run_id, labels, {}
         self.metrics = self.run_dir / "metrics.jsonl"
-
-    @property
-    def tracker(self):
-        return self
 
     def store_init_configuration(self, values: dict):
         write_json(self.run_dir / "config.json", {**values, "run_id": self.run_id})

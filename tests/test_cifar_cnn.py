@@ -127,6 +127,6 @@ def test_help_lists_the_contract_flags_with_units(env):
     result = ok(launch(env, "cifar_cnn", "--help", config=None))
     for flag in ("--data", "--synthetic", "--epochs", "--max_steps", "--batch_size", "--lr", "--grad_accum", "--seed",
                  "--output_dir", "--checkpoint_every", "--resume", "--tracker",
-                 "--compile", "--channels_last", "--data_on_device", "--auto_batch_size"):
+                 "--compile", "--channels_last", "--data_on_device"):
         assert flag in result.stdout, flag
     assert "images per process per step" in result.stdout

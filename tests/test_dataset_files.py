@@ -1,6 +1,6 @@
 """--data DIR with the files datasets are published in: the MNIST family's IDX files (the real Fashion-MNIST, as
-Debian's dataset-fashion-mnist installs it, when it is there) and CIFAR's python batches, read without running
-the pickles' code. The same images as a save_to_disk dataset give the same tensors."""
+Debian's dataset-fashion-mnist installs it, when it is there) and CIFAR's binary version; CIFAR's Python version
+(pickles) is refused unopened. The same images as a save_to_disk dataset give the same tensors."""
 
 from __future__ import annotations
 
@@ -41,18 +41,18 @@ def idx_folder(folder: Path, splits: dict, suffix: str = ".gz") -> Path:
 
 
 def cifar_folder(folder: Path, splits: dict, classes: list[str], hundred: bool = False) -> Path:
-    """As torchvision downloads CIFAR: pickled dicts with the images as rows of 3,072 bytes (R, G, B planes)."""
+    """CIFAR's binary version: records of label byte(s) and 3,072 pixel bytes (R, G, B planes); CIFAR-100 writes a
+    coarse label, then the fine one."""
     folder.mkdir(parents=True, exist_ok=True)
-    labels_key, names_key = ("fine_labels", "fine_label_names") if hundred else ("labels", "label_names")
-    train_files = ["train"] if hundred else [f"data_batch_{i}" for i in range(1, 6)]
-    files = {"train": train_files, "test": ["test"] if hundred else ["test_batch"]}
+    files = ({"train": ["train.bin"], "test": ["test.bin"]} if hundred
+             else {"train": [f"data_batch_{i}.bin" for i in range(1, 6)], "test": ["test_batch.bin"]})
     for split, names in files.items():
         images, labels = splits[split]
         for name, part in zip(names, np.array_split(np.arange(len(labels)), len(names))):
-            batch = {"batch_label": name, "data": images[part].reshape(len(part), -1),
-                     labels_key: labels[part].tolist(), "filenames": [f"{i}.png" for i in part]}
-            (folder / name).write_bytes(pickle.dumps(batch, protocol=2))
-    (folder / ("meta" if hundred else "batches.meta")).write_bytes(pickle.dumps({names_key: classes}, protocol=2))
+            label_bytes = [labels[part] // 5, labels[part]] if hundred else [labels[part]]  # coarse: any byte
+            rows = np.concatenate([np.stack(label_bytes, 1), images[part].reshape(len(part), -1)], 1)
+            (folder / name).write_bytes(rows.astype(np.uint8).tobytes())
+    (folder / ("fine_label_names.txt" if hundred else "batches.meta.txt")).write_text("\n".join(classes) + "\n\n")
     return folder
 
 
@@ -94,10 +94,10 @@ def test_idx_files_give_the_tensors_of_the_same_images_saved_as_a_dataset(tmp_pa
 
 
 @pytest.mark.parametrize("shape", [(1, 28, 28), (3, 32, 32)])
-def test_cifar_batches_give_the_tensors_of_the_same_images_saved_as_a_dataset(tmp_path, data_module, shape):
+def test_cifar_binary_files_give_the_tensors_of_the_same_images_saved_as_a_dataset(tmp_path, data_module, shape):
     splits = random_splits((3, 32, 32), sizes=(60, 20))
     classes = [f"class {i}" for i in range(10)]
-    folder = cifar_folder(tmp_path / "cifar-10-batches-py", splits, classes)
+    folder = cifar_folder(tmp_path / "cifar-10-batches-bin", splits, classes)
     from_files = data_module.load_image_data(str(folder), shape)
     from_saved = data_module.load_image_data(str(saved_dataset(tmp_path / "saved", splits, classes, True)), shape)
     for files_split, saved_split in zip(from_files, from_saved):
@@ -107,8 +107,8 @@ def test_cifar_batches_give_the_tensors_of_the_same_images_saved_as_a_dataset(tm
     assert from_files[0].classes == classes and len(from_files[0]) == 60
 
 
-def test_torchvision_download_folders_are_found_from_their_root(tmp_path, data_module):
-    # torchvision: <root>/FashionMNIST/raw/ with each .gz beside the file it unpacked; <root>/cifar-100-python/.
+def test_download_folders_are_found_from_their_root(tmp_path, data_module):
+    # torchvision: <root>/FashionMNIST/raw/ with each .gz beside the file it unpacked; <root>/cifar-100-binary/.
     splits = random_splits((28, 28))
     idx_folder(tmp_path / "fmnist" / "FashionMNIST" / "raw", splits, suffix="")
     idx_folder(tmp_path / "fmnist" / "FashionMNIST" / "raw", splits, suffix=".gz")
@@ -117,7 +117,7 @@ def test_torchvision_download_folders_are_found_from_their_root(tmp_path, data_m
     assert train.classes[0] == "T-shirt/top" and train.classes[9] == "Ankle boot"  # a Fashion-MNIST folder
 
     hundred = random_splits((3, 32, 32), classes=100)
-    cifar_folder(tmp_path / "c100" / "cifar-100-python", hundred, [f"c{i}" for i in range(100)], hundred=True)
+    cifar_folder(tmp_path / "c100" / "cifar-100-binary", hundred, [f"c{i}" for i in range(100)], hundred=True)
     train, _ = data_module.load_image_data(str(tmp_path / "c100"), (3, 32, 32))
     assert torch.equal(train.labels, torch.from_numpy(hundred["train"][1])) and len(train.classes) == 100
 
@@ -127,15 +127,18 @@ class RunsCode:
         return os.system, (f"touch {self.marker}",)
 
 
-def test_a_pickle_that_would_run_code_is_refused_in_one_line(env, tmp_path):
-    folder = cifar_folder(tmp_path / "cifar-10-batches-py", random_splits((3, 32, 32)), [str(i) for i in range(10)])
+def test_cifar_python_version_is_refused_unopened_in_one_line(env, tmp_path):
+    # torchvision's download, as its root folder holds it: pickled batches, one of them hostile.
+    folder = tmp_path / "root" / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
     bomb = RunsCode()
     bomb.marker = tmp_path / "code-ran"
-    (folder / "data_batch_3").write_bytes(pickle.dumps({"data": bomb}, protocol=2))
-    assert pickle.loads((folder / "data_batch_3").read_bytes()) == {"data": 0} and bomb.marker.exists()  # it works
+    (folder / "data_batch_1").write_bytes(pickle.dumps({"data": bomb}, protocol=2))
+    assert pickle.loads((folder / "data_batch_1").read_bytes()) == {"data": 0} and bomb.marker.exists()  # it works
     bomb.marker.unlink()
-    line = one_line(launch(env, "cifar_cnn", "--data", str(folder), "--tracker", "none"),
-                    "data_batch_3 is not a plain CIFAR batch, refused", "system", "download the dataset again")
+    line = one_line(launch(env, "cifar_cnn", "--data", str(tmp_path / "root"), "--tracker", "none"),
+                    "cifar-10-batches-py is CIFAR's Python version (torchvision's download): pickles",
+                    "use the binary version (cifar-10-binary.tar.gz from https://www.cs.toronto.edu/~kriz/cifar.html)")
     assert not bomb.marker.exists(), line
 
 
@@ -183,16 +186,21 @@ def test_damaged_idx_files_are_one_line_each(tmp_path, data_module, damage):
 def test_damaged_cifar_folders_are_one_line_each(tmp_path, data_module):
     from shared.errors import RecipeError
 
-    folder = cifar_folder(tmp_path / "cifar-10-batches-py", random_splits((3, 32, 32)), [str(i) for i in range(10)])
-    raw = (folder / "test_batch").read_bytes()
-    (folder / "test_batch").write_bytes(raw[:len(raw) // 2])
-    with pytest.raises(RecipeError, match="test_batch is not a plain CIFAR batch, refused"):
+    folder = cifar_folder(tmp_path / "cifar-10-batches-bin", random_splits((3, 32, 32)), [str(i) for i in range(10)])
+    raw = (folder / "test_batch.bin").read_bytes()
+    (folder / "test_batch.bin").write_bytes(raw[:-1000])
+    with pytest.raises(RecipeError, match=r"test_batch.bin is 60,460 bytes, not whole records of 3,073 \(1 label"):
         data_module.load_image_data(str(folder), (3, 32, 32))
-    (folder / "test_batch").write_bytes(pickle.dumps({"data": np.zeros((3, 100), np.uint8), "labels": [0] * 3}))
-    with pytest.raises(RecipeError, match="test_batch: its 'data' is not uint8 rows of 3,072 bytes"):
+    with open(folder / "test_batch.bin", "wb") as f:  # 5 GiB, sparse: refused by its size, before a byte is read
+        f.truncate(5 * 2**30)
+    with pytest.raises(RecipeError, match="test_batch.bin claims 5,368,709,120 bytes of data, over the 4 GiB"):
         data_module.load_image_data(str(folder), (3, 32, 32))
-    (folder / "data_batch_5").unlink()
-    with pytest.raises(RecipeError, match="lacks data_batch_5: download the dataset again"):
+    (folder / "test_batch.bin").write_bytes(raw[:3073] * 20)  # 20 records; one label 200 of the 10 classes
+    (folder / "data_batch_2.bin").write_bytes(bytes([200]) + raw[1:3073])
+    with pytest.raises(RecipeError, match=r"'train' has labels outside 0..9: download it again"):
+        data_module.load_image_data(str(folder), (3, 32, 32))
+    (folder / "data_batch_5.bin").unlink()
+    with pytest.raises(RecipeError, match="lacks data_batch_5.bin: download the dataset again"):
         data_module.load_image_data(str(folder), (3, 32, 32))
 
 

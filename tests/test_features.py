@@ -1,4 +1,4 @@
-"""--ema, --tta and --profile on a 2-process CPU run (gloo) of cifar_cnn; recipes/predict.py on that run's weights
+"""--ema and --tta on a 2-process CPU run (gloo) of cifar_cnn; recipes/predict.py on that run's weights
 and on bare state dicts of the other two recipes.
 
 The EMA's exactness (2 processes == 1 process at twice the batch; resume bitwise) is tested with the other
@@ -33,10 +33,10 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def run(env, data, tmp_path_factory):
-    """12 steps on 2 processes with every feature on: steps 8-12 are profiled."""
+    """12 steps on 2 processes with every feature on."""
     out = tmp_path_factory.mktemp("features") / "run"
     result = ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out), "--batch_size", "8",
-                       "--max_steps", "12", "--ema", "0.5", "--tta", "--profile", "--tracker", "none",
+                       "--max_steps", "12", "--ema", "0.5", "--tta", "--tracker", "none",
                        config="2gpu", use_cpu=True))
     return out, result.stdout
 
@@ -90,25 +90,6 @@ def test_tta_is_the_mean_of_the_logits_of_an_image_and_its_mirror(env, data, run
     # Not the same number by another name: the mirror alone, and the plain logits, give other losses.
     assert F.cross_entropy(mirrored, labels).item() != pytest.approx(reported["eval_loss_tta"], abs=1e-5)
     assert reported["eval_loss"] != pytest.approx(reported["eval_loss_tta"], abs=1e-5)
-
-
-def test_profile_writes_a_chrome_trace_per_process_and_prints_the_top_operators(run):
-    out, stdout = run
-    for rank in (0, 1):
-        trace = json.loads((out / "profile" / f"trace_rank{rank}.json").read_text())  # valid JSON
-        names = {event.get("name") for event in trace["traceEvents"]}
-        assert {"aten::conv2d", "aten::max_pool2d", "aten::linear"} <= names  # the model's operators
-        assert sum(name.startswith("ProfilerStep#") for name in names if name) == 5  # steps 8-12, as the schedule
-    assert "Self CPU time total" in stdout and "aten::" in stdout
-    assert f"profile of steps 8-12 on the main process: {out / 'profile' / 'trace_rank0.json'}" in stdout
-
-
-def test_profile_refuses_a_run_too_short_to_reach_its_window(env, data, tmp_path):
-    result = launch(env, "cifar_cnn", "--data", str(data), "--batch_size", "8", "--max_steps", "5", "--profile",
-                    "--tracker", "none", "--output_dir", str(tmp_path / "run"))
-    assert result.returncode == 1
-    assert result.stderr.strip() == ("error: --profile traces steps 8-12, after warm-up; this run has 5 left: "
-                                     "raise --max_steps")
 
 
 # ------------------------------------------------------------------ recipes/predict.py

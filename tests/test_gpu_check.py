@@ -30,7 +30,6 @@ def test_the_gpu_check_runs_every_step_on_the_cpu(env, tmp_path):
         assert 2 <= resumed["stopped_at_step"] < resumed["of_steps"]
         predicted = steps[f"{recipe} predict on the CPU"]
         assert abs(predicted["eval_acc_cpu"] - predicted["eval_acc_gpu"]) <= 1e-4  # at most one of 10,000 images
-        assert steps[f"{recipe} auto batch"]["tried"] == [64] and steps[f"{recipe} auto batch"]["run_exit"] == 0
         assert steps[f"{recipe} fp16"] == {"ok": True, "refused on the CPU": True,
                                            "seconds": steps[f"{recipe} fp16"]["seconds"]}
         for precision in ("float32", "bf16"):

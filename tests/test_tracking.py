@@ -96,9 +96,9 @@ def test_offline_wandb_run_holds_the_summary_and_every_point(wandb_run):
     assert [row["step"] for row in logged] == [row["step"] for row in metrics] == [2, 4, 6]
     assert [row["train_loss"] for row in logged] == pytest.approx([row["train_loss"] for row in metrics])
     logged_keys = {key.split("/")[0] for row in history for key in row}  # images log as name/_type, name/filenames, ...
-    assert {"confusion_matrix", "misclassified"} <= logged_keys
+    assert "confusion_matrix" in logged_keys
     images = {path.name.split("_")[0] for path in offline_runs[0].glob("files/media/images/*.png")}
-    assert images == {"confusion", "misclassified"}
+    assert images == {"confusion"}
 
 
 def test_a_resumed_run_continues_the_same_wandb_run(env, data, wandb_run, tmp_path):
@@ -132,14 +132,14 @@ def test_tensorboard_scalars_match_metrics_jsonl(env, data, tmp_path):
         logged = [(event.step, event.value) for event in events.Scalars(key)]
         assert [step for step, _ in logged] == [step for step, _ in expected], key
         assert [value for _, value in logged] == pytest.approx([value for _, value in expected], rel=1e-6), key
-    assert {"confusion_matrix", "misclassified"} <= set(events.Tags()["images"])
+    assert "confusion_matrix" in events.Tags()["images"]
     assert not (out / "wandb").exists()
 
 
 def test_pictures_are_valid_images_and_two_processes_write_each_file_once(env, data, tmp_path):
     out = tmp_path / "run"
     ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out), *SHORT, config="2gpu", use_cpu=True))
-    sizes = {"curves.png": (600, 300), "confusion_matrix.png": (400, 400), "misclassified.png": (800, 150)}
+    sizes = {"curves.png": (600, 300), "confusion_matrix.png": (400, 400)}
     for name, min_size in sizes.items():
         with Image.open(out / name) as image:
             image.verify()
@@ -248,9 +248,8 @@ def test_pictures_are_drawn_from_tensors_on_any_device(tmp_path, on_the_gpu):
         predictions = predictions.as_subclass(OnAnotherDevice)
     test_set = ImageTensors(images, labels, ["a", "b", "c"], "test")
     save_pictures(Accelerator(cpu=True), tmp_path, test_set, predictions, step=1)
-    for name in ("confusion_matrix.png", "misclassified.png"):
-        with Image.open(tmp_path / name) as image:
-            assert image.format == "PNG" and image.size[0] >= 400
+    with Image.open(tmp_path / "confusion_matrix.png") as image:
+        assert image.format == "PNG" and image.size[0] >= 400
 
 
 def test_without_a_terminal_a_line_comes_at_least_every_30_s(monkeypatch, capsys):
