@@ -128,7 +128,7 @@ class Check:
         return figures
 
     def resume(self, recipe: str) -> dict:
-        steps, stop_after = (8, 2) if self.args.dry_run else (600, 100)
+        steps, stop_after = (64, 2) if self.args.dry_run else (600, 100)  # dry run: steps left after the signal
         args = ["--max_steps", steps, "--log_every", 1 if self.args.dry_run else 10, "--seed", 3]
         runs = {name: self.out / "runs" / f"{recipe}-{name}" for name in ("reference", "again", "stopped")}
         for name in ("reference", "again"):

@@ -18,6 +18,21 @@ from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# One thread per process: the suite's 2 workers each run a recipe at a time, and with torch's default of a thread per
+# core, 2 x 2 threads on 2 cores spin-wait for each other (OpenMP): test_resume.py and test_deep_mlp_ckpt.py took
+# 142 s with the default and 92 s with one thread, interleaved. torchrun already gives each of several processes one.
+THREADS = "1"
+torch.set_num_threads(int(THREADS))
+# The longest files first (a few minutes each, here), the rest in their own order: with `--dist loadfile
+# --no-loadscope-reorder`, xdist hands files to its workers in this order, so that no worker is left alone with a long
+# file at the end (by default it sorts files by their number of tests, and the one-test GPU check came last).
+LONGEST_FIRST = ("test_multinode.py", "test_checkpoints.py", "test_errors.py", "test_hostile.py", "test_gpu_check.py",
+                 "test_resume.py")
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: LONGEST_FIRST.index(item.path.name) if item.path.name in LONGEST_FIRST
+               else len(LONGEST_FIRST))
 
 
 @pytest.fixture(scope="session")
@@ -25,8 +40,8 @@ def env(tmp_path_factory) -> dict:
     """A clean environment: private caches and home (so no wandb login), no inherited launcher settings."""
     home = tmp_path_factory.mktemp("home")
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "ACCELERATE_", "HF_"))}
-    clean.update(HOME=str(home), HF_HOME=str(home / "hf"), PYTHONUNBUFFERED="1",
-                 HF_HUB_DISABLE_TELEMETRY="1")
+    clean.update(HOME=str(home), HF_HOME=str(home / "hf"), PYTHONUNBUFFERED="1", HF_HUB_DISABLE_TELEMETRY="1",
+                 OMP_NUM_THREADS=THREADS)
     return clean
 
 

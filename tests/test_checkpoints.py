@@ -209,7 +209,7 @@ def test_sigterm_to_the_launcher_of_2_processes_stops_them_between_log_points(en
     them TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds later (30 by default; 5 here). This run's only log point is its
     last step, seconds after the signal: the processes must agree on a stop between log points, save a complete
     checkpoint before the kill, and resume from it to the uninterrupted run's weights."""
-    args = ("--data", str(data), "--batch_size", "8", "--max_steps", "300", "--log_every", "300", "--seed", "5",
+    args = ("--data", str(data), "--batch_size", "8", "--max_steps", "80", "--log_every", "80", "--seed", "5",
             "--tracker", "none")
     reference = tmp_path / "reference"
     ok(launch(env, "cifar_cnn", *args, "--output_dir", str(reference), config="2gpu", use_cpu=True))
@@ -220,14 +220,14 @@ def test_sigterm_to_the_launcher_of_2_processes_stops_them_between_log_points(en
                                                            TORCH_ELASTIC_SHUTDOWN_TIMEOUT="5"),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # Signalled as soon as both training processes catch SIGTERM (their handlers are in place, before the first of
-    # 300 steps, each an all-reduce between them): on any machine, the run is far from its only log point.
+    # 80 steps, each an all-reduce between them): on any machine, the run is far from its only log point.
     wait_for(lambda: [catches_sigterm(pid) for pid in training_processes(process.pid)] == [True, True], process)
     process.send_signal(signal.SIGTERM)  # to torchrun, as Kubernetes or `kill <pid>` would
     stdout, stderr = process.communicate(timeout=120)
     assert "stopped by SIGTERM at step " in stdout, stderr[-3000:]
     stopped = int(stdout.split("stopped by SIGTERM at step ")[1].split(",")[0])
     checkpoint = out / "checkpoints" / f"step_{stopped}"
-    assert stopped < 300 and sorted(p.name for p in checkpoint.glob("random_states_*")) == [
+    assert stopped < 80 and sorted(p.name for p in checkpoint.glob("random_states_*")) == [
         "random_states_0.pkl", "random_states_1.pkl"]
     # Each process draws its own crops and flips (set_seed(..., device_specific=True)).
     states = [accelerate_load(checkpoint / f"random_states_{rank}.pkl") for rank in (0, 1)]

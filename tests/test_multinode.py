@@ -134,6 +134,10 @@ def cluster():
     cluster.close()
 
 
+def newest_checkpoint(run: Path) -> int:
+    return max((int(p.name.split("_")[1]) for p in (run / "checkpoints").glob("step_*")), default=0)
+
+
 def wait_for(condition, what: str, cluster: slurm_cluster.Cluster, log: Path, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -141,11 +145,11 @@ def wait_for(condition, what: str, cluster: slurm_cluster.Cluster, log: Path, ti
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("stop", ["SIGTERM to the script", "a job of a higher partition"])
-def test_slurm_job_preempted_requeues_itself_and_resumes_exactly(env, data, long_reference, cluster, tmp_path, stop):
-    """accelerate_configs/slurm_multinode.sh as users submit it, on two SLURM nodes of one process each. Stopped
-    the two ways SLURM stops a job early: SIGTERM to the batch script (what --signal=B:TERM@120 sends before the time
-    limit), or preemption by a job of a higher partition, which signals the training processes themselves."""
+def test_slurm_job_preempted_both_ways_requeues_and_resumes_exactly(env, data, long_reference, cluster, tmp_path):
+    """accelerate_configs/slurm_multinode.sh as users submit it, on two SLURM nodes of one process each, stopped the
+    two ways SLURM stops a job early, one after the other: SIGTERM to the batch script (what --signal=B:TERM@120 sends
+    before the time limit), then preemption by a job of a higher partition, which signals the training processes
+    themselves. Each time it requeues itself and the next start resumes from the checkpoint the stop saved."""
     out, log = tmp_path / "run", tmp_path / "slurm.out"
     flags = ("--data", str(data), *RUN, *LONG, "--checkpoint_every", "2")
     job_env = dict(env, SLURM_CONF=str(cluster.conf), PATH=f"{Path(sys.executable).parent}:{env['PATH']}",
@@ -155,32 +159,35 @@ def test_slurm_job_preempted_requeues_itself_and_resumes_exactly(env, data, long
                             f"--output={log}", "accelerate_configs/slurm_multinode.sh", cwd=ROOT, env=job_env)
     assert submitted.returncode == 0, submitted.stderr
     job = submitted.stdout.strip()
-    wait_for((out / "checkpoints" / "step_4").is_dir, "checkpoint", cluster, log)
-    if stop == "SIGTERM to the script":
-        preempted = cluster.run("scancel", "--signal=TERM", "--batch", job)
-    else:  # all of both nodes, now
-        preempted = cluster.run("sbatch", "--partition=urgent", "--nodes=2", "--exclusive", "--wrap", "true",
-                                f"--output={tmp_path / 'urgent.out'}")
-    assert preempted.returncode == 0, preempted.stderr
-    signalled = time.monotonic()
-    wait_for(lambda: f"job {job}, start 1:" in log.read_text(), "second start", cluster, log)
-    print(f"(slurm, {stop}) the requeued job started again {time.monotonic() - signalled:.1f} s after the signal")
+    stops = {"SIGTERM to the script": lambda: cluster.run("scancel", "--signal=TERM", "--batch", job),
+             "a job of a higher partition": lambda: cluster.run(  # all of both nodes, now
+                 "sbatch", "--partition=urgent", "--nodes=2", "--exclusive", "--wrap", "true",
+                 f"--output={tmp_path / 'urgent.out'}")}
+    for start, (stop, signal_job) in enumerate(stops.items()):
+        resumed_at = newest_checkpoint(out)
+        wait_for(lambda: newest_checkpoint(out) >= resumed_at + 4, f"checkpoint of start {start}", cluster, log)
+        assert signal_job().returncode == 0
+        signalled = time.monotonic()
+        wait_for(lambda: f"job {job}, start {start + 1}:" in log.read_text(), f"start {start + 1}", cluster, log)
+        print(f"(slurm, {stop}) the requeued job started again {time.monotonic() - signalled:.1f} s after the signal")
 
     def finished() -> bool:
         state = cluster.fields("job", job)
         assert state.get("JobState") not in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"), state
-        return state.get("JobState") == "COMPLETED" and state.get("Restarts") == "1"
+        return state.get("JobState") == "COMPLETED" and state.get("Restarts") == "2"
 
     wait_for(finished, "requeued run to the end", cluster, log)
     assert cluster.fields("job", job)["ExitCode"] == "0:0"
-    text = log.read_text()  # both starts of the job, appended (--open-mode=append)
-    first, second = text.split(f"job {job}, start 1:")
-    assert f"job {job}, start 0:" in first and "(new run)" in first
-    assert "stopped by SIGTERM at step " in first, first[-3000:]
-    stopped = int(first.split("stopped by SIGTERM at step ")[1].split(",")[0])
-    assert f"requeueing job {job}" in first and ("preempted: " in first) == (stop != "SIGTERM to the script")
-    assert "--resume latest" in second.splitlines()[0]
-    assert f"resuming from {out / 'checkpoints' / f'step_{stopped}'}: step {stopped}," in second, second[-3000:]
+    text = log.read_text()  # every start of the job, appended (--open-mode=append)
+    pieces = [text.split(f"job {job}, start {n}:")[1].split(f"job {job}, start {n + 1}:")[0] for n in range(3)]
+    assert "(new run)" in pieces[0]
+    for n, stop in enumerate(stops):
+        assert "stopped by SIGTERM at step " in pieces[n], pieces[n][-3000:]
+        stopped = int(pieces[n].split("stopped by SIGTERM at step ")[1].split(",")[0])
+        assert f"requeueing job {job}" in pieces[n]
+        assert ("preempted: " in pieces[n]) == (stop == "a job of a higher partition")  # the processes were signalled
+        assert "--resume latest" in pieces[n + 1].splitlines()[0]
+        assert f"resuming from {out / 'checkpoints' / f'step_{stopped}'}: step {stopped}," in pieces[n + 1]
     assert_bitwise_equal(weights(out), weights(long_reference))
 
 
