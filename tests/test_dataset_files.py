@@ -234,8 +234,8 @@ def test_real_fashion_mnist_reads_as_its_files_hold_it(data_module):
     train, test = data_module.load_image_data(str(FASHION_MNIST), (1, 28, 28))
     images, labels = real_arrays("train")
     assert (len(train), len(test)) == (60_000, 10_000) and torch.equal(train.labels.bincount(), torch.full((10,), 6000))
-    assert torch.equal(train.images[:, 0], torch.from_numpy(images)) and torch.equal(train.labels, torch.tensor(labels))
-    assert torch.equal(test.images[:, 0], torch.from_numpy(real_arrays("test")[0]))
+    assert torch.equal(train.images[:, 0], torch.tensor(images)) and torch.equal(train.labels, torch.tensor(labels))
+    assert torch.equal(test.images[:, 0], torch.tensor(real_arrays("test")[0]))
     assert train.classes[0] == "T-shirt/top" and train.classes[9] == "Ankle boot"
 
 
