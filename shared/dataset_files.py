@@ -159,10 +159,12 @@ def read_cifar_splits(kind: str, files: dict[str, list[Path]]):
                           "download the dataset again")
     record, splits = label_bytes + 3 * 32 * 32, {}
     for split in ("train", "test"):
+        # The split's files together, before any is read: they become one array (CIFAR-10's train split is 5 files).
+        sizes = {path: path.stat().st_size for path in files[split]}
+        check_size(files[split][0] if len(sizes) == 1 else files[split][0].parent / f"{split} files",
+                   sum(sizes.values()))
         rows = []
-        for path in files[split]:
-            size = path.stat().st_size
-            check_size(path, size)
+        for path, size in sizes.items():
             if size == 0 or size % record:
                 raise RecipeError(f"{path} is {size:,} bytes, not whole records of {record:,} ({label_bytes} label "
                                   "byte(s), then a 3x32x32 image): the file is truncated or damaged; download it again")

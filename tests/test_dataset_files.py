@@ -199,6 +199,11 @@ def test_damaged_cifar_folders_are_one_line_each(tmp_path, data_module):
     (folder / "data_batch_2.bin").write_bytes(bytes([200]) + raw[1:3073])
     with pytest.raises(RecipeError, match=r"'train' has labels outside 0..9: download it again"):
         data_module.load_image_data(str(folder), (3, 32, 32))
+    for i in range(1, 6):  # whole records, 1 GB each, within the limit; 5.4 GB together: refused before any is read
+        with open(folder / f"data_batch_{i}.bin", "wb") as f:
+            f.truncate(3073 * 350_000)
+    with pytest.raises(RecipeError, match="cifar-10-batches-bin/train files claims 5,377,750,000 bytes of data"):
+        data_module.load_image_data(str(folder), (3, 32, 32))
     (folder / "data_batch_5.bin").unlink()
     with pytest.raises(RecipeError, match="lacks data_batch_5.bin: download the dataset again"):
         data_module.load_image_data(str(folder), (3, 32, 32))
