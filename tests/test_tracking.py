@@ -171,6 +171,15 @@ def test_runs_table_lists_every_run(env, data, wandb_run, tmp_path):
     assert empty.returncode == 1 and "no finished runs" in empty.stderr
 
 
+def test_runs_table_reads_the_older_name_of_max_eval_acc(tmp_path):
+    from tools.runs import collect
+
+    for name, summary in (("old", {"best_eval_acc": 0.8, "steps": 3}), ("new", {"max_eval_acc": 0.7, "steps": 3})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps(summary))
+    assert [(row["run"], row["max_acc"]) for row in collect(tmp_path)] == [("new", 0.7), ("old", 0.8)]
+
+
 def test_progress_bar_on_a_terminal(env, data, tmp_path):
     import fcntl
     import pty

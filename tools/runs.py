@@ -31,7 +31,8 @@ def collect(folder: Path) -> list[dict]:
             "launch": f"{config.get('distributed_type', '?')} on {config.get('device', '?')}",
             "world_size": summary.get("world_size"), "precision": summary.get("mixed_precision"),
             "global_batch": config.get("global_batch_size"), "epochs": summary.get("epochs"),
-            "final_acc": summary.get("eval_acc"), "max_acc": summary.get("max_eval_acc"),
+            "final_acc": summary.get("eval_acc"),
+            "max_acc": summary.get("max_eval_acc", summary.get("best_eval_acc")),  # best_eval_acc: in older runs
             "samples_per_s": summary.get("samples_per_s"), "wall_s": summary.get("wall_s"),
             "pieces": summary.get("pieces"),  # launches: 1 + resumes; samples_per_s and wall_s cover them all
         })
