@@ -206,9 +206,9 @@ class Check:
 
     def sweep(self) -> dict:
         folder = self.out / "sweep"
-        batch = ["--batch", "32", "--repeats", "1"] if self.args.dry_run else []
-        result = self.run(self.launch_command("deep_mlp_sweep", "--segments", "2,5,10", "--output_dir", folder,
-                                              *batch), 600)
+        # The dry run measures one segment count at the seed's batch only: test_deep_mlp_ckpt.py runs a fuller sweep.
+        tiny = ["--segments", "2", "--batch", "16", "--repeats", "1"] if self.args.dry_run else ["--segments", "2,5,10"]
+        result = self.run(self.launch_command("deep_mlp_sweep", *tiny, "--output_dir", folder), 600)
         assert result.returncode == 0, result.stderr[-2000:]
         lines = (folder / "sweep.csv").read_text().splitlines()
         rows = [dict(zip(lines[0].split(","), line.split(","))) for line in lines[1:]]

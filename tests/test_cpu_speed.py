@@ -26,9 +26,9 @@ def datasets_by_recipe(tmp_path_factory):
             for recipe, shape in SHAPES.items()}
 
 
-# cifar_cnn on 1 process: test_cifar_cnn.py's cpu_bf16.yaml test; deep_mlp_ckpt on 2: test_deep_mlp_ckpt.py.
-@pytest.mark.parametrize("recipe, processes", [("cifar_cnn", 2), ("resnet18_fmnist", 1), ("resnet18_fmnist", 2),
-                                               ("deep_mlp_ckpt", 1)])
+# cifar_cnn on 1 process: test_cifar_cnn.py's cpu_bf16.yaml test; on 2: test_multinode.py's run on one machine;
+# deep_mlp_ckpt on 2: test_deep_mlp_ckpt.py.
+@pytest.mark.parametrize("recipe, processes", [("resnet18_fmnist", 1), ("resnet18_fmnist", 2), ("deep_mlp_ckpt", 1)])
 def test_bf16_autocast_trains_every_recipe_on_cpu_processes(env, datasets_by_recipe, tmp_path, recipe, processes):
     out = tmp_path / "run"
     args = ("--data", str(datasets_by_recipe[recipe]), "--batch_size", "4", "--max_steps", "3", "--log_every", "1",

@@ -19,47 +19,11 @@ from PIL import Image
 from test_errors import one_line
 
 from conftest import ROOT, launch, ok, read_json
+from tiny_data import cifar_folder, idx_folder, random_splits, write_idx
 
 FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 needs_fashion_mnist = pytest.mark.skipif(not FASHION_MNIST.is_dir(), reason=(
     f"no real Fashion-MNIST at {FASHION_MNIST}: apt-get install dataset-fashion-mnist (Debian, Ubuntu)"))
-
-
-def write_idx(path: Path, array: np.ndarray) -> None:
-    """The IDX format: 0, 0, 0x08 (unsigned bytes), the number of dimensions, each size as a big-endian uint32."""
-    raw = bytes([0, 0, 8, array.ndim]) + np.array(array.shape, ">u4").tobytes() + array.astype(np.uint8).tobytes()
-    path.write_bytes(gzip.compress(raw) if path.suffix == ".gz" else raw)
-
-
-def idx_folder(folder: Path, splits: dict, suffix: str = ".gz") -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    for split, prefix in (("train", "train"), ("test", "t10k")):
-        images, labels = splits[split]
-        write_idx(folder / f"{prefix}-images-idx3-ubyte{suffix}", images)
-        write_idx(folder / f"{prefix}-labels-idx1-ubyte{suffix}", labels)
-    return folder
-
-
-def cifar_folder(folder: Path, splits: dict, classes: list[str], hundred: bool = False) -> Path:
-    """CIFAR's binary version: records of label byte(s) and 3,072 pixel bytes (R, G, B planes); CIFAR-100 writes a
-    coarse label, then the fine one."""
-    folder.mkdir(parents=True, exist_ok=True)
-    files = ({"train": ["train.bin"], "test": ["test.bin"]} if hundred
-             else {"train": [f"data_batch_{i}.bin" for i in range(1, 6)], "test": ["test_batch.bin"]})
-    for split, names in files.items():
-        images, labels = splits[split]
-        for name, part in zip(names, np.array_split(np.arange(len(labels)), len(names))):
-            label_bytes = [labels[part] // 5, labels[part]] if hundred else [labels[part]]  # coarse: any byte
-            rows = np.concatenate([np.stack(label_bytes, 1), images[part].reshape(len(part), -1)], 1)
-            (folder / name).write_bytes(rows.astype(np.uint8).tobytes())
-    (folder / ("fine_label_names.txt" if hundred else "batches.meta.txt")).write_text("\n".join(classes) + "\n\n")
-    return folder
-
-
-def random_splits(shape, sizes=(50, 20), classes=10, seed=0) -> dict:
-    rng = np.random.default_rng(seed)
-    return {split: (rng.integers(0, 256, (size, *shape), dtype=np.uint8), rng.integers(0, classes, size))
-            for split, size in zip(("train", "test"), sizes)}
 
 
 def saved_dataset(folder: Path, splits: dict, classes: list[str], channels_first: bool) -> Path:

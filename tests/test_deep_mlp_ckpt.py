@@ -17,7 +17,7 @@ from recipes.deep_mlp_ckpt import Config, DeepMLP, make_model, make_optimizer, p
 from recipes.deep_mlp_sweep import saved_bytes
 
 from conftest import launch, ok, read_json, read_jsonl
-from tiny_data import save_to_disk_dataset
+from tiny_data import cifar_binary_dataset
 
 
 def opened(model: DeepMLP) -> DeepMLP:
@@ -125,7 +125,7 @@ def test_the_72_layers_learn(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    return save_to_disk_dataset(tmp_path_factory.mktemp("mlp") / "data", sizes={"train": 64, "test": 20})
+    return cifar_binary_dataset(tmp_path_factory.mktemp("mlp") / "data", sizes={"train": 64, "test": 20})
 
 
 def test_trains_on_two_processes_in_bf16(env, data, tmp_path):

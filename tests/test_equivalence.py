@@ -15,7 +15,7 @@ import pytest
 from safetensors.torch import load_file
 
 from conftest import ema_state, launch, ok, read_json
-from tiny_data import save_to_disk_dataset
+from tiny_data import cifar_binary_dataset
 
 # Gradient norms here are 0.44-0.64: a clip at 0.3 acts on every step, so the comparisons also check that it
 # acts on the gradient averaged over processes and accumulated batches, as one process would see it.
@@ -26,7 +26,7 @@ COMMON = ("--no-augment", "--no-batch_norm", "--max_grad_norm", "0.3", "--seed",
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     # 64 training images: 4 global batches of 16 per epoch, so 8 steps cross an epoch boundary.
-    return save_to_disk_dataset(tmp_path_factory.mktemp("eq") / "data", sizes={"train": 64, "test": 101})
+    return cifar_binary_dataset(tmp_path_factory.mktemp("eq") / "data", sizes={"train": 64, "test": 101})
 
 
 def final_state(run) -> dict:

@@ -23,12 +23,12 @@ from shared.data import load_image_data
 from shared.errors import RecipeError
 
 from conftest import ema_state, launch, ok, read_json, read_jsonl
-from tiny_data import CLASSES, save_to_disk_dataset
+from tiny_data import CLASSES, cifar_binary_dataset
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    return save_to_disk_dataset(tmp_path_factory.mktemp("features") / "data", sizes={"train": 64, "test": 40})
+    return cifar_binary_dataset(tmp_path_factory.mktemp("features") / "data", sizes={"train": 64, "test": 40})
 
 
 @pytest.fixture(scope="module")

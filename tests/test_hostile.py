@@ -21,10 +21,9 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
-from test_dataset_files import cifar_folder, idx_folder, random_splits, write_idx
 
 from conftest import ROOT, assert_bitwise_equal, launch, ok, read_jsonl, weights
-from tiny_data import imagefolder_dataset, save_to_disk_dataset
+from tiny_data import cifar_binary_dataset, cifar_folder, idx_folder, imagefolder_dataset, random_splits, write_idx
 
 ADDRESS_SPACE = 8 * 2**30  # RLIMIT_AS of each run: torch alone reserves about 5 GiB of address space
 PEAK_RSS = 1.5 * 2**30  # what a refused input may cost in resident memory; the attacks below asked for 2.7-27 GB
@@ -72,7 +71,7 @@ def refused(env, tmp_path: Path, script: str, *args, needle: str, status: int = 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    return save_to_disk_dataset(tmp_path_factory.mktemp("hostile") / "data", sizes={"train": 64, "test": 20})
+    return cifar_binary_dataset(tmp_path_factory.mktemp("hostile") / "data", sizes={"train": 64, "test": 20})
 
 
 @pytest.fixture(scope="module")

@@ -15,14 +15,14 @@ import torch
 from PIL import Image
 
 from conftest import ROOT, launch, ok, read_json, read_jsonl
-from tiny_data import save_to_disk_dataset
+from tiny_data import cifar_binary_dataset
 
 SHORT = ("--batch_size", "8", "--max_steps", "6", "--log_every", "2")
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    return save_to_disk_dataset(tmp_path_factory.mktemp("tr") / "data", sizes={"train": 64, "test": 20})
+    return cifar_binary_dataset(tmp_path_factory.mktemp("tr") / "data", sizes={"train": 64, "test": 20})
 
 
 def wandb_records(run_file: Path):
