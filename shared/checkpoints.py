@@ -164,9 +164,8 @@ class Checkpoints:
         checkpoints, and at least every STOP_CHECK_S seconds: log points alone can be minutes apart, and torchrun
         kills the workers 30 s after a SIGTERM."""
         save_now = self.cfg.checkpoint_every > 0 and step % self.cfg.checkpoint_every == 0
-        if self.accelerator.num_processes == 1:
-            stopping = self.signal is not None
-        else:
+        stopping = self.signal is not None  # one process: its own signal decides
+        if self.accelerator.num_processes > 1:
             stopping = (at_log_point or save_now or step >= self.next_check) and self._agree_to_stop(step)
         if save_now or stopping:
             self.save(model, step)

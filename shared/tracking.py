@@ -68,6 +68,7 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
     if overwrite and not is_run(run_dir):
         raise RecipeError(f"--overwrite: {run_dir} holds files but no run of these recipes (no config.json with a "
                           "run_id), so nothing in it is deleted: pass a new or empty --output_dir")
+    state.wait_for_everyone()  # every process has read the folder before the main process changes it
     if state.is_main_process:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)

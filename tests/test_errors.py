@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from conftest import ROOT, launch, ok
+from conftest import ROOT, launch, ok, read_json, read_jsonl
 from tiny_data import cifar_binary_dataset, image_splits, text_dataset
 
 RECIPES = ["cifar_cnn", "resnet18_fmnist", "deep_mlp_ckpt"]
@@ -318,6 +318,20 @@ def test_an_error_in_a_two_process_run_stops_both_promptly_printed_once(env, tmp
     assert result.returncode != 0 and time.monotonic() - started < 90
     assert result.stderr.count("no such folder") == 1
     assert 'recipes/cifar_cnn.py", line' not in result.stderr and "[rank1]" not in result.stderr
+
+
+def test_overwrite_on_two_processes_deletes_only_once_every_process_has_checked(env, data, finished, tmp_path):
+    """A process that read the folder late (here 3 s late) found the old run half deleted by the main process, stopped
+    alone and took the run down with it: a requeued SLURM job in a full suite on a loaded machine."""
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    old = read_json(run / "config.json")["run_id"]
+    late = dict(env, PYTHONPATH=str(ROOT / "tests" / "faults"), FAULT_SLOW_CONFIG_READ_S="3")
+    ok(launch(late, "cifar_cnn", "--data", str(data), "--output_dir", str(run), *SHORT, "--overwrite", config="2gpu",
+              use_cpu=True))
+    config = read_json(run / "config.json")
+    assert config["run_id"] != old and config["world_size"] == 2
+    assert [row["step"] for row in read_jsonl(run / "metrics.jsonl") if "train_loss" in row] == [1, 2, 3, 4]
 
 
 def test_ddp_errors_keep_their_message_and_collective_failures_are_one_line(monkeypatch, capsys):

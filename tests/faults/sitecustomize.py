@@ -5,6 +5,8 @@ FAULT_DISK_FULL_AT_STEP=N, every file written into the checkpoint of step N fail
 exactly as the save would on a full disk; everything else writes normally.
 With RECORD_TRAINING_LABELS=DIR, every training loss appends its batch's labels as one line to
 DIR/rank<R>.txt: with a dataset whose labels are all different, the samples each process trained on.
+With FAULT_SLOW_CONFIG_READ_S=S, every process but the main one waits S seconds before its first read of a
+config.json, so that the main process runs ahead, as one may on a loaded machine.
 """
 
 import errno
@@ -39,3 +41,18 @@ if _record_dir:
         return cross_entropy_and_record
 
     torch.nn.functional.cross_entropy = _recording(torch.nn.functional.cross_entropy)
+
+_slow = os.environ.get("FAULT_SLOW_CONFIG_READ_S")
+if _slow and os.environ.get("RANK", "0") != "0":
+    import pathlib
+    import time
+
+    _read_text, _waited = pathlib.Path.read_text, []
+
+    def _read_text_late(self, *args, **kwargs):
+        if self.name == "config.json" and not _waited:
+            _waited.append(True)
+            time.sleep(float(_slow))
+        return _read_text(self, *args, **kwargs)
+
+    pathlib.Path.read_text = _read_text_late
