@@ -19,7 +19,7 @@ from PIL import Image
 from test_errors import one_line
 
 from conftest import ROOT, launch, ok, read_json
-from tiny_data import cifar_folder, idx_folder, random_splits, write_idx
+from tiny_data import cifar_binary_dataset, cifar_folder, idx_folder, random_splits, save_to_disk_dataset, write_idx
 
 FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 needs_fashion_mnist = pytest.mark.skipif(not FASHION_MNIST.is_dir(), reason=(
@@ -69,6 +69,15 @@ def test_cifar_binary_files_give_the_tensors_of_the_same_images_saved_as_a_datas
         assert torch.equal(files_split.images, saved_split.images)
         assert torch.equal(files_split.labels, saved_split.labels)
     assert from_files[0].classes == classes and len(from_files[0]) == 60
+
+
+def test_the_tests_cifar_binary_folder_holds_the_images_of_their_saved_dataset(tmp_path, data_module):
+    """tiny_data.cifar_binary_dataset stands in for save_to_disk_dataset where the format is not what a test checks."""
+    files = data_module.load_image_data(str(cifar_binary_dataset(tmp_path / "bin")), (3, 32, 32))
+    saved = data_module.load_image_data(str(save_to_disk_dataset(tmp_path / "saved")), (3, 32, 32))
+    for files_split, saved_split in zip(files, saved):
+        assert torch.equal(files_split.images, saved_split.images)
+        assert torch.equal(files_split.labels, saved_split.labels) and files_split.classes == saved_split.classes
 
 
 def test_download_folders_are_found_from_their_root(tmp_path, data_module):
