@@ -1,5 +1,6 @@
 """The troubleshooting matrix (docs/troubleshooting.md): every mistake gets one line, a non-zero
-exit and no loss of what is already on disk. Each test runs the real recipe in a subprocess."""
+exit and no loss of what is already on disk. Each test runs the real recipe in a subprocess, except the checks of
+flag values, which call the recipe's own parser (test_unknown_flag runs each recipe's parser in a process)."""
 
 from __future__ import annotations
 
