@@ -101,7 +101,7 @@ def sweep(cfg: Config) -> None:
     optimizer = make_optimizer(model, RecipeConfig())
     with accelerator.autocast():  # the precision the config asks for, as in training
         rows = []
-        for batch in (cfg.batch, 16):
+        for batch in dict.fromkeys((cfg.batch, 16)):  # --batch 16 is measured once
             x = torch.randn(batch, WIDTH, device=accelerator.device)
             labels = torch.randint(100, (batch,), device=accelerator.device)
             batch_rows = [{"batch": batch, **measure(model, optimizer, x, labels, k, cfg.ckpt, cfg.repeats)}
