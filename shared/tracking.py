@@ -7,7 +7,6 @@ end_training). `TrainWindow` measures training between log points.
 """
 
 import dataclasses
-import importlib.metadata
 import json
 import math
 import netrc
@@ -179,7 +178,8 @@ def run_config(cfg, accelerator, run_dir: Path, **extra) -> dict:
             "world_size": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision,
             "distributed_type": accelerator.distributed_type.value, "device": str(accelerator.device),
             "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                         "accelerate": accelerate.__version__, "datasets": importlib.metadata.version("datasets")}}
+                         "accelerate": accelerate.__version__,  # datasets: None when this run's data needed none
+                         "datasets": getattr(sys.modules.get("datasets"), "__version__", None)}}
 
 
 class TrainWindow:

@@ -27,7 +27,7 @@ def check_run_files(run_dir, *, world_size, steps, test_size, batch_size=8, mixe
     config = read_json(run_dir / "config.json")
     assert config["world_size"] == world_size and config["mixed_precision"] == mixed_precision
     assert config["global_batch_size"] == batch_size * world_size
-    assert config["versions"]["torch"] == torch.__version__
+    assert config["versions"]["torch"] == torch.__version__ and config["versions"]["datasets"] == datasets.__version__
 
     rows = read_jsonl(run_dir / "metrics.jsonl")
     train_rows = [r for r in rows if "train_loss" in r]
