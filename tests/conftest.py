@@ -18,9 +18,10 @@ from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-# One thread per process: the suite's 2 workers each run a recipe at a time, and with torch's default of a thread per
-# core, 2 x 2 threads on 2 cores spin-wait for each other (OpenMP): test_resume.py and test_deep_mlp_ckpt.py took
-# 142 s with the default and 92 s with one thread, interleaved. torchrun already gives each of several processes one.
+# One thread per process: the suite's workers (README: 3 on CI's 2 cores) each run a recipe at a time, and with
+# torch's default of a thread per core, 2 x 2 threads on 2 cores spin-wait for each other (OpenMP): test_resume.py
+# and test_deep_mlp_ckpt.py took 142 s with the default and 92 s with one thread, interleaved (2 workers). torchrun
+# already gives each of several processes one.
 THREADS = "1"
 torch.set_num_threads(int(THREADS))
 # The longest files first (a few minutes each, here), the rest in their own order: with `--dist loadfile
