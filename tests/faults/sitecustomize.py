@@ -7,6 +7,8 @@ With RECORD_TRAINING_LABELS=DIR, every training loss appends its batch's labels 
 DIR/rank<R>.txt: with a dataset whose labels are all different, the samples each process trained on.
 With FAULT_SLOW_CONFIG_READ_S=S, every process but the main one waits S seconds before its first read of a
 config.json, so that the main process runs ahead, as one may on a loaded machine.
+With FAULT_ABORT_AT_EXIT_RANK=R, the process of rank R aborts (SIGABRT) as its interpreter exits, after its run: what
+gloo's teardown race (pytorch#179291) does now and then.
 """
 
 import errno
@@ -56,3 +58,8 @@ if _slow and os.environ.get("RANK", "0") != "0":
         return _read_text(self, *args, **kwargs)
 
     pathlib.Path.read_text = _read_text_late
+
+if os.environ.get("FAULT_ABORT_AT_EXIT_RANK", "none") == os.environ.get("RANK"):
+    import atexit
+
+    atexit.register(os.abort)
