@@ -64,6 +64,7 @@ requeue() {
 }
 trap requeue TERM
 
+STARTED=$(date +%s)  # every file this start writes is at least this new
 # The per-node values come from SLURM and override the template's placeholders.
 # $SLURM_NODEID is expanded by each task on its own node, hence the single quotes.
 srun --kill-on-bad-exit=1 bash -c 'exec accelerate launch -q \
@@ -75,7 +76,6 @@ srun --kill-on-bad-exit=1 bash -c 'exec accelerate launch -q \
     --main_process_port '"$MAIN_PORT"' \
     '"$RECIPE"' --output_dir '"$OUTPUT_DIR"' '"$RESUME $RECIPE_FLAGS" &
 TRAINING=$!
-STARTED=$(date +%s)
 status=0
 wait "$TRAINING" || status=$?
 # SLURM's own preemption (a job of a higher partition; PreemptMode) sends SIGTERM to the training processes, not to
