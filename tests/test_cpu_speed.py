@@ -38,11 +38,16 @@ def test_bf16_autocast_trains_every_recipe_on_cpu_processes(env, datasets_by_rec
     else:  # the 2-process config with its precision overridden, as a user would on the command line
         result = ok(launch(env, recipe, *args, config="2gpu", use_cpu=True,
                            launcher_args=("--mixed_precision", "bf16")))
-    assert "precision bf16" in result.stdout
+    check_bf16_run(out, result.stdout, world_size=processes, steps=3)
+
+
+def check_bf16_run(out, stdout: str, world_size: int, steps: int) -> None:
+    """A finished run in bf16 autocast: said and recorded as such, and its weights still float32 (autocast computes in
+    bfloat16 but the weights it updates stay float32) and finite."""
+    assert "precision bf16" in stdout
     config, summary = read_json(out / "config.json"), read_json(out / "summary.json")
-    assert config["mixed_precision"] == "bf16" and config["world_size"] == processes
-    assert summary["steps"] == 3 and 0 <= summary["eval_acc"] <= 1
-    # autocast computes in bfloat16 but the weights it updates stay float32
+    assert config["mixed_precision"] == "bf16" and config["world_size"] == world_size
+    assert summary["steps"] == steps and 0 <= summary["eval_acc"] <= 1
     weights = [t for t in load_file(out / "model.safetensors").values() if t.is_floating_point()]
     assert weights and all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in weights)
 

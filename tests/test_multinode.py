@@ -16,8 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 import slurm_cluster
-import torch
 from test_checkpoints import safe_rows
+from test_cpu_speed import check_bf16_run
 
 from conftest import ROOT, assert_bitwise_equal, exited_cleanly, free_ports, launch, ok, read_json, read_jsonl, weights
 from tiny_data import cifar_binary_dataset
@@ -70,13 +70,7 @@ def long_reference(one_machine) -> Path:
 
 def test_bf16_autocast_on_two_cpu_processes_keeps_float32_weights(one_machine):
     """cifar_cnn's case of test_cpu_speed.py's bf16 test, on this file's one-machine run."""
-    out, stdout = one_machine
-    assert "precision bf16" in stdout
-    config, summary = read_json(out / "config.json"), read_json(out / "summary.json")
-    assert config["mixed_precision"] == "bf16" and config["world_size"] == 2
-    assert summary["steps"] == 200 and 0 <= summary["eval_acc"] <= 1
-    floats = [t for t in weights(out).values() if t.is_floating_point()]
-    assert floats and all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in floats)
+    check_bf16_run(*one_machine, world_size=2, steps=200)
 
 
 def test_two_nodes_over_loopback_equal_two_processes_on_one_machine(env, data, long_reference, tmp_path):
@@ -154,6 +148,14 @@ def wait_for(condition, what: str, cluster: slurm_cluster.Cluster, log: Path, ti
         time.sleep(0.1)
 
 
+def completed(cluster: slurm_cluster.Cluster, job: str, restarts: str, log: Path) -> bool:
+    """Whether the job ended COMPLETED after `restarts` restarts; a job that failed fails the test at once."""
+    state = cluster.fields("job", job)
+    assert state.get("JobState") not in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"), (
+        f"{state}\n{log.read_text()[-3000:]}")
+    return state.get("JobState") == "COMPLETED" and state.get("Restarts") == restarts
+
+
 def test_slurm_job_preempted_both_ways_requeues_and_resumes_exactly(env, data, long_reference, cluster, tmp_path):
     """accelerate_configs/slurm_multinode.sh as users submit it, on two SLURM nodes of one process each, stopped the
     two ways SLURM stops a job early, one after the other: SIGTERM to the batch script (what --signal=B:TERM@120 sends
@@ -180,12 +182,7 @@ def test_slurm_job_preempted_both_ways_requeues_and_resumes_exactly(env, data, l
         wait_for(lambda: f"job {job}, start {start + 1}:" in log.read_text(), f"start {start + 1}", cluster, log)
         print(f"(slurm, {stop}) the requeued job started again {time.monotonic() - signalled:.1f} s after the signal")
 
-    def finished() -> bool:
-        state = cluster.fields("job", job)
-        assert state.get("JobState") not in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"), state
-        return state.get("JobState") == "COMPLETED" and state.get("Restarts") == "2"
-
-    wait_for(finished, "requeued run to the end", cluster, log)
+    wait_for(lambda: completed(cluster, job, "2", log), "requeued run to the end", cluster, log)
     assert cluster.fields("job", job)["ExitCode"] == "0:0"
     text = log.read_text()  # every start of the job, appended (--open-mode=append)
     pieces = [text.split(f"job {job}, start {n}:")[1].split(f"job {job}, start {n + 1}:")[0] for n in range(3)]
@@ -223,19 +220,14 @@ def test_slurm_job_requeued_without_a_checkpoint_starts_again_and_a_finished_one
              cluster, log)
     assert not list((out / "checkpoints").glob("step_*")) and (out / "config.json").exists()
 
-    def ended(restarts: str) -> bool:
-        state = cluster.fields("job", job)
-        assert state.get("JobState") not in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"), log.read_text()[-3000:]
-        return state.get("JobState") == "COMPLETED" and state.get("Restarts") == restarts
-
     assert cluster.run("scontrol", "requeue", job).returncode == 0
-    wait_for(lambda: ended("1"), "requeued run to the end", cluster, log)
+    wait_for(lambda: completed(cluster, job, "1", log), "requeued run to the end", cluster, log)
     second = log.read_text().split(f"job {job}, start 1:")[1]
     assert "--overwrite (restarted with no complete checkpoint" in second.splitlines()[0], second[-3000:]
     assert "the run finished" in second and "a process failed after it (exit" in second  # the abort, counted as such
     assert_bitwise_equal(weights(out), weights(long_reference))
     assert [row["step"] for row in read_jsonl(out / "metrics.jsonl") if "train_loss" in row] == list(range(1, 201))
     assert cluster.run("scontrol", "requeue", job).returncode == 0
-    wait_for(lambda: ended("2"), "finished job's restart", cluster, log)
+    wait_for(lambda: completed(cluster, job, "2", log), "finished job's restart", cluster, log)
     assert "already finished (model.safetensors); nothing to do" in log.read_text().split(f"job {job}, start 2:")[1]
 
