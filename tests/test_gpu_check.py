@@ -1,7 +1,8 @@
 """benchmarks/gpu_check.sh, the one prepared GPU check, run as a dry run on the CPU (GPU_CHECK_CPU=1): every
-step it takes on a GPU, tiny, so that it cannot rot before a GPU comes. The steps it takes for each recipe are one
-code path with the recipe's name: here for cifar_cnn (GPU_CHECK_RECIPES), which keeps the test to two minutes;
-the ResNet and the MLP run in the steps taken once (the real-data epoch, the checkpointing sweep)."""
+step it takes on a GPU but two (gpu_check.py says which), tiny, so that it cannot rot before a GPU comes. The steps
+it takes for each recipe are one code path with the recipe's name: here for cifar_cnn (GPU_CHECK_RECIPES), which
+keeps the test to two minutes; the ResNet and the MLP run in the steps taken once (the real-data epoch, the
+checkpointing sweep)."""
 
 from __future__ import annotations
 
@@ -23,15 +24,13 @@ def test_the_gpu_check_runs_every_step_on_the_cpu(env, tmp_path):
     steps = figures["steps"]
     assert figures["dry_run"] and all(step["ok"] for step in steps.values()), json.dumps(steps, indent=1)[-3000:]
     for recipe in ("cifar_cnn",):
-        # On the CPU a resumed run is bitwise the uninterrupted one, and so is a second run: the comparison holds.
+        # On the CPU a resumed run is bitwise the uninterrupted one: the comparison holds.
         resumed = steps[f"{recipe} resume"]
-        assert resumed["resumed_vs_reference_max_abs"] == resumed["again_vs_reference_max_abs"] == 0.0
+        assert resumed["resumed_vs_reference_max_abs"] == 0.0 and "again_vs_reference_max_abs" not in resumed
         assert 2 <= resumed["stopped_at_step"] < resumed["of_steps"]
         predicted = steps[f"{recipe} predict on the CPU"]
         assert abs(predicted["eval_acc_cpu"] - predicted["eval_acc_gpu"]) <= 1e-4  # at most one of 10,000 images
-        assert steps[f"{recipe} fp16"] == {"ok": True, "refused on the CPU": True,
-                                           "seconds": steps[f"{recipe} fp16"]["seconds"]}
-        for precision in ("float32", "bf16"):
+        for precision in ("float32", "bf16"):  # fp16: on a GPU only
             assert steps[f"{recipe} {precision}"]["steps"] == 6 and steps[f"{recipe} {precision}"]["device"] == "cpu"
     assert steps["cifar_cnn bf16"]["mixed_precision"] == "bf16"
     assert steps["cifar_cnn compile"]["first_window_s"] > 0
