@@ -22,7 +22,7 @@ import psutil
 import pytest
 import torch
 from accelerate.utils import load as accelerate_load
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from recipes.cifar_cnn import make_model
 from recipes.predict import load_weights
@@ -58,7 +58,7 @@ def reference(env, data, tmp_path_factory):
 
 
 # Resumes from early steps (in epoch 1 as a rule) are the tests below: kill -9 at a random step from 3 to 16, SIGTERM
-# from step 5 on to 1 process and to the launcher of 1, and before step 1 of 80 to the launcher of 2 processes; each
+# from step 5 on to 1 process and to the launcher of 1, and before step 1 of 20 to the launcher of 2 processes; each
 # resumes to its uninterrupted run's weights.
 @pytest.mark.parametrize("processes, step, where", [
     (1, 12, "middle of epoch 2, a checkpoint with the older names of its progress"),  # 64 images / 8: 8 steps an epoch
@@ -205,15 +205,14 @@ def test_sigterm_to_the_launcher_of_1_process_reaches_the_training_process(env, 
     assert_bitwise_equal(weights(out), weights(reference[1]))
 
 
-def test_sigterm_to_the_launcher_of_2_processes_stops_them_between_log_points(env, data, tmp_path):
+def test_sigterm_to_the_launcher_of_2_processes_stops_them_between_log_points(env, data, reference, tmp_path):
     """`accelerate launch` of several processes runs torchrun, which forwards a SIGTERM to every worker and kills
     them TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds later (30 by default; 5 here). This run's only log point is its
-    last step, seconds after the signal: the processes must agree on a stop between log points, save a complete
-    checkpoint before the kill, and resume from it to the uninterrupted run's weights."""
-    args = ("--data", str(data), "--batch_size", "8", "--max_steps", "80", "--log_every", "80", "--seed", "5",
-            "--tracker", "none")
-    reference = tmp_path / "reference"
-    ok(launch(env, "cifar_cnn", *args, "--output_dir", str(reference), config="2gpu", use_cpu=True))
+    last step, and it saves no checkpoint before it: the processes must agree on a stop between log points, save a
+    complete checkpoint before the kill, and resume from it to the weights of the uninterrupted 2-process run, which
+    logged every step and saved every 2 (neither changes what is trained)."""
+    args = ("--data", str(data), "--batch_size", "8", "--max_steps", "20", "--log_every", "20", "--seed", "5",
+            "--tracker", "none", *EMA)
     out = tmp_path / "run"
     command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file",
                "accelerate_configs/2gpu.yaml", "recipes/cifar_cnn.py", *args, "--output_dir", str(out)]
@@ -221,20 +220,22 @@ def test_sigterm_to_the_launcher_of_2_processes_stops_them_between_log_points(en
                                                            TORCH_ELASTIC_SHUTDOWN_TIMEOUT="5"),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # Signalled as soon as both training processes catch SIGTERM (their handlers are in place, before the first of
-    # 80 steps, each an all-reduce between them): on any machine, the run is far from its only log point.
+    # 20 steps, each an all-reduce between them): on any machine, the run is far from its only log point.
     wait_for(lambda: [catches_sigterm(pid) for pid in training_processes(process.pid)] == [True, True], process)
     process.send_signal(signal.SIGTERM)  # to torchrun, as Kubernetes or `kill <pid>` would
     stdout, stderr = process.communicate(timeout=120)
     assert "stopped by SIGTERM at step " in stdout, stderr[-3000:]
     stopped = int(stdout.split("stopped by SIGTERM at step ")[1].split(",")[0])
     checkpoint = out / "checkpoints" / f"step_{stopped}"
-    assert stopped < 80 and sorted(p.name for p in checkpoint.glob("random_states_*")) == [
+    assert stopped < 20 and sorted(p.name for p in checkpoint.glob("random_states_*")) == [
         "random_states_0.pkl", "random_states_1.pkl"]
     # Each process draws its own crops and flips (set_seed(..., device_specific=True)).
     states = [accelerate_load(checkpoint / f"random_states_{rank}.pkl") for rank in (0, 1)]
     assert not torch.equal(states[0]["torch_manual_seed"], states[1]["torch_manual_seed"])
     ok(launch(env, "cifar_cnn", *args, "--output_dir", str(out), "--resume", "latest", config="2gpu", use_cpu=True))
-    assert_bitwise_equal(weights(out), weights(reference))
+    assert_bitwise_equal(weights(out), weights(reference[2]))  # the EMA's (model.safetensors), and its trained weights:
+    assert_bitwise_equal(load_file(out / "checkpoints" / "step_20" / "model.safetensors"),
+                         load_file(reference[2] / "checkpoints" / "step_20" / "model.safetensors"))
 
 
 # ------------------------------------------------------------------ weights files of every layout

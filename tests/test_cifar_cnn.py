@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 from conftest import launch, ok, read_json, read_jsonl
 from tiny_data import imagefolder_dataset, parquet_dataset, save_to_disk_dataset
 
-SHORT = ("--max_steps", "6", "--batch_size", "8", "--log_every", "2", "--tracker", "none")
+STEPS = ("--max_steps", "6", "--batch_size", "8", "--log_every", "2")
+SHORT = (*STEPS, "--tracker", "none")
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +49,12 @@ def check_run_files(run_dir, *, world_size, steps, test_size, batch_size=8, mixe
     assert summary["eval_acc"] == eval_rows[-1]["eval_acc"]
     assert summary["peak_mem_mb"] > 0 and summary["wall_s"] > 0
 
-    with Image.open(run_dir / "curves.png") as image:
-        assert image.format == "PNG" and image.size[0] >= 600 and image.size[1] >= 300
+    for name, min_size in {"curves.png": (600, 300), "confusion_matrix.png": (400, 400)}.items():
+        with Image.open(run_dir / name) as image:
+            image.verify()  # complete and uncorrupted
+        with Image.open(run_dir / name) as image:
+            assert image.format == "PNG" and all(a >= b for a, b in zip(image.size, min_size)), (name, image.size)
+            assert sum(1 for count in image.convert("L").histogram() if count) > 10, f"{name} is blank"
 
     from recipes.cifar_cnn import make_model  # noqa: E402  (imports are cheap; the recipe runs only under main())
     weights = load_file(run_dir / "model.safetensors")
@@ -79,13 +84,15 @@ def test_cpu_yaml_on_a_save_to_disk_folder(env, disk_data, disk_run):
     assert {datasets.load_from_disk(str(disk_data))[s]._fingerprint for s in ("train", "test")} <= cached
 
 
-def test_2gpu_yaml_as_two_cpu_processes_on_parquet(env, tmp_path):
+def test_2gpu_yaml_as_two_cpu_processes_on_parquet_with_wandb(env, tmp_path):
+    """Two processes write each file once, and one wandb run (the default tracker: offline without an API key)."""
     data = parquet_dataset(tmp_path / "parquet", sizes={"train": 64, "test": 21})  # 21: uneven over 2 processes
     out = tmp_path / "run"
-    result = ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out), *SHORT, config="2gpu",
+    result = ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out), *STEPS, config="2gpu",
                        use_cpu=True))
     assert "2 process(es)" in result.stdout and "global batch 16" in result.stdout
     check_run_files(out, world_size=2, steps=6, test_size=21)
+    assert len(list((out / "wandb").glob("offline-run-*"))) == 1
 
 
 def test_cpu_bf16_yaml_with_imagefolder(env, tmp_path):
@@ -104,7 +111,7 @@ def test_1gpu_yaml_without_a_gpu_trains_on_the_cpu(env, disk_data, tmp_path):
 
 def test_synthetic_data_is_learnable_and_labelled(env, tmp_path):
     out = tmp_path / "run"
-    ok(launch(env, "cifar_cnn", "--synthetic", "--max_steps", "60", "--log_every", "20", "--output_dir", str(out)))
+    ok(launch(env, "cifar_cnn", "--synthetic", "--max_steps", "40", "--log_every", "20", "--output_dir", str(out)))
     summary = read_json(out / "summary.json")
     assert summary["eval_acc"] > 0.35, summary  # 10 classes: chance is 0.10
     assert summary["synthetic"] is True and "SYNTHETIC" in summary["data"]

@@ -23,7 +23,8 @@ from conftest import ROOT, assert_bitwise_equal, exited_cleanly, free_ports, lau
 from tiny_data import cifar_binary_dataset
 
 RUN = ("--batch_size", "8", "--log_every", "1", "--seed", "3", "--tracker", "none")
-LONG = ("--max_steps", "200")  # long enough for a kill or a preemption to land mid-run
+STEPS = 100  # long enough for a kill or a preemption to land mid-run (the SLURM test stops two starts)
+LONG = ("--max_steps", str(STEPS))
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,7 @@ def long_reference(one_machine) -> Path:
 
 def test_bf16_autocast_on_two_cpu_processes_keeps_float32_weights(one_machine):
     """cifar_cnn's case of test_cpu_speed.py's bf16 test, on this file's one-machine run."""
-    check_bf16_run(*one_machine, world_size=2, steps=200)
+    check_bf16_run(*one_machine, world_size=2, steps=STEPS)
 
 
 def test_two_nodes_over_loopback_equal_two_processes_on_one_machine(env, data, long_reference, tmp_path):
@@ -81,7 +82,7 @@ def test_two_nodes_over_loopback_equal_two_processes_on_one_machine(env, data, l
     assert config["world_size"] == 2 and config["mixed_precision"] == "bf16"
     # Only the global main process writes: one line per step, not one per node.
     steps = [row["step"] for row in read_jsonl(out / "metrics.jsonl") if "train_loss" in row]
-    assert steps == list(range(1, 201))
+    assert steps == list(range(1, STEPS + 1))
     assert_bitwise_equal(weights(out), weights(long_reference))
 
 
@@ -226,7 +227,8 @@ def test_slurm_job_requeued_without_a_checkpoint_starts_again_and_a_finished_one
     assert "--overwrite (restarted with no complete checkpoint" in second.splitlines()[0], second[-3000:]
     assert "the run finished" in second and "a process failed after it (exit" in second  # the abort, counted as such
     assert_bitwise_equal(weights(out), weights(long_reference))
-    assert [row["step"] for row in read_jsonl(out / "metrics.jsonl") if "train_loss" in row] == list(range(1, 201))
+    assert [row["step"] for row in read_jsonl(out / "metrics.jsonl") if "train_loss" in row] == list(
+        range(1, STEPS + 1))
     assert cluster.run("scontrol", "requeue", job).returncode == 0
     wait_for(lambda: completed(cluster, job, "2", log), "finished job's restart", cluster, log)
     assert "already finished (model.safetensors); nothing to do" in log.read_text().split(f"job {job}, start 2:")[1]
