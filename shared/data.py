@@ -46,9 +46,9 @@ def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: b
     path = Path(source).expanduser()
     if path.is_dir() and (files := find_dataset_files(path)):
         return load_dataset_files(files, source, image_shape)
+    train, test = pick_splits(open_dataset(source), source)
     import datasets
 
-    train, test = pick_splits(open_dataset(source), source)
     image_column, label_column, classes = find_columns(train, source)
     file, where = image_file(train.cast_column(image_column, datasets.Image(decode=False))[0][image_column], source,
                              "train", 0)
@@ -60,9 +60,13 @@ def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: b
 
 
 def open_dataset(source: str) -> datasets.DatasetDict:
+    path = Path(source).expanduser()
+    # A local name that is no folder: no hub lookup, no stale cache, and the line before datasets' 0.6 s import.
+    if not path.exists() and (source.startswith((".", "/", "~")) or source.count("/") != 1):
+        raise RecipeError(f"--data {source}: no such folder (looked for {path.resolve()}), and hub ids are owner/name: "
+                          "pass the dataset's folder, a hub id, or --synthetic")
     import datasets
 
-    path = Path(source).expanduser()
     if path.exists():
         datasets.disable_progress_bars()  # a local folder loads in moments: no bars on stderr
         try:
@@ -75,9 +79,6 @@ def open_dataset(source: str) -> datasets.DatasetDict:
                               "expected a save_to_disk folder, parquet files, an imagefolder (one subfolder per "
                               "class) with examples in every split, IDX files or CIFAR's binary version") from None
         return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict(train=loaded)
-    if source.startswith((".", "/", "~")) or source.count("/") != 1:  # a local name: no hub lookup, no stale cache
-        raise RecipeError(f"--data {source}: no such folder (looked for {path.resolve()}), and hub ids are owner/name: "
-                          "pass the dataset's folder, a hub id, or --synthetic")
     print(f"Loading {source} from the Hugging Face hub (or its local cache)...", flush=True)
     logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # one line at the end, not a warning per retry
     try:
