@@ -27,8 +27,9 @@ def datasets_by_recipe(tmp_path_factory):
 
 
 # cifar_cnn on 1 process: test_cifar_cnn.py's cpu_bf16.yaml test; on 2: test_multinode.py's run on one machine;
-# deep_mlp_ckpt on 2: test_deep_mlp_ckpt.py.
-@pytest.mark.parametrize("recipe, processes", [("resnet18_fmnist", 1), ("resnet18_fmnist", 2), ("deep_mlp_ckpt", 1)])
+# resnet18_fmnist on 1: test_resnet18_fmnist.py's schedule test with grad_accum; deep_mlp_ckpt on 2:
+# test_deep_mlp_ckpt.py.
+@pytest.mark.parametrize("recipe, processes", [("resnet18_fmnist", 2), ("deep_mlp_ckpt", 1)])
 def test_bf16_autocast_trains_every_recipe_on_cpu_processes(env, datasets_by_recipe, tmp_path, recipe, processes):
     out = tmp_path / "run"
     args = ("--data", str(datasets_by_recipe[recipe]), "--batch_size", "4", "--max_steps", "3", "--log_every", "1",

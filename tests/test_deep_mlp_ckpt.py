@@ -103,9 +103,10 @@ def test_saved_activations_fall_from_one_segment_towards_sqrt_n():
 
 
 def test_the_72_layers_learn(tmp_path, monkeypatch):
-    """The recipe's model, optimizer and inputs leave chance (loss ln 100 = 4.6, accuracy 0.01) within 20 steps."""
+    """The recipe's model, optimizer and inputs leave chance (loss ln 100 = 4.6, accuracy 0.01) within 15 steps (3.85
+    and 0.096 here)."""
     monkeypatch.setattr(shared.data, "CACHE_DIR", tmp_path)
-    train, test = shared.data.make_synthetic((3, 32, 32), 64 * 20, 500, num_classes=100)
+    train, test = shared.data.make_synthetic((3, 32, 32), 64 * 15, 500, num_classes=100)
     torch.manual_seed(0)
     model = make_model(100)
     optimizer = make_optimizer(model, Config())  # the seed's Adam at a constant 0.002

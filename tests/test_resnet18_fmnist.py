@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_cpu_speed import check_bf16_run
 
 from recipes.resnet18_fmnist import Config, Residual, make_model, scaled_lr
 
@@ -46,9 +47,10 @@ def replay_one_cycle(peak_lr: float, total_steps: int) -> list[float]:
 
 
 # On 2 processes, the scaled rate and the schedule after a resume: test_resume.py's chain (global batch 8 -> 16).
+# The grad_accum case runs under cpu_bf16.yaml: it is also test_cpu_speed.py's bf16 check of the ResNet on 1 process.
 @pytest.mark.parametrize("name, args, launch_kwargs, global_batch, steps", [
     ("1 process", ("--batch_size", "8"), {}, 8, 8),  # 32 images: 4 batches per epoch, 2 epochs
-    ("grad_accum 4", ("--batch_size", "4", "--grad_accum", "4"), {}, 16, 4),  # 8 batches = 2 steps per epoch
+    ("grad_accum 4, bf16", ("--batch_size", "4", "--grad_accum", "4"), {"config": "cpu_bf16"}, 16, 4),  # 2 an epoch
 ])
 def test_lr_schedule_ends_exactly_on_the_last_step(env, fmnist, tmp_path, name, args, launch_kwargs, global_batch,
                                                    steps):
@@ -70,6 +72,8 @@ def test_lr_schedule_ends_exactly_on_the_last_step(env, fmnist, tmp_path, name, 
     assert rows[-1]["lr"] == pytest.approx(final_lr, rel=1e-9)
     assert read_json(out / "summary.json")["epochs"] == pytest.approx(2.0)
     assert set(load_file(out / "model.safetensors")) == set(make_model(10).state_dict())
+    if launch_kwargs.get("config") == "cpu_bf16":
+        check_bf16_run(out, result.stdout, world_size=1, steps=steps)
 
 
 @pytest.mark.parametrize("rule, factor", [("none", 1.0), ("linear", 2.0), ("sqrt", 2 ** 0.5)])
