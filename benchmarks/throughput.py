@@ -121,10 +121,10 @@ def samples_per_s(step, batch_size: int, window: int, device) -> float:
     return window * batch_size / (time.perf_counter() - start)
 
 
-def peak_gflops(device: torch.device) -> dict[str, float]:
+def peak_gflops(device: torch.device, dtypes: list[torch.dtype]) -> dict[str, float]:
     """This machine's GFLOP/s in each precision: the faster of a large matmul and a large convolution."""
     peaks = {}
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in dtypes:
         a, b = (torch.randn(2048, 2048, device=device, dtype=dtype) for _ in range(2))
         matmul = 2 * 2048**3 / (min(timed(lambda: a @ b, device) for _ in range(5)))
         conv = torch.nn.Conv2d(128, 128, 3, padding=1).to(device, dtype, memory_format=torch.channels_last)
@@ -317,7 +317,8 @@ def main() -> None:
     # An empty compile cache: the first compilation as long as in a user's first run.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-"))
     args.window = args.window or (20 if device.type == "cpu" else 50)
-    peaks = peak_gflops(device)
+    dtypes = [torch.float32, torch.bfloat16] if any("bf16" in option for option in args.options) else [torch.float32]
+    peaks = peak_gflops(device, dtypes)  # in the precisions measured only: the probes take seconds on a CPU
     print("peak GFLOP/s: " + json.dumps(peaks), flush=True)
     results = []
     for name in args.recipes:

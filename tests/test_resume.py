@@ -27,7 +27,7 @@ SHAPES = {"cifar_cnn": (3, 32, 32), "resnet18_fmnist": (1, 28, 28)}
 # --ema 1e-6 averages over about one step: the average must equal the trained weights, BatchNorm statistics included,
 # also on 2 processes, where each process's statistics differ (their exactness over a resume: test_checkpoints.py).
 RUN = ("--batch_size", "8", "--log_every", "1", "--checkpoint_every", "4", "--seed", "3", "--tracker", "none",
-       "--ema", "1e-6", "--tta")
+       "--ema", "1e-6")
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +127,7 @@ def test_longer_and_on_another_number_of_processes(env, labelled, tmp_path, reci
     assert read_json(c_run / "summary.json")["epochs"] == pytest.approx(3.0)
     for evaluation in [row for row in read_jsonl(run / "metrics.jsonl") if "eval_acc" in row]:  # A's and B's
         assert evaluation["eval_loss_ema"] == pytest.approx(evaluation["eval_loss"], abs=1e-5)
-        assert evaluation["eval_acc_ema"] == evaluation["eval_acc"] and "eval_acc_tta" in evaluation
+        assert evaluation["eval_acc_ema"] == evaluation["eval_acc"]
     peak_c = read_json(c_run / "config.json").get("effective_lr", peak_a)
     assert [lrs(c_run)[s] for s in range(17, 21)] == [one_cycle_lr(s - 1, 20, peak_c) for s in range(17, 21)]
 
