@@ -73,7 +73,7 @@ def test_the_schedule_is_torchs_one_cycle_as_a_function_of_the_step():
     assert [one_cycle_lr(step, 5, 1.0) for step in range(5)] == pytest.approx([1.0, 0.75, 0.5, 0.25, 4e-6], abs=1e-5)
 
 
-@pytest.mark.parametrize("recipe", ["resnet18_fmnist"])  # one recipe is enough (see SHAPES); the others pass too
+@pytest.mark.parametrize("recipe", ["resnet18_fmnist"])  # one recipe is enough (above SHAPES); cifar_cnn passes too
 def test_longer_and_on_another_number_of_processes(env, labelled, tmp_path, recipe):
     data = str(labelled[SHAPES[recipe]])
     run, labels = tmp_path / "run", tmp_path / "labels"
