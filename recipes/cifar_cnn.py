@@ -15,6 +15,7 @@ curves.png, model.safetensors, checkpoints/):
   python recipes/cifar_cnn.py --synthetic --max_steps 200      # offline smoke run, no download
 """
 
+import copy
 import math
 import sys
 from collections import defaultdict
@@ -26,7 +27,6 @@ import torch.nn.functional as F
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import GradientAccumulationPlugin, broadcast, set_seed
 from torch import nn
-from torch.optim.swa_utils import AveragedModel
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
@@ -108,7 +108,8 @@ def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
     weights = [p for p in model.parameters() if p.ndim > 1]
     biases = [p for p in model.parameters() if p.ndim <= 1]
     groups = [{"params": weights, "weight_decay": cfg.weight_decay}, {"params": biases, "weight_decay": 0}]
-    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=True)
+    # fused: the whole update in one kernel per device and dtype, where a loop over the tensors makes several each.
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=True, fused=True)
 
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
@@ -188,10 +189,9 @@ def train(cfg: Config) -> None:
     epoch_samples = epoch_batches * cfg.batch_size * accelerator.num_processes  # less a remainder short of a batch
     progress = Progress()
     accelerator.register_for_checkpointing(progress)  # saved and restored with every checkpoint
-    # --ema: an average of the weights, updated on every process after every optimizer step. The processes hold the
-    # same weights, so the same average; BatchNorm's running statistics are averaged too (use_buffers).
-    ema = AveragedModel(accelerator.unwrap_model(model), avg_fn=schedule.ema_average(cfg.ema),
-                        use_buffers=True) if cfg.ema else None
+    # --ema: an average of the weights (schedule.update_ema), a copy of the model updated on every process after every
+    # optimizer step. The processes hold the same weights, so the same average; BatchNorm's running statistics too.
+    ema = copy.deepcopy(accelerator.unwrap_model(model)).requires_grad_(False) if cfg.ema else None
     if ema is not None:
         accelerator.register_for_checkpointing(ema)  # in every checkpoint, so a resume continues it exactly
     checkpoints = Checkpoints(accelerator, run_dir, cfg)
@@ -250,7 +250,7 @@ def train(cfg: Config) -> None:
             if not accelerator.sync_gradients:
                 continue
             if ema is not None:
-                ema.update_parameters(model)
+                schedule.update_ema(ema, model, progress.step, cfg.ema)  # no host sync: the decay is a Python number
             progress.step += 1
             window.heartbeat(progress.step, total_steps)  # without a terminal (a log file): a line every 30 s
             log_now = progress.step % log_every == 0 or progress.step == total_steps
@@ -271,7 +271,7 @@ def train(cfg: Config) -> None:
         with window.paused():
             metrics, predictions = evaluate(model, test_loader, accelerator, cfg)
             if ema is not None:  # BatchNorm statistics differ between processes: the main process's, as DDP does
-                broadcast(list(ema.module.buffers()))
+                broadcast(list(ema.buffers()))
                 ema_metrics, _ = evaluate(ema, test_loader, accelerator, cfg)
                 metrics |= {f"{key}_ema": value for key, value in ema_metrics.items() if key != "eval_samples"}
         progress.max_eval_acc = max(progress.max_eval_acc, metrics["eval_acc"])  # reported, never selected on
@@ -283,7 +283,7 @@ def train(cfg: Config) -> None:
     summary = window.summary(progress.epoch + progress.samples_into_epoch / epoch_samples, data_name)  # whole run
     # With --ema the average is the model: choosing between it and the trained weights by their test accuracy would
     # select on the test set. The trained weights stay in the last checkpoint (predict.py --evaluate takes either).
-    checkpoints.save_weights(model if ema is None else ema.module, {  # model.safetensors
+    checkpoints.save_weights(model if ema is None else ema, {  # model.safetensors
         "recipe": RECIPE, "script": __file__, "weights": "trained" if ema is None else "ema",
         "classes": train_set.classes, "flags": vars(cfg), **metrics, **summary})
     diagnostics.save_pictures(accelerator, run_dir, test_set, predictions, progress.step)  # confusion matrix, mistakes

@@ -22,19 +22,24 @@ def _channel_stats(mean, std, device):  # once per device: a host-to-GPU copy in
     return torch.tensor(mean, device=device).view(1, -1, 1, 1), torch.tensor(std, device=device).view(1, -1, 1, 1)
 
 
+@functools.cache
+def _fill_colour(fill: tuple[int, ...], channels: int, device) -> torch.Tensor:
+    """`fill` (one value, or one per channel) as a uint8 (1, C, 1, 1) tensor on the device, made once: each fill is
+    then one operation on every channel, not one per channel."""
+    colour = [fill[channel % len(fill)] for channel in range(channels)]
+    return torch.tensor(colour, dtype=torch.uint8, device=device).view(1, -1, 1, 1)
+
+
 def random_crop(images: torch.Tensor, padding: int, fill: tuple[int, ...] = (0,)) -> torch.Tensor:
     """Pad each side with `padding` pixels of colour `fill` (one value, or one per channel), then cut each image at
     its own random offset."""
     n, c, h, w = images.shape
-    padded = images.new_empty(n, c, h + 2 * padding, w + 2 * padding)
-    for channel in range(c):  # a Python number per channel: no host-to-GPU copy
-        padded[:, channel] = fill[channel % len(fill)]
+    padded = _fill_colour(tuple(fill), c, images.device).expand(n, c, h + 2 * padding, w + 2 * padding).clone()
     padded[:, :, padding:padding + h, padding:padding + w] = images
     # Every possible crop as a view (n, c, 2p+1, 2p+1, h, w), no copy; one gather then picks each image's crop (4x
     # faster on a CPU than indexing every pixel).
     crops = padded.unfold(2, h, 1).unfold(3, w, 1)
-    dy = torch.randint(0, 2 * padding + 1, (n,), device=images.device)
-    dx = torch.randint(0, 2 * padding + 1, (n,), device=images.device)
+    dy, dx = torch.randint(0, 2 * padding + 1, (2, n), device=images.device)  # one draw: one kernel, not two
     return crops[torch.arange(n, device=images.device), :, dy, dx]
 
 
@@ -49,15 +54,14 @@ def random_erase(images: torch.Tensor, p: float, fill: tuple[int, ...] = (0,), s
     of colour `fill` covering `scale` of the image, with an aspect ratio in `ratio` (log-uniform), clamped to the
     image. Each image draws its own rectangle."""
     n, c, h, w = images.shape
-    rand = functools.partial(torch.rand, n, 1, 1, device=images.device)  # one number per image, uniform in [0, 1)
-    area = (scale[0] + (scale[1] - scale[0]) * rand()) * (h * w)
-    aspect = torch.exp(math.log(ratio[0]) + math.log(ratio[1] / ratio[0]) * rand())
+    # Five uniform numbers per image in [0, 1), drawn at once: the area, the aspect ratio, the top, the left, and
+    # whether to erase at all.
+    area_draw, aspect_draw, top_draw, left_draw, erase_draw = torch.rand(5, n, 1, 1, device=images.device)
+    area = (scale[0] + (scale[1] - scale[0]) * area_draw) * (h * w)
+    aspect = torch.exp(math.log(ratio[0]) + math.log(ratio[1] / ratio[0]) * aspect_draw)
     height, width = (area * aspect).sqrt_().round_().clamp_(1, h), (area / aspect).sqrt_().round_().clamp_(1, w)
-    top, left = (rand() * (h - height + 1)).floor_(), (rand() * (w - width + 1)).floor_()
+    top, left = (top_draw * (h - height + 1)).floor_(), (left_draw * (w - width + 1)).floor_()
     rows, cols = torch.arange(h, device=images.device).view(1, h, 1), torch.arange(w, device=images.device)
     inside = (rows >= top) & (rows < top + height) & (cols >= left) & (cols < left + width)
-    inside &= rand() < p
-    erased = images.clone()
-    for channel in range(c):  # a Python number per channel: no host-to-GPU copy
-        erased[:, channel].masked_fill_(inside, fill[channel % len(fill)])
-    return erased
+    inside &= erase_draw < p
+    return torch.where(inside.unsqueeze(1), _fill_colour(tuple(fill), c, images.device), images)

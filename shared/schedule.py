@@ -1,4 +1,4 @@
-"""The learning rate, and the --ema average's decay, as functions of the optimizer step. A stateful scheduler saved
+"""The learning rate, and the --ema average's update, as functions of the optimizer step. A stateful scheduler saved
 in a checkpoint keeps the length it was built for (OneCycleLR fails at step 41 of a 40-step run resumed with
 --max_steps 50); a function of (step, total_steps, peak) has no state to go stale, so a resumed run can be given
 another length."""
@@ -23,13 +23,19 @@ def one_cycle_lr(step: int, total_steps: int, peak: float) -> float:
     return (end - peak) * pct + peak
 
 
-def ema_average(decay: float):
-    """The `avg_fn` of torch's AveragedModel for --ema: an exponential moving average whose decay ramps up as timm's
-    does, min(decay, (1 + n) / (10 + n)) at the n-th update (0.18, 0.25, 0.31, ... 0.9 after 80 steps). A fixed decay
-    of 0.99 still holds 1/e of the first, random weights after 100 steps: short runs averaged to chance."""
-
-    def average(averaged: torch.Tensor, current: torch.Tensor, updates: torch.Tensor) -> torch.Tensor:
-        weight = ((1 + updates) / (10 + updates)).clamp(max=decay)  # a tensor: no host sync per step on a GPU
-        return weight * averaged + (1 - weight) * current
-
-    return average
+@torch.no_grad()  # an in-place update of the average, outside autograd
+def update_ema(average: torch.nn.Module, model: torch.nn.Module, step: int, decay: float) -> None:
+    """--ema after optimizer step `step` (0-based): every parameter and floating-point buffer (BatchNorm's running
+    statistics) of `average` moves to `weight * average + (1 - weight) * model`, with the decay ramped up as timm's
+    does, weight = min(decay, (1 + step) / (10 + step)) (0.18, 0.25, 0.31, ... 0.9 after 80 steps), and a copy at
+    step 0. A fixed decay of 0.99 still holds 1/e of the first, random weights after 100 steps: short runs averaged
+    to chance. The weight is a Python number taken from the step, so the update reads nothing from the device, and
+    one foreach lerp updates every tensor at once: a few kernels, where torch's AveragedModel made one blocking copy
+    of its update count to the device per parameter, and several kernels per parameter."""
+    weight = min(decay, (1 + step) / (10 + step)) if step else 0.0
+    pairs = list(zip([*average.parameters(), *average.buffers()], [*model.parameters(), *model.buffers()]))
+    floats = [(a, m) for a, m in pairs if a.is_floating_point()]
+    torch._foreach_lerp_([a for a, _ in floats], [m for _, m in floats], 1 - weight)  # a + (1 - weight) * (m - a)
+    counts = [(a, m) for a, m in pairs if not a.is_floating_point()]  # BatchNorm's num_batches_tracked: copied
+    if counts:
+        torch._foreach_copy_([a for a, _ in counts], [m for _, m in counts])

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "benchmarks"))  # the measuring scripts some tests import (benchmarks/ is no package)
 # One thread per process: the suite's workers (README: 3 on CI's 2 cores) each run a recipe at a time, and with
 # torch's default of a thread per core, 2 x 2 threads on 2 cores spin-wait for each other (OpenMP): test_resume.py
 # and test_deep_mlp_ckpt.py took 142 s with the default and 92 s with one thread, interleaved (2 workers). torchrun
@@ -116,7 +117,7 @@ def _free(port: int) -> bool:
 
 
 def ema_state(checkpoint: Path) -> dict:
-    """The --ema average in a checkpoint folder: the AveragedModel's state dict (`module.*` and `n_averaged`),
+    """The --ema average in a checkpoint folder: its state dict (the model's own keys),
     accelerate's second registered object after the recipe's Progress."""
     return torch.load(checkpoint / "custom_checkpoint_1.pkl", weights_only=True)
 

@@ -38,7 +38,7 @@ def final_state(run) -> dict:
 
 def max_abs_diff(run_a, run_b) -> float:
     a, b = final_state(run_a), final_state(run_b)
-    assert a.keys() == b.keys() and any(k.startswith("ema.module.") for k in a)
+    assert a.keys() == b.keys() and any(k.startswith("ema.") for k in a)
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
