@@ -1,17 +1,15 @@
-"""Every GPU path of the recipes, run once for real, with every figure in one JSON file: what
-benchmarks/gpu_check.sh runs (it installs missing packages first). About 12 minutes on one H200: 770 s in all
-when it ran there in pieces, with the resume runs twice as long as now; most of it is starting 40 processes.
+"""Every GPU path of the recipes, run once for real, for correctness, with every figure in one JSON file: what
+benchmarks/gpu_check.sh runs (it installs missing packages first). Speed and time to accuracy are
+benchmarks/gpu_speed.sh's.
 
 For each recipe, on --synthetic data held on the GPU (--data_on_device, the default --channels_last):
-  precision    1gpu.yaml (float32), bf16.yaml, fp16.yaml: 200 steps each; steady samples/s, loss, peak memory
+  precision    1gpu.yaml (float32), bf16.yaml, fp16.yaml: 200 steps each; loss, peak memory, samples/s
   resume       SIGTERM to `accelerate launch` mid-epoch, then --resume latest; the weights against an
                uninterrupted run, and that run against a second one (GPU kernels need not be deterministic)
   predict      recipes/predict.py --evaluate on the CPU of the weights written on the GPU
-Then: one epoch of the ResNet on the real Fashion-MNIST in bf16 (epoch time, accuracy, samples/s, TFLOP/s against
-the measured bf16 matmul peak, peak memory); deep_mlp_sweep.py's CUDA memory at batch 16 for 0, 2, 5 and 10
-segments; the ResNet with bf16.yaml --compile (the first log window, compilation included, and the steady speed);
-benchmarks/throughput.py's b/a and d/b for each recipe. What is timed runs alone; resume and predict, which time
-nothing, run side by side for the three recipes.
+Then: deep_mlp_sweep.py's CUDA memory at batch 16 for 0, 2, 5 and 10 segments; the ResNet with bf16.yaml --compile
+(it trains and saves plain weights; the first log window, compilation included, and the steady speed). What is timed
+runs alone; resume and predict, which time nothing, run side by side for the three recipes.
 
 --dry_run (GPU_CHECK_CPU=1 in gpu_check.sh): the same steps on the CPU, tiny (cpu.yaml and cpu_bf16.yaml stand in
 for the GPU configs, the recipes read --fashion_mnist instead of --synthetic), so that this script is tested before
@@ -39,7 +37,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from tools.measure import synchronize
 
 RECIPES = ("cifar_cnn", "resnet18_fmnist", "deep_mlp_ckpt")
 FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")  # Debian's dataset-fashion-mnist
@@ -115,6 +112,7 @@ class Check:
         result = self.run(self.launch_command(recipe, *self.common(recipe, "compile"), "--compile", "--max_steps",
                                               steps, "--log_every", max(1, steps // 6), precision="bf16"), 600)
         figures = run_figures(result, run)
+        figures["plain_weight_names"] = not any(name.startswith("_orig_mod.") for name in load_weights(run))
         first = next(row for row in read_rows(run) if "train_loss" in row)
         figures["first_window_s"] = first["step"] * figures["global_batch_size"] / first["samples_per_s"]
         plain = self.results["steps"].get(f"{recipe} bf16", {}).get("steady_samples_per_s")
@@ -161,47 +159,6 @@ class Check:
                 "eval_loss_cpu": on_cpu["eval_loss"], "eval_loss_gpu": on_gpu["eval_loss"]}
 
     # ------------------------------------------------------------------ once
-    def matmul_peak(self) -> dict:
-        device = torch.device("cpu" if self.args.dry_run else "cuda")
-        n, repeats = (512, 3) if self.args.dry_run else (8192, 10)
-        a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
-        for _ in range(3):
-            a @ b
-        synchronize(device)
-        start = time.perf_counter()
-        for _ in range(repeats):
-            a @ b
-        synchronize(device)
-        return {"bf16_matmul_tflops": 2 * n**3 * repeats / (time.perf_counter() - start) / 1e12, "n": n}
-
-    def real_epoch(self) -> dict:
-        run = self.out / "runs" / "resnet18_fmnist-real-epoch"
-        tiny = ["--batch_size", 8] if self.args.dry_run else []
-        result = self.run(self.launch_command("resnet18_fmnist", "--data", self.args.fashion_mnist, "--epochs", 1,
-                                              "--data_on_device", "--tracker", "none", "--output_dir", run,
-                                              "--overwrite", *tiny, precision="bf16"), 600)
-        figures = run_figures(result, run)
-        flops = train_flops_per_sample("resnet18_fmnist")
-        peak = self.results["steps"].get("bf16 matmul peak", {}).get("bf16_matmul_tflops")
-        figures["train_gflops_per_sample"] = flops / 1e9
-        figures["achieved_tflops"] = figures["samples_per_s"] * flops / 1e12
-        if peak:
-            figures["share_of_matmul_peak"] = figures["achieved_tflops"] / peak
-        return figures
-
-    def throughput(self) -> dict:
-        folder = self.out / "throughput"
-        if self.args.dry_run:
-            extra = ["--recipes", "cifar_cnn", "--options", "float32", "--repeats", "1", "--window", "2",
-                     "--batch_size", "8"]
-        else:
-            extra = ["--options", "float32", "bf16+channels_last", "--repeats", "2", "--data_on_device"]
-        result = self.run([sys.executable, "benchmarks/throughput.py", *extra, "--no_seed_style", "--out", folder], 900)
-        assert result.returncode == 0, result.stderr[-2000:]
-        measured = json.loads(next(folder.glob("throughput-*.json")).read_text())
-        return {f"{result['recipe']} {option}": {"b/a": m["b"] / m["a"], "d/b": m["d"] / m["b"], "b": m["b"]}
-                for result in measured["results"] for option, m in result["median"].items()}
-
     def sweep(self) -> dict:
         folder = self.out / "sweep"
         # The dry run measures one segment count at the seed's batch only: test_deep_mlp_ckpt.py runs a fuller sweep.
@@ -226,16 +183,6 @@ def run_figures(result: subprocess.CompletedProcess, run: Path) -> dict:
             "samples_per_s": summary["samples_per_s"], "peak_mem_mb": summary["peak_mem_mb"],
             "global_batch_size": config["global_batch_size"], "mixed_precision": config["mixed_precision"],
             "device": config["device"], "steps": summary["steps"]}
-
-
-def train_flops_per_sample(recipe: str) -> float:
-    """Forward and backward FLOPs of one training sample of the recipe's model, counted as throughput.py counts."""
-    from throughput import flops_per_sample  # benchmarks/, this script's folder
-
-    module = __import__(f"recipes.{recipe}", fromlist=["make_model"])
-    model, images = module.make_model(10, module.Config()), torch.zeros(2, *module.IMAGE_SHAPE, dtype=torch.uint8)
-    return flops_per_sample(model, module.preprocess(images, training=False), torch.zeros(2, dtype=torch.long),
-                            module.loss_fn)
 
 
 def read_json(path: Path) -> dict:
@@ -290,7 +237,6 @@ def main() -> None:
         sys.exit("error: no GPU: run it on a machine with one, or pass --dry_run to try every step on the CPU")
     check = Check(args)
     print(f"gpu_check on {check.results['device']}: {json.dumps(check.results['versions'])}", flush=True)
-    check.step("bf16 matmul peak", check.matmul_peak)
     # Correctness first, side by side (nothing is timed): resume and predict per recipe.
     with ThreadPoolExecutor(len(args.recipes)) as pool:
         list(pool.map(lambda r: (check.step(f"{r} resume", check.resume, r),
@@ -299,12 +245,10 @@ def main() -> None:
     for recipe in args.recipes:
         for precision in ("float32", "bf16") if args.dry_run else ("float32", "bf16", "fp16"):
             check.step(f"{recipe} {precision}", check.precision, recipe, precision)
-    check.step("resnet18_fmnist real Fashion-MNIST epoch", check.real_epoch)
     check.step("deep_mlp_sweep memory", check.sweep)
     # Compiling takes a minute or more a recipe (on a CPU too): once, on the model where it may pay.
     recipe = "cifar_cnn" if args.dry_run else "resnet18_fmnist"
     check.step(f"{recipe} compile", check.compile, recipe)
-    check.step("throughput", check.throughput)
     failed = [name for name, figures in check.results["steps"].items() if not figures["ok"]]
     print(f"wrote {check.out / 'gpu_check.json'} and gpu_check.log; "
           + (f"FAILED: {', '.join(failed)}" if failed else "every step ran"), flush=True)

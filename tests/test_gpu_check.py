@@ -1,8 +1,8 @@
-"""benchmarks/gpu_check.sh, the one prepared GPU check, run as a dry run on the CPU (GPU_CHECK_CPU=1): every
-step it takes on a GPU but two (gpu_check.py says which), tiny, so that it cannot rot before a GPU comes. The steps
-it takes for each recipe are one code path with the recipe's name: here for cifar_cnn (GPU_CHECK_RECIPES), which
-keeps the test to two minutes; the ResNet and the MLP run in the steps taken once (the real-data epoch, the
-checkpointing sweep)."""
+"""benchmarks/gpu_check.sh, the prepared GPU correctness check, run as a dry run on the CPU (GPU_CHECK_CPU=1): every
+step it takes on a GPU but two (gpu_check.py says which), tiny, so that it cannot rot before a GPU comes, with only the
+assertions a CPU run can prove: a run resumed after SIGTERM to the launcher ends bitwise as the run never stopped,
+predict.py evaluates the saved weights as the run did, a compiled run saves plain weights. The steps it takes for each
+recipe are one code path with the recipe's name: here for cifar_cnn (GPU_CHECK_RECIPES); the MLP runs in the sweep."""
 
 from __future__ import annotations
 
@@ -28,13 +28,10 @@ def test_the_gpu_check_runs_every_step_on_the_cpu(env, tmp_path):
         resumed = steps[f"{recipe} resume"]
         assert resumed["resumed_vs_reference_max_abs"] == 0.0 and "again_vs_reference_max_abs" not in resumed
         assert 2 <= resumed["stopped_at_step"] < resumed["of_steps"]
-        predicted = steps[f"{recipe} predict on the CPU"]
+        predicted = steps[f"{recipe} predict on the CPU"]  # here: predict.py against the run's own evaluation
         assert abs(predicted["eval_acc_cpu"] - predicted["eval_acc_gpu"]) <= 1e-4  # at most one of 10,000 images
         for precision in ("float32", "bf16"):  # fp16: on a GPU only
             assert steps[f"{recipe} {precision}"]["steps"] == 6 and steps[f"{recipe} {precision}"]["device"] == "cpu"
     assert steps["cifar_cnn bf16"]["mixed_precision"] == "bf16"
-    assert steps["cifar_cnn compile"]["first_window_s"] > 0
-    epoch = steps["resnet18_fmnist real Fashion-MNIST epoch"]
-    assert epoch["steps"] == 8 and epoch["achieved_tflops"] > 0 and epoch["train_gflops_per_sample"] > 0.1
-    assert steps["throughput"]["cifar_cnn float32"]["b/a"] > 0
+    assert steps["cifar_cnn compile"]["plain_weight_names"] and steps["cifar_cnn compile"]["steps"] == 6
     assert set(steps["deep_mlp_sweep memory"]["batch_16"]) == {"0", "2"}  # none and 2 segments (2,5,10 on a GPU)

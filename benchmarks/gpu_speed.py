@@ -1,0 +1,295 @@
+"""Speed and time to accuracy on one GPU, in one prepared run: what benchmarks/gpu_speed.sh runs (8 minutes at most on
+one H100). Every measurement is the recipe's own train(), called in this one process one after another (a process
+start costs seconds on a GPU machine), each with a new accelerate state; the results go to gpu_speed.json after each.
+
+In the order they run (the most wanted first: a run cut short keeps them), until --budget_s is spent:
+- time_to_accuracy: the ResNet on the real Fashion-MNIST in the GPU setting, seeds 0, 1, 2. `seconds` runs from its
+  first training step to the end of its last evaluation; `reached` is that evaluation's test accuracy and `met`
+  whether it is at least `target`; `first_at_target_s` is the time to the first evaluation at or above it. Beside
+  them, not in them: `load_data_s` (reading, or decoding into the cache, the data) and `start_s` (from this process's
+  start to the first step: imports, CUDA's set-up, the data, the model).
+- rows, each a short run on --synthetic data: `samples_per_s` is the median of the run's own log windows after the
+  first (metrics.jsonl, as a user's run reports itself), `ms_per_step` the global batch over it. For each recipe:
+  the GPU setting in bf16 and float32 and in bf16 with --ema 0.99; the recipe's defaults (`setting` "default": batch
+  128, data copied to the GPU per batch, cuDNN and TF32 as torch leaves them) in float32, bf16 and fp16; for the
+  ResNet, the GPU setting without each of its parts (`without`) and with --compile.
+- profile: torch.profiler over 20 steps of the ResNet in the GPU setting (accelerate's ProfileKwargs): a Chrome trace
+  (open it at https://ui.perfetto.dev), a table of the operations that took the most time, and the GPU's idle share
+  over those steps (1 - kernel time / wall time).
+
+The GPU setting (GPU_SETTING): bf16.yaml, --batch_size 512 (the ResNet's learning rate follows the global batch by
+its default --lr_scaling sqrt), --data_on_device, cudnn.benchmark on, TF32 for float32 matmuls and convolutions. The
+last two are process settings, not recipe flags yet: this script sets them, and they become the recipes' defaults
+once a GPU run shows they pay (issue: GPU defaults measured on a GPU).
+
+    bash benchmarks/gpu_speed.sh                                # benchmarks/results/gpu-<name>/gpu_speed.json
+    python benchmarks/gpu_speed.py --dry_run --out DIR --fashion_mnist DIR   # the same steps, tiny, on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+STARTED = time.perf_counter()  # as near this process's start as Python lets a script see (imports follow)
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils import ProfileKwargs
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+RECIPES = ("cifar_cnn", "resnet18_fmnist", "deep_mlp_ckpt")
+FASHION_MNIST = "/usr/share/datasets/fashion-mnist"  # Debian's dataset-fashion-mnist
+TARGET = 0.93  # the ResNet's test accuracy to reach on the real Fashion-MNIST
+# The GPU setting, chosen by the accuracy the ResNet reached at this global batch on the CPU (BENCHMARKS.md): flags,
+# the config's precision, and the process settings.
+GPU_SETTING = {"flags": ["--batch_size", "512", "--data_on_device"], "precision": "bf16", "cudnn_benchmark": True,
+               "tf32": True}
+GPU_EPOCHS = 6  # the ResNet's epochs to the target in the GPU setting
+PRECISION = {"float32": "no", "bf16": "bf16", "fp16": "fp16"}  # ACCELERATE_MIXED_PRECISION, as the configs set it
+
+
+class Speed:
+    """The measurements, kept in gpu_speed.json as they come."""
+
+    def __init__(self, args):
+        self.args, self.out = args, Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.log = (self.out / "gpu_speed.log").open("a")
+        self.deadline = STARTED + args.budget_s
+        self.results = {"device": device_name(), "date": time.strftime("%Y-%m-%d"), "commit": commit(),
+                        "torch": torch.__version__, "dry_run": args.dry_run, "budget_s": args.budget_s,
+                        "gpu_setting": {**GPU_SETTING, "epochs": GPU_EPOCHS}, "profile": None, "rows": [],
+                        "time_to_accuracy": [], "skipped": [], "errors": []}
+
+    def save(self) -> None:
+        (self.out / "gpu_speed.json").write_text(json.dumps(self.results, indent=1) + "\n")
+
+    def measure(self, kind: str, name: str, function, *args) -> None:
+        """One measurement, unless the time is spent; an error is recorded, and the others still run."""
+        if time.perf_counter() > self.deadline:
+            self.results["skipped"].append({"name": name, "why": f"--budget_s {self.args.budget_s:.0f} spent"})
+        else:
+            print(f"[{time.perf_counter() - STARTED:5.0f} s] {name} ...", flush=True)
+            try:
+                found = function(*args)
+                if kind == "profile":
+                    self.results["profile"] = found
+                else:
+                    self.results[kind].append(found)
+                print(f"    {json.dumps(found)[:300]}", flush=True)
+            except Exception as error:  # noqa: BLE001 (a failed measurement is a result too; the others still run)
+                self.results["errors"].append({"name": name, "error": f"{type(error).__name__}: {error}"[-1500:]})
+                print(f"    failed: {self.results['errors'][-1]['error'][:500]}", flush=True)
+        self.save()
+
+    # ------------------------------------------------------------------ one run of a recipe
+    def train(self, name: str, flags: list, precision: str, gpu: bool, run: str):
+        """The recipe's train() in this process with `flags`, in `precision`, with the GPU setting's process settings
+        or torch's defaults; returns the recipe module and its run folder."""
+        recipe = importlib.import_module(f"recipes.{name}")
+        AcceleratorState._reset_state(reset_partial_state=True)  # a singleton: each run its own precision
+        GradientState._reset_state()
+        os.environ["ACCELERATE_MIXED_PRECISION"] = PRECISION[precision]
+        torch.backends.cudnn.benchmark = gpu and GPU_SETTING["cudnn_benchmark"]
+        torch.backends.cuda.matmul.allow_tf32 = gpu and GPU_SETTING["tf32"]  # torch's default: off for matmuls,
+        torch.backends.cudnn.allow_tf32 = True if not gpu else GPU_SETTING["tf32"]  # on for convolutions
+        folder = self.out / "runs" / run
+        cfg = recipe.Config.parse([*map(str, flags), "--tracker", "none", "--output_dir", str(folder), "--overwrite"])
+        handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+        with contextlib.redirect_stdout(self.log), contextlib.redirect_stderr(self.log):
+            recipe.train(cfg)
+        for signum, handler in handlers.items():  # train() took SIGTERM and Ctrl-C for its checkpoint on a stop
+            signal.signal(signum, handler)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return recipe, folder
+
+    def small(self, flags: list) -> list:
+        """The dry run's tiny version of a run's flags: batches of 8 (the last --batch_size wins)."""
+        return [*flags, "--batch_size", "8"] if self.args.dry_run else list(flags)
+
+    def data(self) -> list:
+        """Generated data on a GPU; the dry run reads the (tiny) --fashion_mnist: each run then evaluates a few images,
+        not 10,000 on a CPU."""
+        return ["--data", self.args.fashion_mnist] if self.args.dry_run else ["--synthetic"]
+
+    # ------------------------------------------------------------------ measurements
+    def time_to_accuracy(self, seed: int) -> dict:
+        epochs = 1 if self.args.dry_run else GPU_EPOCHS
+        recipe = importlib.import_module("recipes.resnet18_fmnist")
+        marks, load, preprocess, evaluate = {}, recipe.load_data, recipe.preprocess, recipe.evaluate
+
+        def timed_load(cfg):
+            start = time.perf_counter()
+            try:
+                return load(cfg)
+            finally:
+                marks["load_data_s"] = time.perf_counter() - start
+
+        def timed_preprocess(images, training, *args):
+            if training and "first_step" not in marks:
+                marks["first_step"] = time.perf_counter()
+            return preprocess(images, training, *args)
+
+        def timed_evaluate(*args, **kwargs):
+            result = evaluate(*args, **kwargs)  # ends with .item(): the GPU has finished
+            marks.setdefault("evaluations", []).append((time.perf_counter(), result[0]["eval_acc"]))
+            return result
+
+        recipe.load_data, recipe.preprocess, recipe.evaluate = timed_load, timed_preprocess, timed_evaluate
+        train_start = time.perf_counter()
+        try:
+            flags = [*self.small(GPU_SETTING["flags"]), "--data", self.args.fashion_mnist, "--epochs", epochs,
+                     "--seed", seed]
+            self.train("resnet18_fmnist", flags, GPU_SETTING["precision"], True, f"resnet18_fmnist-tta-{seed}")
+        finally:
+            recipe.load_data, recipe.preprocess, recipe.evaluate = load, preprocess, evaluate
+        first, (last, reached) = marks["first_step"], marks["evaluations"][-1]
+        at_target = [when for when, accuracy in marks["evaluations"] if accuracy >= TARGET]
+        return {"recipe": "resnet18_fmnist", "data": self.args.fashion_mnist, "target": TARGET, "reached": reached,
+                "met": reached >= TARGET, "seconds": last - first, "epochs": epochs, "seed": seed,
+                "first_at_target_s": at_target[0] - first if at_target else None,
+                "evaluations": [accuracy for _, accuracy in marks["evaluations"]],
+                "load_data_s": marks["load_data_s"], "start_s": first - STARTED,
+                "setup_s": first - train_start - marks["load_data_s"]}
+
+    def speed(self, name: str, setting: str, precision: str, ema: bool = False, without: str | None = None,
+              compile: bool = False) -> dict:
+        gpu = setting == "gpu"
+        flags = list(GPU_SETTING["flags"]) if gpu else []
+        if without == "data_on_device":
+            flags.remove("--data_on_device")
+        steps, every = (4, 2) if self.args.dry_run else (150, 25)
+        flags = [*self.small(flags), *self.data(), "--max_steps", steps, "--log_every", every]
+        flags += (["--ema", "0.99"] if ema else []) + (["--compile"] if compile else [])
+        saved = dict(GPU_SETTING)
+        if without in ("cudnn_benchmark", "tf32"):
+            GPU_SETTING[without] = False
+        try:
+            _, folder = self.train(name, flags, precision, gpu, f"{name}-{setting}-{precision}{'-ema' * ema}"
+                                   f"{'-without-' + without if without else ''}{'-compile' * compile}")
+        finally:
+            GPU_SETTING.update(saved)
+        config = json.loads((folder / "config.json").read_text())
+        windows = [row["samples_per_s"] for row in read_rows(folder) if "train_loss" in row]
+        samples_per_s = statistics.median(windows[1:] or windows)
+        return {"recipe": name, "setting": setting, "precision": precision, "batch_size": config["global_batch_size"],
+                "ema": ema, "samples_per_s": samples_per_s, "ms_per_step": 1000 * config["global_batch_size"]
+                / samples_per_s, "without": without, "compile": compile, "windows": windows}
+
+    def profile(self) -> dict:
+        """20 steps of the ResNet in the GPU setting under torch.profiler, after 10 to warm up (the dry run: 3 after
+        2)."""
+        cuda = torch.cuda.is_available()
+        wait, warmup, active = (1, 1, 3) if self.args.dry_run else (5, 5, 20)
+        found = {}
+
+        def summarize(profiler):  # once the active steps are recorded
+            trace, top = self.out / "profile_trace.json.gz", self.out / "profile_top_ops.txt"
+            profiler.export_chrome_trace(str(trace))
+            top.write_text(profiler.key_averages().table(sort_by="self_cuda_time_total" if cuda else
+                                                         "self_cpu_time_total", row_limit=25) + "\n")
+            events = profiler.events()
+            steps = [e for e in events if e.name.startswith("ProfilerStep")]  # one event per profiled step
+            span_us = max(e.time_range.end for e in steps) - min(e.time_range.start for e in steps)
+            kernel_us = sum(e.time_range.elapsed_us() for e in events
+                            if e.device_type == torch.autograd.DeviceType.CUDA)  # on one stream: no overlap
+            found.update(path=str(trace), top_ops=str(top), steps=active, wall_ms_per_step=span_us / active / 1000,
+                         kernel_ms_per_step=kernel_us / active / 1000 if cuda else None,
+                         gpu_idle_share=1 - kernel_us / span_us if cuda else None)
+
+        schedule = {"wait": wait, "warmup": warmup, "active": active, "repeat": 1}
+        profiler = ProfileKwargs(activities=["cpu", "cuda"] if cuda else ["cpu"], schedule_option=schedule,
+                                 on_trace_ready=summarize).build()
+        hook = register_optimizer_step_post_hook(lambda *_: profiler.step())  # a profiler step per optimizer step
+        profiler.start()
+        try:
+            flags = [*self.small(GPU_SETTING["flags"]), *self.data(), "--max_steps", wait + warmup + active + 2,
+                     "--log_every", 1000]
+            self.train("resnet18_fmnist", flags, GPU_SETTING["precision"], True, "resnet18_fmnist-profile")
+        finally:
+            profiler.stop()
+            hook.remove()
+        return found
+
+
+def read_rows(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+
+
+def commit() -> str | None:
+    """The commit measured: git's, or GPU_SPEED_COMMIT where the tree came without its .git folder."""
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("GPU_SPEED_COMMIT")
+
+
+def default_out() -> Path:
+    """benchmarks/results/gpu-<name>/: h100, h200, ... from the device's name."""
+    words = device_name().lower().replace("nvidia", "").split()
+    return ROOT / "benchmarks" / "results" / f"gpu-{words[0] if words else 'cpu'}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/gpu-<name>/")
+    parser.add_argument("--dry_run", action="store_true", help="the same measurements, tiny, on the CPU")
+    parser.add_argument("--fashion_mnist", default=FASHION_MNIST, help="the real Fashion-MNIST's IDX files")
+    parser.add_argument("--budget_s", type=float, default=420, help="no measurement starts after this many seconds")
+    parser.add_argument("--seeds", type=int, default=3, help="time-to-accuracy runs, seeds 0, 1, ...")
+    parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=RECIPES,
+                        help="the recipes of the per-recipe rows")
+    args = parser.parse_args()
+    if not args.dry_run and not torch.cuda.is_available():
+        sys.exit("error: no GPU: run it on a machine with one, or pass --dry_run to try every step on the CPU")
+    if not (Path(args.fashion_mnist) / "train-images-idx3-ubyte.gz").exists() and not (
+            Path(args.fashion_mnist) / "train-images-idx3-ubyte").exists():
+        sys.exit(f"error: no Fashion-MNIST IDX files in {args.fashion_mnist}: apt-get install dataset-fashion-mnist, "
+                 "or pass --fashion_mnist DIR")
+    args.out = args.out or str(default_out())
+    speed = Speed(args)
+    print(f"gpu_speed on {speed.results['device']}, torch {torch.__version__}: {speed.out}", flush=True)
+    for seed in range(1 if args.dry_run else args.seeds):
+        speed.measure("time_to_accuracy", f"resnet18_fmnist to {TARGET}, seed {seed}", speed.time_to_accuracy, seed)
+    for name in args.recipes:
+        for precision, ema in (("bf16", False), ("float32", False), ("bf16", True)):
+            speed.measure("rows", f"{name} gpu {precision}{' ema' * ema}", speed.speed, name, "gpu", precision, ema)
+    speed.measure("profile", "profile", speed.profile)
+    for without, precision in (("cudnn_benchmark", "bf16"), ("data_on_device", "bf16"), ("tf32", "float32")):
+        speed.measure("rows", f"resnet18_fmnist gpu {precision} without {without}", speed.speed, "resnet18_fmnist",
+                      "gpu", precision, False, without)
+    for name in args.recipes:
+        for precision in ("float32", "bf16") if args.dry_run else ("float32", "bf16", "fp16"):  # a CPU refuses fp16
+            speed.measure("rows", f"{name} default {precision}", speed.speed, name, "default", precision)
+    if args.dry_run:  # tests/test_gpu_check.py compiles a recipe on the CPU
+        speed.results["skipped"].append({"name": "resnet18_fmnist gpu bf16 compile", "why": "dry run: compiling "
+                                         "takes a minute on a CPU"})
+        speed.save()
+    else:
+        speed.measure("rows", "resnet18_fmnist gpu bf16 compile", speed.speed, "resnet18_fmnist", "gpu", "bf16",
+                      False, None, True)
+    print(f"wrote {speed.out / 'gpu_speed.json'} in {time.perf_counter() - STARTED:.0f} s; "
+          f"{len(speed.results['errors'])} failed, {len(speed.results['skipped'])} skipped", flush=True)
+    sys.exit(1 if speed.results["errors"] else 0)
+
+
+if __name__ == "__main__":
+    main()

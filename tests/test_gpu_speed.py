@@ -1,0 +1,57 @@
+"""benchmarks/gpu_speed.sh, the one prepared GPU speed check, run as a dry run on the CPU (GPU_SPEED_CPU=1): every
+measurement it makes on a GPU but the compiled run (tests/test_gpu_check.py compiles a recipe) and fp16 (refused on a
+CPU), tiny, so that it cannot rot before a GPU comes. The per-recipe rows here for cifar_cnn only (GPU_SPEED_RECIPES):
+one code path with the recipe's name; the ResNet runs in the time to accuracy, the profile and the ablations."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+from pathlib import Path
+
+from conftest import ROOT
+from tiny_data import idx_folder, random_splits
+
+ROW = {"recipe", "setting", "precision", "batch_size", "ema", "samples_per_s", "ms_per_step"}
+RUN = {"recipe", "data", "target", "reached", "seconds", "epochs", "seed"}
+
+
+def test_the_gpu_speed_check_makes_every_measurement_on_the_cpu(env, tmp_path):
+    fashion = idx_folder(tmp_path / "fashion-mnist", random_splits((28, 28), sizes=(64, 20)))
+    out = tmp_path / "speed"
+    result = subprocess.run(["bash", "benchmarks/gpu_speed.sh", str(out)], cwd=ROOT, capture_output=True, text=True,
+                            env=dict(env, GPU_SPEED_CPU="1", GPU_SPEED_FASHION_MNIST=str(fashion),
+                                     GPU_SPEED_RECIPES="cifar_cnn"), timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    figures = json.loads((out / "gpu_speed.json").read_text())
+    assert figures["dry_run"] and figures["device"] == "CPU" and figures["torch"] and figures["date"]
+    assert "commit" in figures and not figures["errors"], figures["errors"]
+    assert [skipped["name"] for skipped in figures["skipped"]] == ["resnet18_fmnist gpu bf16 compile"]
+    rows = figures["rows"]
+    for row in rows:
+        assert ROW <= row.keys() and row["setting"] in ("default", "gpu"), row
+        assert row["samples_per_s"] > 0 and row["ms_per_step"] > 0 and row["batch_size"] == 8, row
+        assert row["precision"] in ("float32", "bf16")  # fp16: on a GPU only
+    assert {(r["recipe"], r["setting"], r["precision"], r["ema"], r["without"]) for r in rows} == {
+        ("cifar_cnn", "gpu", "bf16", False, None), ("cifar_cnn", "gpu", "float32", False, None),
+        ("cifar_cnn", "gpu", "bf16", True, None), ("cifar_cnn", "default", "float32", False, None),
+        ("cifar_cnn", "default", "bf16", False, None), ("resnet18_fmnist", "gpu", "bf16", False, "cudnn_benchmark"),
+        ("resnet18_fmnist", "gpu", "bf16", False, "data_on_device"), ("resnet18_fmnist", "gpu", "float32", False,
+                                                                        "tf32")}
+    # Each row is a run of its own, whose config says what it was.
+    config = json.loads((out / "runs" / "cifar_cnn-gpu-bf16-ema" / "config.json").read_text())
+    assert config["mixed_precision"] == "bf16" and config["ema"] == 0.99 and config["data_on_device"]
+    config = json.loads((out / "runs" / "cifar_cnn-default-float32" / "config.json").read_text())
+    assert config["mixed_precision"] == "no" and not config["data_on_device"]
+    (run,) = figures["time_to_accuracy"]
+    assert RUN <= run.keys() and run["data"] == str(fashion) and run["epochs"] == 1 and run["seed"] == 0, run
+    assert run["target"] == 0.93 and 0 <= run["reached"] <= 1 and run["met"] == (run["reached"] >= 0.93)
+    assert 0 < run["seconds"] < run["start_s"] + run["seconds"] and run["load_data_s"] > 0
+    summary = json.loads((out / "runs" / "resnet18_fmnist-tta-0" / "summary.json").read_text())
+    assert summary["eval_acc"] == run["reached"] and run["evaluations"] == [run["reached"]]
+    profile = figures["profile"]
+    assert profile["steps"] == 3 and profile["wall_ms_per_step"] > 0 and profile["gpu_idle_share"] is None
+    trace = json.loads(gzip.decompress(Path(profile["path"]).read_bytes()))
+    assert any(event.get("name", "").startswith("ProfilerStep") for event in trace["traceEvents"])
+    assert "aten::convolution" in Path(profile["top_ops"]).read_text()
