@@ -7,11 +7,13 @@ memory read and `.to(device)` does nothing. `StandInDevice` stands in for the ac
 would live on it, through torch's two Python hooks (a TorchFunctionMode for what the code asks for, a
 TorchDispatchMode for every ATen operation, autograd's included):
 - on the device: what `.to(device)` / `.cuda()` return, what a factory makes with an explicit `device=` (the recipes
-  name the accelerator's device there), and every result of an operation on a device tensor;
-- a sync: `_local_scalar_dense` of a device tensor (`.item()`, `bool`, `float`, `int`), `.cpu()`, `.tolist()` or
-  `.numpy()` of one, a blocking `.to(device)` of a host tensor or `torch.tensor(..., device=)` (copies that wait for
-  the stream), an operation whose output size depends on device values (`nonzero`, boolean-mask indexing, ...), and
-  a host tensor of one or more dimensions in an operation on device tensors (an implicit copy, or an error on a GPU).
+  name the accelerator's device there, as a torch.device; "cpu" written as a string names the host, as torch's
+  optimizers do for their step counters), and every result of an operation on a device tensor;
+- a sync: `_local_scalar_dense` of a device tensor (`.item()`, `bool`, `float`, `int`), `.cpu()`, `.to("cpu")`,
+  `.tolist()` or `.numpy()` of one, a blocking `.to(device)` of a host tensor or `torch.tensor(..., device=)` (copies
+  that wait for the stream), an operation whose output size depends on device values (`nonzero`, boolean-mask
+  indexing, ...), and a host tensor of one or more dimensions in an operation on device tensors (an implicit copy, or
+  an error on a GPU).
 Steps are cut by torch's global optimizer-step hook: a step's counts are everything from one `optimizer.step()` to
 the next, so they include the loop's own work (the next batch, preprocessing, the EMA, the metrics' sums).
 
@@ -131,10 +133,15 @@ class _Functions(TorchFunctionMode):
         kwargs, owner = kwargs or {}, self.owner
         if owner.paused:
             return func(*args, **kwargs)
-        tensors = _tensors(args, kwargs)
-        on_device = owner.is_on_device(tensors)
-        if func in TO_HOST and on_device:
-            owner.sync(f"Tensor.{func.__name__}()")
+        on_device = owner.is_on_device(_tensors(args, kwargs))
+        target = kwargs.get("device")  # where a move or a factory puts its result
+        if func is torch.Tensor.to and target is None and len(args) > 1 and not isinstance(args[1], torch.dtype):
+            target = args[1] if not isinstance(args[1], torch.Tensor) else args[1].device
+        elif func is torch.Tensor.cuda:
+            target = "cuda"
+        to_host = func in TO_HOST or (func is torch.Tensor.to and names_host(target))
+        if to_host and on_device:
+            owner.sync(f"Tensor.{func.__name__}({'cpu' * (func is torch.Tensor.to)})")
             owner.paused = True  # the host copy a GPU would make: a new tensor, off the device
             try:
                 result = func(*args, **kwargs)
@@ -142,23 +149,23 @@ class _Functions(TorchFunctionMode):
             finally:
                 owner.paused = False
         result = func(*args, **kwargs)
-        if func in (torch.Tensor.to, torch.Tensor.cuda) and not on_device:
-            device, _, non_blocking, _ = (torch._C._nn._parse_to(*args[1:], **kwargs) if func is torch.Tensor.to
-                                          else ("cuda", None, kwargs.get("non_blocking", False), None))
-            if device is None:  # a change of dtype only
-                return result
+        to_device = target is not None and not names_host(target)
+        if to_device and not on_device and func in (torch.Tensor.to, torch.Tensor.cuda, *UPLOADS):
             owner.current["copies to the device"] += 1
+            non_blocking = func is not torch.tensor and (kwargs.get("non_blocking") or any(
+                arg is True for arg in args[2:]))  # .to(device, dtype, non_blocking): torch.tensor always blocks
             if not non_blocking:
-                owner.sync("a blocking copy to the device")
-            on_device = True
-        elif func in UPLOADS and kwargs.get("device") is not None and not on_device:
-            owner.current["copies to the device"] += 1
-            owner.sync(f"torch.{func.__name__}(..., device=)")
-            on_device = True
-        if on_device or kwargs.get("device") is not None:
+                owner.sync(f"a blocking copy to the device ({func.__qualname__})")
+        if on_device or to_device:
             # `param.data = moved` (nn.Module.to) keeps the parameter object and gives it the moved tensor's data
             owner.mark(args[0] if func == torch.Tensor.data.__set__ else result)
         return result
+
+
+def names_host(device) -> bool:
+    """Whether a move or a factory names the host: "cpu" written as a string (torch's optimizers keep their step
+    counters so). Code that means the accelerator passes a torch.device: accelerator.device, tensor.device."""
+    return isinstance(device, str) and device.split(":")[0] == "cpu"
 
 
 class _Dispatch(TorchDispatchMode):
@@ -212,20 +219,37 @@ def count_recipe(name: str, flags: list[str], mixed_precision: str = "no") -> li
     """The recipe's own train() in this process, under the stand-in device: a Counter per optimizer step."""
     from accelerate.state import AcceleratorState, GradientState
 
+    from shared import tracking
+
     recipe = importlib.import_module(f"recipes.{name}")
-    if not PartialState._shared_state.get("backend"):  # one process: a new precision needs a new state
+    one_process = not PartialState._shared_state.get("backend")
+    if one_process:  # a new precision needs a new state
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
-    os.environ["ACCELERATE_MIXED_PRECISION"] = mixed_precision
+    precision_before = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    os.environ["ACCELERATE_MIXED_PRECISION"] = mixed_precision  # what `accelerate launch` passes on
     # A long run, stopped after STEPS steps: no log point, evaluation or checkpoint among them.
     cfg = recipe.Config.parse([*flags, "--max_steps", "1000", "--log_every", "1000", "--tracker", "none",
                                "--output_dir", tempfile.mkdtemp(prefix=f"step-cost-{name}-"), "--data_on_device"])
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
-    with StandInDevice(stop_after=STEPS) as counts, contextlib.redirect_stdout(sys.stderr):
-        with contextlib.suppress(CountedEnough):
-            recipe.train(cfg)
-    for signum, handler in handlers.items():  # train() took SIGTERM and Ctrl-C for its checkpoint on a stop
-        signal.signal(signum, handler)
+    # Without a terminal a run prints a line every 30 s, with the loss: a read at its own cadence, like the processes'
+    # stop agreement (see worker()), and not part of a step. These counted steps are slow: it would fall among them.
+    heartbeat_s, tracking.HEARTBEAT_S = tracking.HEARTBEAT_S, float("inf")
+    try:
+        with StandInDevice(stop_after=STEPS) as counts, contextlib.redirect_stdout(sys.stderr):
+            with contextlib.suppress(CountedEnough):
+                recipe.train(cfg)
+    finally:  # as they were: this may run inside another program (the tests)
+        tracking.HEARTBEAT_S = heartbeat_s
+        if precision_before is None:
+            os.environ.pop("ACCELERATE_MIXED_PRECISION")
+        else:
+            os.environ["ACCELERATE_MIXED_PRECISION"] = precision_before
+        if one_process:
+            AcceleratorState._reset_state(reset_partial_state=True)
+            GradientState._reset_state()
+        for signum, handler in handlers.items():  # train() took SIGTERM and Ctrl-C for its checkpoint on a stop
+            signal.signal(signum, handler)
     return counts.steps
 
 
@@ -248,11 +272,12 @@ def count_plain_loop(name: str, flags: list[str], mixed_precision: str = "no", d
         if ddp:
             model = torch.nn.parallel.DistributedDataParallel(model)
         order = torch.randperm(len(images)).to(device)
+        augmentation = (cfg.erase,) if name == "resnet18_fmnist" else ()  # its random erasing, as its train() passes
         for step in range(STEPS):
             for micro in range(cfg.grad_accum):
                 start = (step * cfg.grad_accum + micro) * cfg.batch_size
                 batch = order[start:start + cfg.batch_size]
-                inputs = recipe.preprocess(images.index_select(0, batch), True)
+                inputs = recipe.preprocess(images.index_select(0, batch), True, *augmentation)
                 if channels_last:
                     inputs = inputs.contiguous(memory_format=torch.channels_last)
                 with torch.autocast("cpu", torch.bfloat16, enabled=mixed_precision == "bf16"):
@@ -296,7 +321,8 @@ def measure(names: list[str], data_flags: list[str], options: dict = OPTIONS) ->
                 plain_loops[key] = steady(count_plain_loop(name, plain_flags, precision))
             counts = steady(count_recipe(name, [*data_flags, *flags], precision))
             rows.append(row(name, option, counts, plain_loops[key]))
-            print(json.dumps({k: v for k, v in rows[-1].items() if "ops" not in k}), file=sys.stderr, flush=True)
+            print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("ops", "plain_ops")}), file=sys.stderr,
+                  flush=True)
     return rows
 
 

@@ -183,15 +183,14 @@ def run_config(cfg, accelerator, run_dir: Path, **extra) -> dict:
 
 
 class TrainWindow:
-    """Training loss, the recipe's metrics, gradient norm and samples per second since the last log point, summed on
-    the device so that a step never waits for the GPU (`flush()` syncs once per log point); and the whole run's
-    training time and samples, kept in `progress` (saved with every checkpoint), so that a resumed run's summary
-    covers all its pieces. Time inside `paused()` is left out."""
+    """Training loss, the recipe's metrics, gradient norm and samples per second since the last log point, kept on the
+    device as each step made them (no kernel in a step, no wait for the GPU: `flush()` adds them up and reads them once
+    per log point); and the whole run's training time and samples, kept in `progress` (saved with every checkpoint), so
+    that a resumed run's summary covers all its pieces. Time inside `paused()` is left out."""
 
     def __init__(self, accelerator, progress):
-        self.accelerator, self.progress, self.sums, device = accelerator, progress, {}, accelerator.device
-        self.loss_sum, self.grad_norm_sum = torch.zeros((), device=device), torch.zeros((), device=device)
-        self.grad_norm_steps = torch.zeros((), device=device, dtype=torch.long)
+        self.accelerator, self.progress = accelerator, progress
+        self.losses, self.sums, self.grad_norms = [], {}, []  # per batch or step, on the device
         self.batches = self.samples = self.seconds = 0
         self.started = self.launched = self.last_line = time.perf_counter()
         self.wall_before = progress.wall_s
@@ -199,34 +198,33 @@ class TrainWindow:
 
     def add(self, loss: torch.Tensor, metric_sums: dict[str, torch.Tensor], samples: int) -> None:
         """One batch of this process: its mean loss, the recipe's metrics summed over it, and its size."""
-        self.loss_sum += loss.detach()  # detach: summing `loss` itself would keep every step's graph alive
+        self.losses.append(loss.detach())  # detach: keeping `loss` itself would keep every step's graph alive
         for name, value in metric_sums.items():
-            self.sums[name] = self.sums.get(name, 0) + value.detach()
+            self.sums.setdefault(name, []).append(value.detach())
         self.batches += 1
         self.samples += samples * self.accelerator.num_processes
         self.progress.train_samples += samples * self.accelerator.num_processes
 
     def add_grad_norm(self, grad_norm: torch.Tensor) -> None:
         """One step's norm before clipping; an infinite one (a step fp16's scaler skips) stays out of the mean."""
-        finite = torch.isfinite(grad_norm)
-        self.grad_norm_sum += torch.where(finite, grad_norm.detach(), 0.0)
-        self.grad_norm_steps += finite
+        self.grad_norms.append(grad_norm.detach())
 
     def flush(self, step: int) -> dict:
         """train_loss, train_<metric> for each metric, grad_norm and samples_per_s over the window and all processes;
         starts a new window."""
-        train_loss = (self.accelerator.reduce(self.loss_sum, "mean") / max(self.batches, 1)).item()
+        train_loss = (self.accelerator.reduce(total(self.losses, self.accelerator.device), "mean")
+                      / max(self.batches, 1)).item()
         if not math.isfinite(train_loss):
             raise RecipeError(f"the training loss became {train_loss} by step {step}: lower --lr; "
                               "checkpoints already on disk hold finite weights")
         self._clock()
-        point = {"train_loss": train_loss, **{f"train_{name}": self.accelerator.reduce(total, "sum").item()
-                                              / max(self.samples, 1) for name, total in self.sums.items()},
-                 "grad_norm": (self.grad_norm_sum / self.grad_norm_steps.clamp(min=1)).item(),
+        norms = torch.stack(self.grad_norms) if self.grad_norms else torch.zeros(0)
+        finite = norms.isfinite()
+        point = {"train_loss": train_loss, **{f"train_{name}": self.accelerator.reduce(total(values), "sum").item()
+                                              / max(self.samples, 1) for name, values in self.sums.items()},
+                 "grad_norm": (torch.where(finite, norms, 0.0).sum() / finite.sum().clamp(min=1)).item(),
                  "samples_per_s": self.samples / max(self.seconds, 1e-9)}
-        for total in (self.loss_sum, self.grad_norm_sum, self.grad_norm_steps):
-            total.zero_()
-        self.sums, self.batches, self.samples, self.seconds = {}, 0, 0, 0
+        self.losses, self.sums, self.grad_norms, self.batches, self.samples, self.seconds = [], {}, [], 0, 0, 0
         return point
 
     def heartbeat(self, step: int, total_steps: int) -> None:
@@ -237,7 +235,7 @@ class TrainWindow:
             return
         self._clock()
         self.last_line = now
-        print(f"step {step}/{total_steps}  train_loss {self.loss_sum.item() / max(self.batches, 1):.4f}  "
+        print(f"step {step}/{total_steps}  train_loss {total(self.losses).item() / max(self.batches, 1):.4f}  "
               f"{self.samples / max(self.seconds, 1e-9):.0f} samples/s (since the last log point)", flush=True)
 
     @contextmanager
@@ -265,6 +263,11 @@ class TrainWindow:
                 "pieces": progress.pieces, "wall_s": progress.wall_s, "train_s": progress.train_s,
                 "samples_per_s": progress.train_samples / max(progress.train_s, 1e-9), "peak_mem_mb": peak_mem_mb,
                 "world_size": self.accelerator.num_processes, "mixed_precision": self.accelerator.mixed_precision}
+
+
+def total(values: list[torch.Tensor], device=None) -> torch.Tensor:
+    """The sum of a window's per-step values, in one operation: 0 on `device` for an empty window."""
+    return torch.stack(values).sum(0) if values else torch.zeros((), device=device)
 
 
 class RunFiles(GeneralTracker):

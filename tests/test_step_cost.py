@@ -27,18 +27,19 @@ def test_the_stand_in_device_sees_what_would_make_a_gpu_wait():
     """Each kind of sync in a step of its own (steps end at optimizer.step()), and what is no sync counted apart."""
     model = torch.nn.Linear(3, 2)
     with step_cost.StandInDevice() as counts:
-        model = model.to(torch.device("cpu"))  # the stand-in's device: what moves with .to(device) is on it
+        device = torch.device("cpu")  # the stand-in's: what moves there with .to(device) is on it
+        model = model.to(device)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
-        inputs = torch.randn(4, 3).to("cpu", non_blocking=True)
+        inputs = torch.randn(4, 3).to(device, non_blocking=True)
         model(inputs).sum().backward()
         optimizer.step()  # 1: the model's two tensors moved by blocking copies; the inputs' copy does not block
         model(inputs).sum().item()
         optimizer.step()  # 2: a read of a device value
         torch.tensor(2.0).item()
         optimizer.step()  # 3: a read of a host value: no sync
-        inputs.cpu()
-        optimizer.step()  # 4
-        torch.tensor([1.0], device="cpu")
+        inputs.to("cpu")  # "cpu" written as a string: the host
+        optimizer.step()  # 4: a blocking copy to the host
+        torch.tensor([1.0], device=device)
         optimizer.step()  # 5: a blocking copy to the device
         inputs[inputs > 0]
         optimizer.step()  # 6: an output size set by device values
@@ -62,12 +63,12 @@ def test_fp16s_gradient_scaler_syncs_only_with_an_optimizer_that_is_not_fused():
     for fused, most_syncs in ((True, 0), (False, 1)):
         model = torch.nn.Linear(3, 2)
         with step_cost.StandInDevice() as counts:
-            model = model.to(torch.device("cpu"))
+            model = model.to(torch.device("cpu"))  # the stand-in's device
             optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=fused)
             scaler = torch.amp.GradScaler("cpu", init_scale=1.0)  # no overflow: every step is taken
             for _ in range(4):
                 with torch.autocast("cpu", dtype=torch.float16):
-                    loss = model(torch.randn(4, 3).to("cpu", non_blocking=True)).float().sum()
+                    loss = model(torch.randn(4, 3).to(torch.device("cpu"), non_blocking=True)).float().sum()
                 scaler.scale(loss).backward()
                 scaler.unscale_(optimizer)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
