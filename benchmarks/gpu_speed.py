@@ -3,8 +3,9 @@ one H100). Every measurement is the recipe's own train(), called in this one pro
 start costs seconds on a GPU machine), each with a new accelerate state; the results go to gpu_speed.json after each.
 
 In the order they run (the most wanted first: a run cut short keeps them), until --budget_s is spent:
-- time_to_accuracy: the ResNet on the real Fashion-MNIST in the GPU setting, seeds 0, 1, 2. `seconds` runs from its
-  first training step to the end of its last evaluation; `reached` is that evaluation's test accuracy and `met`
+- time_to_accuracy: the ResNet on the real Fashion-MNIST in the GPU setting, seeds 0, 1, 2 (the first run of the
+  process pays cuDNN's autotuning and CUDA's start: `runs_before_in_process`). `seconds` runs from its first
+  training step to the end of its last evaluation; `reached` is that evaluation's test accuracy and `met`
   whether it is at least `target`; `first_at_target_s` is the time to the first evaluation at or above it. Beside
   them, not in them: `load_data_s` (reading, or decoding into the cache, the data) and `start_s` (from this process's
   start to the first step: imports, CUDA's set-up, the data, the model).
@@ -12,7 +13,9 @@ In the order they run (the most wanted first: a run cut short keeps them), until
   first (metrics.jsonl, as a user's run reports itself), `ms_per_step` the global batch over it. For each recipe:
   the GPU setting in bf16 and float32 and in bf16 with --ema 0.99; the recipe's defaults (`setting` "default": batch
   128, data copied to the GPU per batch, cuDNN and TF32 as torch leaves them) in float32, bf16 and fp16; for the
-  ResNet, the GPU setting without each of its parts (`without`) and with --compile.
+  ResNet, the GPU setting without each of its parts (`without`), with --compile (`compile`: "default"), and compiled
+  with CUDA graphs (`compile`: "reduce-overhead", torch.compile's mode, passed to the recipe's model.compile() here:
+  no recipe flag asks for it yet).
 - profile: torch.profiler over 20 steps of the ResNet in the GPU setting (accelerate's ProfileKwargs): a Chrome trace
   (open it at https://ui.perfetto.dev), a table of the operations that took the most time, and the GPU's idle share
   over those steps (1 - kernel time / wall time).
@@ -64,13 +67,15 @@ class Speed:
     """The measurements, kept in gpu_speed.json as they come."""
 
     def __init__(self, args):
-        self.args, self.out = args, Path(args.out)
+        self.args, self.out, self.runs = args, Path(args.out), Path(args.runs)
         self.out.mkdir(parents=True, exist_ok=True)
+        self.trained = 0  # runs of train() in this process so far (the first pays cuDNN's autotuning, CUDA's start)
         self.log = (self.out / "gpu_speed.log").open("a")
         self.deadline = STARTED + args.budget_s
         self.results = {"device": device_name(), "date": time.strftime("%Y-%m-%d"), "commit": commit(),
                         "torch": torch.__version__, "dry_run": args.dry_run, "budget_s": args.budget_s,
-                        "gpu_setting": {**GPU_SETTING, "epochs": GPU_EPOCHS}, "profile": None, "rows": [],
+                        "gpu_setting": {**GPU_SETTING, "epochs": GPU_EPOCHS}, "runs": str(self.runs),
+                        "profile": None, "rows": [],
                         "time_to_accuracy": [], "skipped": [], "errors": []}
 
     def save(self) -> None:
@@ -105,13 +110,14 @@ class Speed:
         torch.backends.cudnn.benchmark = gpu and GPU_SETTING["cudnn_benchmark"]
         torch.backends.cuda.matmul.allow_tf32 = gpu and GPU_SETTING["tf32"]  # torch's default: off for matmuls,
         torch.backends.cudnn.allow_tf32 = True if not gpu else GPU_SETTING["tf32"]  # on for convolutions
-        folder = self.out / "runs" / run
+        folder = self.runs / run
         cfg = recipe.Config.parse([*map(str, flags), "--tracker", "none", "--output_dir", str(folder), "--overwrite"])
         handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
         with contextlib.redirect_stdout(self.log), contextlib.redirect_stderr(self.log):
             recipe.train(cfg)
         for signum, handler in handlers.items():  # train() took SIGTERM and Ctrl-C for its checkpoint on a stop
             signal.signal(signum, handler)
+        self.trained += 1
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return recipe, folder
@@ -149,7 +155,7 @@ class Speed:
             return result
 
         recipe.load_data, recipe.preprocess, recipe.evaluate = timed_load, timed_preprocess, timed_evaluate
-        train_start = time.perf_counter()
+        train_start, runs_before = time.perf_counter(), self.trained
         try:
             flags = [*self.small(GPU_SETTING["flags"]), "--data", self.args.fashion_mnist, "--epochs", epochs,
                      "--seed", seed]
@@ -163,10 +169,10 @@ class Speed:
                 "first_at_target_s": at_target[0] - first if at_target else None,
                 "evaluations": [accuracy for _, accuracy in marks["evaluations"]],
                 "load_data_s": marks["load_data_s"], "start_s": first - STARTED,
-                "setup_s": first - train_start - marks["load_data_s"]}
+                "setup_s": first - train_start - marks["load_data_s"], "runs_before_in_process": runs_before}
 
     def speed(self, name: str, setting: str, precision: str, ema: bool = False, without: str | None = None,
-              compile: bool = False) -> dict:
+              compile: str | None = None) -> dict:
         gpu = setting == "gpu"
         flags = list(GPU_SETTING["flags"]) if gpu else []
         if without == "data_on_device":
@@ -174,14 +180,18 @@ class Speed:
         steps, every = (4, 2) if self.args.dry_run else (150, 25)
         flags = [*self.small(flags), *self.data(), "--max_steps", steps, "--log_every", every]
         flags += (["--ema", "0.99"] if ema else []) + (["--compile"] if compile else [])
-        saved = dict(GPU_SETTING)
+        saved, module_compile = dict(GPU_SETTING), torch.nn.Module.compile
         if without in ("cudnn_benchmark", "tf32"):
             GPU_SETTING[without] = False
+        if compile and compile != "default":
+            torch.nn.Module.compile = lambda module, **kwargs: module_compile(module, **{**kwargs, "mode": compile})
+        run = "-".join([name, setting, precision] + ["ema"] * ema + [f"without-{without}"] * bool(without)
+                       + [f"compile-{compile}"] * bool(compile))
         try:
-            _, folder = self.train(name, flags, precision, gpu, f"{name}-{setting}-{precision}{'-ema' * ema}"
-                                   f"{'-without-' + without if without else ''}{'-compile' * compile}")
+            _, folder = self.train(name, flags, precision, gpu, run)
         finally:
             GPU_SETTING.update(saved)
+            torch.nn.Module.compile = module_compile
         config = json.loads((folder / "config.json").read_text())
         windows = [row["samples_per_s"] for row in read_rows(folder) if "train_loss" in row]
         samples_per_s = statistics.median(windows[1:] or windows)
@@ -251,6 +261,8 @@ def default_out() -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="default: benchmarks/results/gpu-<name>/")
+    parser.add_argument("--runs", default=f"runs/gpu_speed-{time.strftime('%Y%m%d-%H%M%S')}",
+                        help="the runs' own folders (config, metrics, weights): not among the results")
     parser.add_argument("--dry_run", action="store_true", help="the same measurements, tiny, on the CPU")
     parser.add_argument("--fashion_mnist", default=FASHION_MNIST, help="the real Fashion-MNIST's IDX files")
     parser.add_argument("--budget_s", type=float, default=420, help="no measurement starts after this many seconds")
@@ -279,13 +291,13 @@ def main() -> None:
     for name in args.recipes:
         for precision in ("float32", "bf16") if args.dry_run else ("float32", "bf16", "fp16"):  # a CPU refuses fp16
             speed.measure("rows", f"{name} default {precision}", speed.speed, name, "default", precision)
-    if args.dry_run:  # tests/test_gpu_check.py compiles a recipe on the CPU
-        speed.results["skipped"].append({"name": "resnet18_fmnist gpu bf16 compile", "why": "dry run: compiling "
-                                         "takes a minute on a CPU"})
-        speed.save()
-    else:
-        speed.measure("rows", "resnet18_fmnist gpu bf16 compile", speed.speed, "resnet18_fmnist", "gpu", "bf16",
-                      False, None, True)
+    for mode in ("default", "reduce-overhead"):  # last: compiling takes 15-25 s a run on a GPU
+        name = f"resnet18_fmnist gpu bf16 compile {mode}"
+        if args.dry_run:  # tests/test_gpu_check.py compiles a recipe on the CPU
+            speed.results["skipped"].append({"name": name, "why": "dry run: compiling takes a minute on a CPU"})
+        else:
+            speed.measure("rows", name, speed.speed, "resnet18_fmnist", "gpu", "bf16", False, None, mode)
+    speed.save()
     print(f"wrote {speed.out / 'gpu_speed.json'} in {time.perf_counter() - STARTED:.0f} s; "
           f"{len(speed.results['errors'])} failed, {len(speed.results['skipped'])} skipped", flush=True)
     sys.exit(1 if speed.results["errors"] else 0)

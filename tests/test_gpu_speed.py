@@ -22,12 +22,14 @@ def test_the_gpu_speed_check_makes_every_measurement_on_the_cpu(env, tmp_path):
     out = tmp_path / "speed"
     result = subprocess.run(["bash", "benchmarks/gpu_speed.sh", str(out)], cwd=ROOT, capture_output=True, text=True,
                             env=dict(env, GPU_SPEED_CPU="1", GPU_SPEED_FASHION_MNIST=str(fashion),
-                                     GPU_SPEED_RECIPES="cifar_cnn"), timeout=300)
+                                     GPU_SPEED_RECIPES="cifar_cnn", GPU_SPEED_RUNS=str(tmp_path / "runs")),
+                            timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     figures = json.loads((out / "gpu_speed.json").read_text())
     assert figures["dry_run"] and figures["device"] == "CPU" and figures["torch"] and figures["date"]
     assert "commit" in figures and not figures["errors"], figures["errors"]
-    assert [skipped["name"] for skipped in figures["skipped"]] == ["resnet18_fmnist gpu bf16 compile"]
+    assert [skipped["name"] for skipped in figures["skipped"]] == ["resnet18_fmnist gpu bf16 compile default",
+                                                                    "resnet18_fmnist gpu bf16 compile reduce-overhead"]
     rows = figures["rows"]
     for row in rows:
         assert ROW <= row.keys() and row["setting"] in ("default", "gpu"), row
@@ -40,15 +42,18 @@ def test_the_gpu_speed_check_makes_every_measurement_on_the_cpu(env, tmp_path):
         ("resnet18_fmnist", "gpu", "bf16", False, "data_on_device"), ("resnet18_fmnist", "gpu", "float32", False,
                                                                         "tf32")}
     # Each row is a run of its own, whose config says what it was.
-    config = json.loads((out / "runs" / "cifar_cnn-gpu-bf16-ema" / "config.json").read_text())
+    runs = Path(figures["runs"])
+    assert runs == tmp_path / "runs"
+    config = json.loads((runs / "cifar_cnn-gpu-bf16-ema" / "config.json").read_text())
     assert config["mixed_precision"] == "bf16" and config["ema"] == 0.99 and config["data_on_device"]
-    config = json.loads((out / "runs" / "cifar_cnn-default-float32" / "config.json").read_text())
+    config = json.loads((runs / "cifar_cnn-default-float32" / "config.json").read_text())
     assert config["mixed_precision"] == "no" and not config["data_on_device"]
     (run,) = figures["time_to_accuracy"]
     assert RUN <= run.keys() and run["data"] == str(fashion) and run["epochs"] == 1 and run["seed"] == 0, run
     assert run["target"] == 0.93 and 0 <= run["reached"] <= 1 and run["met"] == (run["reached"] >= 0.93)
     assert 0 < run["seconds"] < run["start_s"] + run["seconds"] and run["load_data_s"] > 0
-    summary = json.loads((out / "runs" / "resnet18_fmnist-tta-0" / "summary.json").read_text())
+    assert run["runs_before_in_process"] == 0  # the first run: it pays the process's set-up
+    summary = json.loads((runs / "resnet18_fmnist-tta-0" / "summary.json").read_text())
     assert summary["eval_acc"] == run["reached"] and run["evaluations"] == [run["reached"]]
     profile = figures["profile"]
     assert profile["steps"] == 3 and profile["wall_ms_per_step"] > 0 and profile["gpu_idle_share"] is None
