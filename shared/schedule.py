@@ -33,7 +33,7 @@ def update_ema(average: torch.nn.Module, model: torch.nn.Module, step: int, deca
     one foreach lerp updates every tensor at once: a few kernels, where torch's AveragedModel made one blocking copy
     of its update count to the device per parameter, and several kernels per parameter."""
     weight = min(decay, (1 + step) / (10 + step)) if step else 0.0
-    pairs = list(zip([*average.parameters(), *average.buffers()], [*model.parameters(), *model.buffers()]))
+    pairs = list(zip([*average.parameters(), *average.buffers()], [*model.parameters(), *model.buffers()], strict=True))
     floats = [(a, m) for a, m in pairs if a.is_floating_point()]
     torch._foreach_lerp_([a for a, _ in floats], [m for _, m in floats], 1 - weight)  # a + (1 - weight) * (m - a)
     counts = [(a, m) for a, m in pairs if not a.is_floating_point()]  # BatchNorm's num_batches_tracked: copied

@@ -28,13 +28,13 @@ torch.set_num_threads(int(THREADS))
 # The longest files first, the rest in their own order: with `--dist loadfile --no-loadscope-reorder`, xdist hands
 # files to its workers in this order, so that the suite ends on short files and no worker is left alone with a long
 # one (by default it sorts files by their number of tests, and the one-test GPU check came last). Longest first, by
-# their seconds in one full run with 3 workers here: 258, 225, 187, 176, 91, 86, 85, 75, 73, 70, 63, 50, 47 and
-# 35 s; test_gpu_check.py (105 s), test_step_cost.py (42 s) and test_gpu_speed.py (20 s) measured alone, on a
-# loaded machine.
+# their seconds in one full run with 3 workers here (758 s in all, in a slow hour of this machine): 313, 279, 228,
+# 220, 137, 118, 92, 89, 88, 86, 82, 81, 81, 76, 66, 53, 37 and 35 s.
 LONGEST_FIRST = ("test_errors.py", "test_checkpoints.py", "test_multinode.py", "test_hostile.py", "test_gpu_check.py",
-                 "test_cifar_cnn.py", "test_resume.py", "test_cpu_speed.py", "test_dataset_files.py",
-                 "test_deep_mlp_ckpt.py", "test_equivalence.py", "test_real_images.py", "test_resnet18_fmnist.py",
-                 "test_step_cost.py", "test_layout.py", "test_tracking.py", "test_gpu_speed.py")
+                 "test_cifar_cnn.py", "test_dataset_files.py", "test_real_images.py", "test_resnet18_fmnist.py",
+                 "test_resume.py", "test_equivalence.py", "test_layout.py", "test_cpu_speed.py",
+                 "test_deep_mlp_ckpt.py", "test_step_cost.py", "test_tracking.py", "test_features.py",
+                 "test_gpu_speed.py")
 
 
 def pytest_collection_modifyitems(items):
