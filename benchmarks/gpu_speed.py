@@ -75,7 +75,7 @@ class Speed:
         self.results = {"device": device_name(), "date": time.strftime("%Y-%m-%d"), "commit": commit(),
                         "torch": torch.__version__, "dry_run": args.dry_run, "budget_s": args.budget_s,
                         "gpu_setting": {**GPU_SETTING, "epochs": GPU_EPOCHS}, "runs": str(self.runs),
-                        "profile": None, "rows": [],
+                        "profile": None, "profile_summary": None, "rows": [],
                         "time_to_accuracy": [], "skipped": [], "errors": []}
 
     def save(self) -> None:
@@ -89,8 +89,8 @@ class Speed:
             print(f"[{time.perf_counter() - STARTED:5.0f} s] {name} ...", flush=True)
             try:
                 found = function(*args)
-                if kind == "profile":
-                    self.results["profile"] = found
+                if kind == "profile":  # its trace's path, and what it showed
+                    self.results["profile"], self.results["profile_summary"] = found.pop("path"), found
                 else:
                     self.results[kind].append(found)
                 print(f"    {json.dumps(found)[:300]}", flush=True)

@@ -55,8 +55,8 @@ def test_the_gpu_speed_check_makes_every_measurement_on_the_cpu(env, tmp_path):
     assert run["runs_before_in_process"] == 0  # the first run: it pays the process's set-up
     summary = json.loads((runs / "resnet18_fmnist-tta-0" / "summary.json").read_text())
     assert summary["eval_acc"] == run["reached"] and run["evaluations"] == [run["reached"]]
-    profile = figures["profile"]
+    profile = figures["profile_summary"]
     assert profile["steps"] == 3 and profile["wall_ms_per_step"] > 0 and profile["gpu_idle_share"] is None
-    trace = json.loads(gzip.decompress(Path(profile["path"]).read_bytes()))
+    trace = json.loads(gzip.decompress(Path(figures["profile"]).read_bytes()))  # the trace's path
     assert any(event.get("name", "").startswith("ProfilerStep") for event in trace["traceEvents"])
     assert "aten::convolution" in Path(profile["top_ops"]).read_text()
