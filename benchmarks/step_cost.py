@@ -122,12 +122,16 @@ def _tensors(args, kwargs) -> list[torch.Tensor]:
     return found
 
 
-class _Functions(TorchFunctionMode):
-    """What the code asks for: moves between host and device, and factories given a device."""
+class _Counting:
+    """A mode of a StandInDevice: what it sees goes into its owner's counts."""
 
     def __init__(self, owner: StandInDevice):
         super().__init__()
         self.owner = owner
+
+
+class _Functions(_Counting, TorchFunctionMode):
+    """What the code asks for: moves between host and device, and factories given a device."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs, owner = kwargs or {}, self.owner
@@ -168,12 +172,8 @@ def names_host(device) -> bool:
     return isinstance(device, str) and device.split(":")[0] == "cpu"
 
 
-class _Dispatch(TorchDispatchMode):
+class _Dispatch(_Counting, TorchDispatchMode):
     """Every ATen operation, autograd's and the optimizer's included."""
-
-    def __init__(self, owner: StandInDevice):
-        super().__init__()
-        self.owner = owner
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs, owner = kwargs or {}, self.owner
@@ -190,10 +190,9 @@ class _Dispatch(TorchDispatchMode):
             if device_inputs[0]:
                 owner.sync("a read of a device value")
         elif any(device_inputs):
-            if func.overloadpacket in DATA_DEPENDENT or (
-                    func.overloadpacket in (aten.index, aten.index_put, aten.index_put_)
-                    and any(t.dtype in (torch.bool, torch.uint8) for t in tensors[1:2] + list(args[1] or [])
-                            if isinstance(t, torch.Tensor))):
+            indices = args[1] if func.overloadpacket in (aten.index, aten.index_put, aten.index_put_) else ()
+            masks = [t for t in indices if isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8)]
+            if func.overloadpacket in DATA_DEPENDENT or masks:  # x[mask] finds the mask's places first
                 owner.sync(f"{func.overloadpacket.__name__}: an output size set by device values")
             elif any(not on and t.dim() > 0 for t, on in zip(tensors, device_inputs)):
                 if not (func.overloadpacket in (aten.copy_, aten._to_copy) and kwargs.get("non_blocking")):
