@@ -113,13 +113,15 @@ class Speed:
         folder = self.runs / run
         cfg = recipe.Config.parse([*map(str, flags), "--tracker", "none", "--output_dir", str(folder), "--overwrite"])
         handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
-        with contextlib.redirect_stdout(self.log), contextlib.redirect_stderr(self.log):
-            recipe.train(cfg)
-        for signum, handler in handlers.items():  # train() took SIGTERM and Ctrl-C for its checkpoint on a stop
-            signal.signal(signum, handler)
-        self.trained += 1
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        try:
+            with contextlib.redirect_stdout(self.log), contextlib.redirect_stderr(self.log):
+                recipe.train(cfg)
+        finally:
+            for signum, handler in handlers.items():  # train() took SIGTERM and Ctrl-C for its checkpoint on a stop
+                signal.signal(signum, handler)
+            self.trained += 1
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         return recipe, folder
 
     def small(self, flags: list) -> list:
