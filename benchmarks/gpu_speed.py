@@ -12,18 +12,17 @@ In the order they run (the most wanted first: a run cut short keeps them), until
 - rows, each a short run on --synthetic data: `samples_per_s` is the median of the run's own log windows after the
   first (metrics.jsonl, as a user's run reports itself), `ms_per_step` the global batch over it. For each recipe:
   the GPU setting in bf16 and float32 and in bf16 with --ema 0.99; the recipe's defaults (`setting` "default": batch
-  128, data copied to the GPU per batch, cuDNN and TF32 as torch leaves them) in float32, bf16 and fp16; for the
-  ResNet, the GPU setting without each of its parts (`without`), with --compile (`compile`: "default"), and compiled
-  with CUDA graphs (`compile`: "reduce-overhead", torch.compile's mode, passed to the recipe's model.compile() here:
-  no recipe flag asks for it yet).
+  128) in float32, bf16 and fp16; for the ResNet, the GPU setting without each of the recipes' GPU defaults
+  (`without`: --no-cudnn_benchmark, --no-data_on_device, --no-tf32), with --compile (`compile`: "default"), and
+  compiled with CUDA graphs (`compile`: "reduce-overhead", torch.compile's mode, passed to the recipe's
+  model.compile() here: no recipe flag asks for it).
 - profile: torch.profiler over 20 steps of the ResNet in the GPU setting (accelerate's ProfileKwargs): a Chrome trace
   (open it at https://ui.perfetto.dev), a table of the operations that took the most time, and the GPU's idle share
-  over those steps (1 - kernel time / wall time).
+  over those steps (1 - the trace's kernel, copy and memset time / wall time) and its kernels per step.
 
-The GPU setting (GPU_SETTING): bf16.yaml, --batch_size 512 (the ResNet's learning rate follows the global batch by
-its default --lr_scaling sqrt), --data_on_device, cudnn.benchmark on, TF32 for float32 matmuls and convolutions. The
-last two are process settings, not recipe flags yet: this script sets them, and they become the recipes' defaults
-once a GPU run shows they pay (issue: GPU defaults measured on a GPU).
+The GPU setting (GPU_SETTING): bf16.yaml and --batch_size 512 (the ResNet's learning rate follows the global batch by
+its default --lr_scaling sqrt), on top of the recipes' GPU defaults (shared/speed.py): the data held on the GPU,
+cudnn.benchmark, TF32 for float32 matmuls and convolutions.
 
     bash benchmarks/gpu_speed.sh                                # benchmarks/results/gpu-<name>/gpu_speed.json
     python benchmarks/gpu_speed.py --dry_run --out DIR --fashion_mnist DIR   # the same steps, tiny, on the CPU
@@ -33,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import importlib
 import json
 import os
@@ -57,8 +57,7 @@ FASHION_MNIST = "/usr/share/datasets/fashion-mnist"  # Debian's dataset-fashion-
 TARGET = 0.93  # the ResNet's test accuracy to reach on the real Fashion-MNIST
 # The GPU setting, chosen by the accuracy the ResNet reached at this global batch on the CPU (BENCHMARKS.md): flags,
 # the config's precision, and the process settings.
-GPU_SETTING = {"flags": ["--batch_size", "512", "--data_on_device"], "precision": "bf16", "cudnn_benchmark": True,
-               "tf32": True}
+GPU_SETTING = {"flags": ["--batch_size", "512"], "precision": "bf16"}
 GPU_EPOCHS = 6  # the ResNet's epochs in the GPU setting: 0.932 at this global batch on the CPU (seed 0, BENCHMARKS.md)
 PRECISION = {"float32": "no", "bf16": "bf16", "fp16": "fp16"}  # ACCELERATE_MIXED_PRECISION, as the configs set it
 
@@ -100,16 +99,13 @@ class Speed:
         self.save()
 
     # ------------------------------------------------------------------ one run of a recipe
-    def train(self, name: str, flags: list, precision: str, gpu: bool, run: str):
-        """The recipe's train() in this process with `flags`, in `precision`, with the GPU setting's process settings
-        or torch's defaults; returns the recipe module and its run folder."""
+    def train(self, name: str, flags: list, precision: str, run: str):
+        """The recipe's train() in this process with `flags`, in `precision`; returns the recipe module and its run
+        folder."""
         recipe = importlib.import_module(f"recipes.{name}")
         AcceleratorState._reset_state(reset_partial_state=True)  # a singleton: each run its own precision
         GradientState._reset_state()
         os.environ["ACCELERATE_MIXED_PRECISION"] = PRECISION[precision]
-        torch.backends.cudnn.benchmark = gpu and GPU_SETTING["cudnn_benchmark"]
-        torch.backends.cuda.matmul.allow_tf32 = gpu and GPU_SETTING["tf32"]  # torch's default: off for matmuls,
-        torch.backends.cudnn.allow_tf32 = True if not gpu else GPU_SETTING["tf32"]  # on for convolutions
         folder = self.runs / run
         cfg = recipe.Config.parse([*map(str, flags), "--tracker", "none", "--output_dir", str(folder), "--overwrite"])
         handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
@@ -161,7 +157,7 @@ class Speed:
         try:
             flags = [*self.small(GPU_SETTING["flags"]), "--data", self.args.fashion_mnist, "--epochs", epochs,
                      "--seed", seed]
-            self.train("resnet18_fmnist", flags, GPU_SETTING["precision"], True, f"resnet18_fmnist-tta-{seed}")
+            self.train("resnet18_fmnist", flags, GPU_SETTING["precision"], f"resnet18_fmnist-tta-{seed}")
         finally:
             recipe.load_data, recipe.preprocess, recipe.evaluate = load, preprocess, evaluate
         first, (last, reached) = marks["first_step"], marks["evaluations"][-1]
@@ -175,24 +171,18 @@ class Speed:
 
     def speed(self, name: str, setting: str, precision: str, ema: bool = False, without: str | None = None,
               compile: str | None = None) -> dict:
-        gpu = setting == "gpu"
-        flags = list(GPU_SETTING["flags"]) if gpu else []
-        if without == "data_on_device":
-            flags.remove("--data_on_device")
+        flags = [*(GPU_SETTING["flags"] if setting == "gpu" else []), *([f"--no-{without}"] if without else [])]
         steps, every = (4, 2) if self.args.dry_run else (150, 25)
         flags = [*self.small(flags), *self.data(), "--max_steps", steps, "--log_every", every]
         flags += (["--ema", "0.99"] if ema else []) + (["--compile"] if compile else [])
-        saved, module_compile = dict(GPU_SETTING), torch.nn.Module.compile
-        if without in ("cudnn_benchmark", "tf32"):
-            GPU_SETTING[without] = False
+        module_compile = torch.nn.Module.compile
         if compile and compile != "default":
             torch.nn.Module.compile = lambda module, **kwargs: module_compile(module, **{**kwargs, "mode": compile})
         run = "-".join([name, setting, precision] + ["ema"] * ema + [f"without-{without}"] * bool(without)
                        + [f"compile-{compile}"] * bool(compile))
         try:
-            _, folder = self.train(name, flags, precision, gpu, run)
+            _, folder = self.train(name, flags, precision, run)
         finally:
-            GPU_SETTING.update(saved)
             torch.nn.Module.compile = module_compile
         config = json.loads((folder / "config.json").read_text())
         windows = [row["samples_per_s"] for row in read_rows(folder) if "train_loss" in row]
@@ -213,14 +203,16 @@ class Speed:
             profiler.export_chrome_trace(str(trace))
             top.write_text(profiler.key_averages().table(sort_by="self_cuda_time_total" if cuda else
                                                          "self_cpu_time_total", row_limit=25) + "\n")
-            events = profiler.events()
-            steps = [e for e in events if e.name.startswith("ProfilerStep")]  # one event per profiled step
-            span_us = max(e.time_range.end for e in steps) - min(e.time_range.start for e in steps)
-            kernel_us = sum(e.time_range.elapsed_us() for e in events
-                            if e.device_type == torch.autograd.DeviceType.CUDA)  # on one stream: no overlap
+            # From the trace: its GPU-side copies of the step annotations ("gpu_user_annotation") are no GPU work.
+            events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+            steps = [e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep")]
+            span_us = max(e["ts"] + e["dur"] for e in steps) - min(e["ts"] for e in steps)
+            work = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]  # one stream
+            work_us = sum(e["dur"] for e in work)
             found.update(path=str(trace), top_ops=str(top), steps=active, wall_ms_per_step=span_us / active / 1000,
-                         kernel_ms_per_step=kernel_us / active / 1000 if cuda else None,
-                         gpu_idle_share=1 - kernel_us / span_us if cuda else None)
+                         kernel_ms_per_step=work_us / active / 1000 if cuda else None,
+                         kernels_per_step=sum(e["cat"] == "kernel" for e in work) / active if cuda else None,
+                         gpu_idle_share=1 - work_us / span_us if cuda else None)
 
         schedule = {"wait": wait, "warmup": warmup, "active": active, "repeat": 1}
         profiler = ProfileKwargs(activities=["cpu", "cuda"] if cuda else ["cpu"], schedule_option=schedule,
@@ -230,7 +222,7 @@ class Speed:
         try:
             flags = [*self.small(GPU_SETTING["flags"]), *self.data(), "--max_steps", wait + warmup + active + 2,
                      "--log_every", 1000]
-            self.train("resnet18_fmnist", flags, GPU_SETTING["precision"], True, "resnet18_fmnist-profile")
+            self.train("resnet18_fmnist", flags, GPU_SETTING["precision"], "resnet18_fmnist-profile")
         finally:
             profiler.stop()
             hook.remove()

@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it
-from shared import augment, diagnostics, memory, schedule, tracking  # augmentation; pictures; lr, EMA; run files
+from shared import augment, diagnostics, schedule, speed, tracking  # augmentation; pictures; lr, EMA; run files
 from shared.batches import EpochOrder
 from shared.checkpoints import Checkpoints, Progress
 from shared.config import RunConfig
@@ -159,12 +159,13 @@ def train(cfg: Config) -> None:
         project_dir=run_dir,
         log_with=trackers,  # wandb or TensorBoard, and config.json, metrics.jsonl, summary.json, curves.png
     )
-    if accelerator.device.type == "cpu":  # up to a quarter faster steps: freed activations reused (BENCHMARKS.md)
-        memory.keep_freed_memory()  # glibc keeps freed memory instead of returning it to the kernel
+    # CPU: glibc keeps freed memory (up to a quarter faster steps); GPU: cuDNN autotuning, TF32 (BENCHMARKS.md)
+    speed.device_settings(accelerator.device, cfg)
     set_seed(cfg.seed, device_specific=True)  # seed + rank: each process its own crops, flips and dropout masks
     with accelerator.local_main_process_first():  # one process per machine decodes into the machine's cache
         train_set, test_set = load_data(cfg)
-    if cfg.data_on_device:  # one copy of the uint8 dataset now, instead of a host-to-GPU copy per batch
+    on_device = speed.data_on_device(accelerator.device, cfg.data_on_device, train_set, test_set)
+    if on_device:  # one copy of the uint8 dataset now, instead of a host-to-GPU copy per batch
         train_set, test_set = train_set.to(accelerator.device), test_set.to(accelerator.device)
     # Each epoch's order is a function of (seed, epoch), resumable at any sample (see EpochOrder). Own generators:
     # every new DataLoader iterator draws a seed, and drawing it from the global RNG would shift the augmentation's
@@ -215,7 +216,7 @@ def train(cfg: Config) -> None:
                       f"precision {accelerator.mixed_precision} | "
                       f"global batch {global_batch_size}, {total_steps} steps ({run_epochs:.3g} epochs) | {run_dir}")
     config = tracking.run_config(cfg, accelerator, run_dir, recipe=RECIPE, script=__file__, data=data_name,
-                                 global_batch_size=global_batch_size, total_steps=total_steps,
+                                 global_batch_size=global_batch_size, total_steps=total_steps, data_on_device=on_device,
                                  train_size=len(train_set), test_size=len(test_set), classes=train_set.classes,
                                  resumed_from=str(checkpoint) if checkpoint else None,
                                  resumed_step=progress.step if checkpoint else None)

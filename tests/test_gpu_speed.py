@@ -45,9 +45,14 @@ def test_the_gpu_speed_check_makes_every_measurement_on_the_cpu(env, tmp_path):
     runs = Path(figures["runs"])
     assert runs == tmp_path / "runs"
     config = json.loads((runs / "cifar_cnn-gpu-bf16-ema" / "config.json").read_text())
-    assert config["mixed_precision"] == "bf16" and config["ema"] == 0.99 and config["data_on_device"]
+    assert config["mixed_precision"] == "bf16" and config["ema"] == 0.99 and config["tf32"]
     config = json.loads((runs / "cifar_cnn-default-float32" / "config.json").read_text())
-    assert config["mixed_precision"] == "no" and not config["data_on_device"]
+    assert config["mixed_precision"] == "no" and config["tf32"] and config["cudnn_benchmark"]
+    for without in ("cudnn_benchmark", "tf32", "data_on_device"):  # each GPU default switched off by its own flag
+        (folder,) = runs.glob(f"resnet18_fmnist-gpu-*-without-{without}")
+        config = json.loads((folder / "config.json").read_text())
+        assert config[without] is False, config  # data_on_device: also False by default on a CPU
+        assert all(config[key] for key in ("cudnn_benchmark", "tf32") if key != without), config
     (run,) = figures["time_to_accuracy"]
     assert RUN <= run.keys() and run["data"] == str(fashion) and run["epochs"] == 1 and run["seed"] == 0, run
     assert run["target"] == 0.93 and 0 <= run["reached"] <= 1 and run["met"] == (run["reached"] >= 0.93)

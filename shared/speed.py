@@ -1,0 +1,52 @@
+"""Process settings that make a step faster on its device, each measured there (benchmarks/BENCHMARKS.md): on a CPU,
+glibc keeping the memory a step frees for the next step; on a GPU, cuDNN's autotuning, TF32, and the uint8 dataset
+held in GPU memory."""
+
+import ctypes
+import sys
+
+import torch
+
+# mallopt's parameters, from glibc's <malloc.h>
+M_TRIM_THRESHOLD = -1  # free memory at the heap's top kept instead of trimmed (default 128 KiB)
+M_MMAP_THRESHOLD = -3  # blocks at least this big get their own mapping, returned to the kernel when freed (128 KiB)
+KEEP_FREED_BYTES = 1 << 30  # both raised to 1 GiB: a step's activations reuse the last step's memory
+
+
+def keep_freed_memory() -> bool:
+    """Keep freed memory in the process instead of handing it back to the kernel (glibc on Linux). By default every
+    block over 128 KiB is returned when freed, so each step's activations come back as fresh pages the kernel faults
+    in and zeroes: up to a quarter of a CPU step (benchmarks/BENCHMARKS.md, "The allocator"). The same as setting
+    MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ before the launch (measured equal there). True if glibc took
+    both settings; False elsewhere (macOS, musl), where nothing changes."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None) if sys.platform == "linux" else None  # musl has none
+    if mallopt is None:
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return all(mallopt(parameter, KEEP_FREED_BYTES) == 1 for parameter in (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD))
+
+
+def device_settings(device: torch.device, cfg) -> dict:
+    """What the run's device gains from, set for this process; returns what was set. On a CPU, keep_freed_memory().
+    On a GPU (one H100, the ResNet in bf16 at batch 512): cudnn.benchmark times each convolution's algorithms once
+    per shape and keeps the fastest (1.47x samples/s; --no-cudnn_benchmark keeps cuDNN's heuristic choice), and TF32
+    runs float32 matmuls and convolutions on the tensor cores with a 10-bit mantissa (float32 steps 2.9x against
+    neither in TF32; --no-tf32 for full float32). torch's default is TF32 for convolutions only."""
+    if device.type == "cpu":
+        return {"keep_freed_memory": keep_freed_memory()}
+    if device.type != "cuda":
+        return {}
+    torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
+    # The legacy flags, not fp32_precision: mixing the two APIs makes a later read of allow_tf32 raise.
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.tf32
+    return {"cudnn_benchmark": cfg.cudnn_benchmark, "tf32": cfg.tf32}
+
+
+def data_on_device(device: torch.device, wanted: bool | None, *splits) -> bool:
+    """Whether to hold the uint8 splits in the device's memory: --data_on_device or --no-data_on_device, and by
+    default on a GPU when they take at most a quarter of its free memory (one H100, the ResNet in bf16 at batch 512:
+    1.59x samples/s against a host-to-GPU copy per batch). Fashion-MNIST takes 55 MB, CIFAR-10 184 MB."""
+    if wanted is not None or device.type != "cuda":
+        return bool(wanted)
+    size = sum(split.images.nbytes + split.labels.nbytes for split in splits)
+    return size <= torch.cuda.mem_get_info(device)[0] / 4
