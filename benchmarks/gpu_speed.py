@@ -3,8 +3,11 @@ one H100). Every measurement is the recipe's own train(), called in this one pro
 start costs seconds on a GPU machine), each with a new accelerate state; the results go to gpu_speed.json after each.
 
 In the order they run (the most wanted first: a run cut short keeps them), until --budget_s is spent:
-- time_to_accuracy: the ResNet on the real Fashion-MNIST in the GPU setting, seeds 0, 1, 2 (the first run of the
-  process pays cuDNN's autotuning and CUDA's start: `runs_before_in_process`). `seconds` runs from its first
+- time_to_accuracy, `new_process` true: the README's GPU line as a user runs it, `accelerate launch` of the ResNet
+  on the real Fashion-MNIST in the GPU setting, seed 0: `seconds` is the run's own wall_s (summary.json: from its
+  loop's start to its summary, after the last evaluation), `process_s` from the launch to the exit.
+- time_to_accuracy, `new_process` false: the same in this process, seeds 0, 1, 2 (the first run of the process
+  pays CUDA's start: `runs_before_in_process`). `seconds` runs from its first
   training step to the end of its last evaluation; `reached` is that evaluation's test accuracy and `met`
   whether it is at least `target`; `first_at_target_s` is the time to the first evaluation at or above it. Beside
   them, not in them: `load_data_s` (reading, or decoding into the cache, the data) and `start_s` (from this process's
@@ -12,8 +15,8 @@ In the order they run (the most wanted first: a run cut short keeps them), until
 - rows, each a short run on --synthetic data: `samples_per_s` is the median of the run's own log windows after the
   first (metrics.jsonl, as a user's run reports itself), `ms_per_step` the global batch over it. For each recipe:
   the GPU setting in bf16 and float32 and in bf16 with --ema 0.99; the recipe's defaults (`setting` "default": batch
-  128) in float32, bf16 and fp16; for the ResNet, the GPU setting without each of the recipes' GPU defaults
-  (`without`: --no-cudnn_benchmark, --no-data_on_device, --no-tf32), with --compile (`compile`: "default"), and
+  128) in float32, bf16 and fp16; for the ResNet, the GPU setting with one flag more (`flag`: --cudnn_benchmark,
+  --no-data_on_device, --no-tf32: the recipes' GPU defaults one at a time), with --compile (`compile`: "default"), and
   compiled with CUDA graphs (`compile`: "reduce-overhead", torch.compile's mode, passed to the recipe's
   model.compile() here: no recipe flag asks for it).
 - profile: torch.profiler over 20 steps of the ResNet in the GPU setting (accelerate's ProfileKwargs): a Chrome trace
@@ -167,18 +170,39 @@ class Speed:
                 "first_at_target_s": at_target[0] - first if at_target else None,
                 "evaluations": [accuracy for _, accuracy in marks["evaluations"]],
                 "load_data_s": marks["load_data_s"], "start_s": first - STARTED,
-                "setup_s": first - train_start - marks["load_data_s"], "runs_before_in_process": runs_before}
+                "setup_s": first - train_start - marks["load_data_s"], "runs_before_in_process": runs_before,
+                "new_process": False}
 
-    def speed(self, name: str, setting: str, precision: str, ema: bool = False, without: str | None = None,
+    def time_to_accuracy_new_process(self) -> dict:
+        epochs = 1 if self.args.dry_run else GPU_EPOCHS
+        folder = self.runs / "resnet18_fmnist-tta-new-process"
+        config = ROOT / "accelerate_configs" / ("cpu.yaml" if self.args.dry_run else "bf16.yaml")
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+                   str(ROOT / "recipes" / "resnet18_fmnist.py"), *map(str, self.small(GPU_SETTING["flags"])),
+                   "--data", self.args.fashion_mnist, "--epochs", str(epochs), "--seed", "0", "--tracker", "none",
+                   "--output_dir", str(folder), "--overwrite"]
+        env = {key: value for key, value in os.environ.items() if key != "ACCELERATE_MIXED_PRECISION"}  # the config's
+        self.log.flush()
+        start = time.perf_counter()
+        subprocess.run(command, stdout=self.log, stderr=subprocess.STDOUT, env=env, check=True)
+        process_s = time.perf_counter() - start
+        summary = json.loads((folder / "summary.json").read_text())
+        return {"recipe": "resnet18_fmnist", "data": self.args.fashion_mnist, "target": TARGET,
+                "reached": summary["eval_acc"], "met": summary["eval_acc"] >= TARGET, "seconds": summary["wall_s"],
+                "epochs": epochs, "seed": 0, "evaluations": [row["eval_acc"] for row in read_rows(folder)
+                                                             if "eval_acc" in row],
+                "process_s": process_s, "new_process": True}
+
+    def speed(self, name: str, setting: str, precision: str, ema: bool = False, flag: str | None = None,
               compile: str | None = None) -> dict:
-        flags = [*(GPU_SETTING["flags"] if setting == "gpu" else []), *([f"--no-{without}"] if without else [])]
+        flags = [*(GPU_SETTING["flags"] if setting == "gpu" else []), *([flag] if flag else [])]
         steps, every = (4, 2) if self.args.dry_run else (150, 25)
         flags = [*self.small(flags), *self.data(), "--max_steps", steps, "--log_every", every]
         flags += (["--ema", "0.99"] if ema else []) + (["--compile"] if compile else [])
         module_compile = torch.nn.Module.compile
         if compile and compile != "default":
             torch.nn.Module.compile = lambda module, **kwargs: module_compile(module, **{**kwargs, "mode": compile})
-        run = "-".join([name, setting, precision] + ["ema"] * ema + [f"without-{without}"] * bool(without)
+        run = "-".join([name, setting, precision] + ["ema"] * ema + ([flag.lstrip("-")] if flag else [])
                        + [f"compile-{compile}"] * bool(compile))
         try:
             _, folder = self.train(name, flags, precision, run)
@@ -189,7 +213,7 @@ class Speed:
         samples_per_s = statistics.median(windows[1:] or windows)
         return {"recipe": name, "setting": setting, "precision": precision, "batch_size": config["global_batch_size"],
                 "ema": ema, "samples_per_s": samples_per_s, "ms_per_step": 1000 * config["global_batch_size"]
-                / samples_per_s, "without": without, "compile": compile, "windows": windows}
+                / samples_per_s, "flag": flag, "compile": compile, "windows": windows}
 
     def profile(self) -> dict:
         """20 steps of the ResNet in the GPU setting under torch.profiler, after 10 to warm up (the dry run: 3 after
@@ -238,12 +262,15 @@ def device_name() -> str:
 
 
 def commit() -> str | None:
-    """The commit measured: git's, or GPU_SPEED_COMMIT where the tree came without its .git folder."""
+    """The commit measured: GPU_SPEED_COMMIT where the tree was copied without its own .git folder (a copy of an
+    older one said f984576 for 043328d), else git's."""
+    if os.environ.get("GPU_SPEED_COMMIT"):
+        return os.environ["GPU_SPEED_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("GPU_SPEED_COMMIT")
+        return None
 
 
 def default_out() -> Path:
@@ -273,15 +300,16 @@ def main() -> None:
     args.out = args.out or str(default_out())
     speed = Speed(args)
     print(f"gpu_speed on {speed.results['device']}, torch {torch.__version__}: {speed.out}", flush=True)
+    speed.measure("time_to_accuracy", f"resnet18_fmnist to {TARGET}, a new process", speed.time_to_accuracy_new_process)
     for seed in range(1 if args.dry_run else args.seeds):
         speed.measure("time_to_accuracy", f"resnet18_fmnist to {TARGET}, seed {seed}", speed.time_to_accuracy, seed)
     for name in args.recipes:
         for precision, ema in (("bf16", False), ("float32", False), ("bf16", True)):
             speed.measure("rows", f"{name} gpu {precision}{' ema' * ema}", speed.speed, name, "gpu", precision, ema)
     speed.measure("profile", "profile", speed.profile)
-    for without, precision in (("cudnn_benchmark", "bf16"), ("data_on_device", "bf16"), ("tf32", "float32")):
-        speed.measure("rows", f"resnet18_fmnist gpu {precision} without {without}", speed.speed, "resnet18_fmnist",
-                      "gpu", precision, False, without)
+    for flag, precision in (("--cudnn_benchmark", "bf16"), ("--no-data_on_device", "bf16"), ("--no-tf32", "float32")):
+        speed.measure("rows", f"resnet18_fmnist gpu {precision} {flag}", speed.speed, "resnet18_fmnist", "gpu",
+                      precision, False, flag)
     for name in args.recipes:
         for precision in ("float32", "bf16") if args.dry_run else ("float32", "bf16", "fp16"):  # a CPU refuses fp16
             speed.measure("rows", f"{name} default {precision}", speed.speed, name, "default", precision)

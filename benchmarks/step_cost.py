@@ -214,6 +214,18 @@ def steady(steps: list[Counter], leave_out: set[int] = frozenset()) -> Counter:
     return Counter({key: max(counts[key] for counts in counted) for counts in counted for key in counts})
 
 
+def forget_cached_tensors(recipe) -> None:
+    """Empty the recipe's and augment's caches of device tensors (the normalization constants, the MLP's projection).
+    Filled in this process outside a counting run (a test that called preprocess() before), they hold tensors the
+    stand-in never saw moved to its device: host tensors to it, and each step's use of them a sync."""
+    from shared import augment
+
+    for module in (recipe, augment):
+        for value in vars(module).values():
+            if hasattr(value, "cache_clear"):  # functools.cache
+                value.cache_clear()
+
+
 def count_recipe(name: str, flags: list[str], mixed_precision: str = "no") -> list[Counter]:
     """The recipe's own train() in this process, under the stand-in device: a Counter per optimizer step."""
     from accelerate.state import AcceleratorState, GradientState
@@ -221,6 +233,7 @@ def count_recipe(name: str, flags: list[str], mixed_precision: str = "no") -> li
     from shared import tracking
 
     recipe = importlib.import_module(f"recipes.{name}")
+    forget_cached_tensors(recipe)
     one_process = not PartialState._shared_state.get("backend")
     if one_process:  # a new precision needs a new state
         AcceleratorState._reset_state(reset_partial_state=True)
@@ -257,6 +270,7 @@ def count_plain_loop(name: str, flags: list[str], mixed_precision: str = "no", d
     accelerate, its data on the device, with the recipe's gradient accumulation and clipping and a learning rate set
     per step; with `ddp`, the model in torch's DistributedDataParallel (the process group already started)."""
     recipe = importlib.import_module(f"recipes.{name}")
+    forget_cached_tensors(recipe)
     cfg = recipe.Config.parse(flags)
     with StandInDevice() as counts, contextlib.redirect_stdout(sys.stderr):
         train_set, _ = recipe.load_data(cfg)

@@ -216,9 +216,9 @@ def train(cfg: Config) -> None:
                       f"precision {accelerator.mixed_precision} | "
                       f"global batch {global_batch_size}, {total_steps} steps ({run_epochs:.3g} epochs) | {run_dir}")
     config = tracking.run_config(cfg, accelerator, run_dir, recipe=RECIPE, script=__file__, data=data_name,
-                                 global_batch_size=global_batch_size, total_steps=total_steps, data_on_device=on_device,
+                                 global_batch_size=global_batch_size, total_steps=total_steps,
                                  train_size=len(train_set), test_size=len(test_set), classes=train_set.classes,
-                                 resumed_from=str(checkpoint) if checkpoint else None,
+                                 data_on_device=on_device, resumed_from=str(checkpoint) if checkpoint else None,
                                  resumed_step=progress.step if checkpoint else None)
     checkpoints.check_resume(config, progress)  # steps left to run? what changed, and what that changes
     accelerator.init_trackers(RECIPE, config=config)

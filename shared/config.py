@@ -79,7 +79,7 @@ class RunConfig:
     channels_last: bool = False  # NHWC memory layout for convolutions (faster on CPUs; GPUs with bf16/fp16)
     data_on_device: bool | None = None  # uint8 dataset in GPU memory, no copy per batch; default: on a GPU if it fits
     tf32: bool = True  # on a GPU, float32 matmuls and convolutions in TF32 (~3x faster); --no-tf32: full float32
-    cudnn_benchmark: bool = True  # on a GPU, time cuDNN's algorithms for each shape once and keep the fastest
+    cudnn_benchmark: bool = False  # on a GPU, time cuDNN's algorithms per shape, keep the fastest: for long runs
     ema: float | None = None  # also keep an average of the weights over the last ~1/(1 - EMA) steps, e.g. 0.99
 
     parse = classmethod(parse_config)

@@ -28,10 +28,12 @@ def keep_freed_memory() -> bool:
 
 def device_settings(device: torch.device, cfg) -> dict:
     """What the run's device gains from, set for this process; returns what was set. On a CPU, keep_freed_memory().
-    On a GPU (one H100, the ResNet in bf16 at batch 512): cudnn.benchmark times each convolution's algorithms once
-    per shape and keeps the fastest (1.47x samples/s; --no-cudnn_benchmark keeps cuDNN's heuristic choice), and TF32
-    runs float32 matmuls and convolutions on the tensor cores with a 10-bit mantissa (float32 steps 2.9x against
-    neither in TF32; --no-tf32 for full float32). torch's default is TF32 for convolutions only."""
+    On a GPU, TF32 runs float32 matmuls and convolutions on the tensor cores with a 10-bit mantissa: the ResNet's
+    float32 steps 2.9x faster than with neither in TF32 (one H100; torch's own default is TF32 for convolutions
+    only); --no-tf32 for full float32. --cudnn_benchmark times cuDNN's algorithms for each new shape and keeps the
+    fastest: steps 1.26-1.47x faster (the ResNet in bf16 at batch 512), but its 702-step run took 12.2 s with it
+    against 10.2 s without (19.1 s in the first process on a fresh machine). Off by default: by these figures it
+    pays beyond about 1,400 steps. BENCHMARKS.md, "GPU speed"."""
     if device.type == "cpu":
         return {"keep_freed_memory": keep_freed_memory()}
     if device.type != "cuda":
@@ -45,7 +47,7 @@ def device_settings(device: torch.device, cfg) -> dict:
 def data_on_device(device: torch.device, wanted: bool | None, *splits) -> bool:
     """Whether to hold the uint8 splits in the device's memory: --data_on_device or --no-data_on_device, and by
     default on a GPU when they take at most a quarter of its free memory (one H100, the ResNet in bf16 at batch 512:
-    1.59x samples/s against a host-to-GPU copy per batch). Fashion-MNIST takes 55 MB, CIFAR-10 184 MB."""
+    1.35-1.59x samples/s against a host-to-GPU copy per batch). Fashion-MNIST takes 55 MB, CIFAR-10 184 MB."""
     if wanted is not None or device.type != "cuda":
         return bool(wanted)
     size = sum(split.images.nbytes + split.labels.nbytes for split in splits)

@@ -22,12 +22,14 @@ def test_the_gpu_speed_check_makes_every_measurement_on_the_cpu(env, tmp_path):
     out = tmp_path / "speed"
     result = subprocess.run(["bash", "benchmarks/gpu_speed.sh", str(out)], cwd=ROOT, capture_output=True, text=True,
                             env=dict(env, GPU_SPEED_CPU="1", GPU_SPEED_FASHION_MNIST=str(fashion),
-                                     GPU_SPEED_RECIPES="cifar_cnn", GPU_SPEED_RUNS=str(tmp_path / "runs")),
+                                     GPU_SPEED_RECIPES="cifar_cnn", GPU_SPEED_RUNS=str(tmp_path / "runs"),
+                                     GPU_SPEED_COMMIT="0123abc"),
                             timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     figures = json.loads((out / "gpu_speed.json").read_text())
     assert figures["dry_run"] and figures["device"] == "CPU" and figures["torch"] and figures["date"]
-    assert "commit" in figures and not figures["errors"], figures["errors"]
+    # The commit a copied tree was given wins over the .git beside it (a GPU machine's copy of it can be stale).
+    assert figures["commit"] == "0123abc" and not figures["errors"], figures["errors"]
     assert [skipped["name"] for skipped in figures["skipped"]] == ["resnet18_fmnist gpu bf16 compile default",
                                                                     "resnet18_fmnist gpu bf16 compile reduce-overhead"]
     rows = figures["rows"]
@@ -35,25 +37,33 @@ def test_the_gpu_speed_check_makes_every_measurement_on_the_cpu(env, tmp_path):
         assert ROW <= row.keys() and row["setting"] in ("default", "gpu"), row
         assert row["samples_per_s"] > 0 and row["ms_per_step"] > 0 and row["batch_size"] == 8, row
         assert row["precision"] in ("float32", "bf16")  # fp16: on a GPU only
-    assert {(r["recipe"], r["setting"], r["precision"], r["ema"], r["without"]) for r in rows} == {
+    assert {(r["recipe"], r["setting"], r["precision"], r["ema"], r["flag"]) for r in rows} == {
         ("cifar_cnn", "gpu", "bf16", False, None), ("cifar_cnn", "gpu", "float32", False, None),
         ("cifar_cnn", "gpu", "bf16", True, None), ("cifar_cnn", "default", "float32", False, None),
-        ("cifar_cnn", "default", "bf16", False, None), ("resnet18_fmnist", "gpu", "bf16", False, "cudnn_benchmark"),
-        ("resnet18_fmnist", "gpu", "bf16", False, "data_on_device"), ("resnet18_fmnist", "gpu", "float32", False,
-                                                                        "tf32")}
+        ("cifar_cnn", "default", "bf16", False, None), ("resnet18_fmnist", "gpu", "bf16", False, "--cudnn_benchmark"),
+        ("resnet18_fmnist", "gpu", "bf16", False, "--no-data_on_device"),
+        ("resnet18_fmnist", "gpu", "float32", False, "--no-tf32")}
     # Each row is a run of its own, whose config says what it was.
     runs = Path(figures["runs"])
     assert runs == tmp_path / "runs"
     config = json.loads((runs / "cifar_cnn-gpu-bf16-ema" / "config.json").read_text())
     assert config["mixed_precision"] == "bf16" and config["ema"] == 0.99 and config["tf32"]
     config = json.loads((runs / "cifar_cnn-default-float32" / "config.json").read_text())
-    assert config["mixed_precision"] == "no" and config["tf32"] and config["cudnn_benchmark"]
-    for without in ("cudnn_benchmark", "tf32", "data_on_device"):  # each GPU default switched off by its own flag
-        (folder,) = runs.glob(f"resnet18_fmnist-gpu-*-without-{without}")
+    assert config["mixed_precision"] == "no" and config["tf32"] and not config["cudnn_benchmark"]
+    # The recipes' GPU defaults, each changed by its own flag: the run's config.json records it (on a CPU the data
+    # stays in host memory whatever the default).
+    for name, changed in (("cudnn_benchmark", {"cudnn_benchmark": True, "tf32": True}),
+                          ("no-tf32", {"cudnn_benchmark": False, "tf32": False}),
+                          ("no-data_on_device", {"cudnn_benchmark": False, "tf32": True, "data_on_device": False})):
+        (folder,) = runs.glob(f"resnet18_fmnist-gpu-*-{name}")
         config = json.loads((folder / "config.json").read_text())
-        assert config[without] is False, config  # data_on_device: also False by default on a CPU
-        assert all(config[key] for key in ("cudnn_benchmark", "tf32") if key != without), config
-    (run,) = figures["time_to_accuracy"]
+        assert {key: config[key] for key in changed} == changed, (name, config)
+    run, new = figures["time_to_accuracy"][1], figures["time_to_accuracy"][0]
+    # The README's line in a process of its own, as a user runs it.
+    assert new["new_process"] and RUN <= new.keys() and new["epochs"] == 1 and new["process_s"] > new["seconds"] > 0
+    summary = json.loads((runs / "resnet18_fmnist-tta-new-process" / "summary.json").read_text())
+    assert new["reached"] == summary["eval_acc"] == new["evaluations"][-1] and summary["world_size"] == 1
+    assert not run["new_process"]
     assert RUN <= run.keys() and run["data"] == str(fashion) and run["epochs"] == 1 and run["seed"] == 0, run
     assert run["target"] == 0.93 and 0 <= run["reached"] <= 1 and run["met"] == (run["reached"] >= 0.93)
     assert 0 < run["seconds"] < run["start_s"] + run["seconds"] and run["load_data_s"] > 0

@@ -4,6 +4,8 @@ sync cannot be seen otherwise), beside a plain loop over the recipe's own parts.
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from torch.optim.swa_utils import AveragedModel
@@ -83,6 +85,9 @@ def test_no_recipe_or_option_makes_a_device_sync_in_a_step_and_each_costs_few_op
     """Every option the benchmark measures apart (bf16 autocast, --grad_accum 2, --ema), here in fewer runs: --ema
     beside the default, bf16 and accumulation together (syncs would add up, not cancel)."""
     monkeypatch.setattr(shared.data, "CACHE_DIR", tmp_path)  # the decoded images stay out of the user's cache
+    # As another test on this worker may have done: each recipe's preprocess() caches its constants on the CPU.
+    for name, shape in (("cifar_cnn", (3, 32, 32)), ("resnet18_fmnist", (1, 28, 28)), ("deep_mlp_ckpt", (3, 32, 32))):
+        importlib.import_module(f"recipes.{name}").preprocess(torch.zeros(2, *shape, dtype=torch.uint8), True)
     options = {"default": ([], "cpu"), "ema": (["--ema", "0.99"], "cpu"), "bf16, grad_accum 2": (
         ["--grad_accum", "2"], "cpu_bf16")}
     rows = step_cost.measure(list(step_cost.RECIPES), ["--data", str(data), "--batch_size", "2"], options)
