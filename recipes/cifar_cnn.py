@@ -225,12 +225,14 @@ def train(cfg: Config) -> None:
 
     window = tracking.TrainWindow(accelerator, progress)  # train_* points, and the run's time across its pieces
     show_bar = accelerator.is_local_main_process and sys.stderr.isatty()
-    while progress.step < total_steps:
+    while True:  # the rest of an epoch, then an evaluation; resumed at the run's last step, only the evaluation
         model.train()
         order.set_position(progress.epoch, progress.samples_into_epoch)  # this epoch's order, from the first unseen one
         bar = tqdm(train_loader, desc=f"epoch {progress.epoch + 1}/{math.ceil(run_epochs)}", disable=not show_bar,
                    leave=False)
         for images, labels in bar:
+            if progress.step == total_steps:
+                break
             lr = schedule.one_cycle_lr(progress.step, total_steps, cfg.lr)  # a function of the step, no state
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -265,8 +267,6 @@ def train(cfg: Config) -> None:
                 if checkpoints.after_step(model, progress.step, at_log_point=log_now):  # a stop was asked: saved
                     accelerator.end_training()
                     return
-            if progress.step == total_steps:
-                break
         if len(train_set) - progress.samples_into_epoch < cfg.batch_size * accelerator.num_processes:  # no batch left
             progress.epoch, progress.samples_into_epoch = progress.epoch + 1, 0
         with window.paused():
@@ -279,6 +279,8 @@ def train(cfg: Config) -> None:
         accelerator.log(metrics, step=progress.step)
         accelerator.print(f"step {progress.step}/{total_steps}  "
                           + "  ".join(f"{key} {value:.4f}" for key, value in metrics.items() if key != "eval_samples"))
+        if progress.step == total_steps:
+            break
 
     checkpoints.save(model, progress.step)  # a no-op if this step is already saved
     summary = window.summary(progress.epoch + progress.samples_into_epoch / epoch_samples, data_name)  # whole run

@@ -225,6 +225,9 @@ def evaluate(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
     if len(test_set.classes) != len(classes):
         raise RecipeError(f"{recipe_cfg.data} has {len(test_set.classes)} classes, the weights {len(classes)}: "
                           "pass --data of the kind they were trained on")
+    if test_set.classes != classes:  # the accuracy compares label numbers: they may stand for other classes here
+        accelerator.print(f"warning: {recipe_cfg.data} names its classes {', '.join(test_set.classes[:3])}, ..., the "
+                          f"weights {', '.join(classes[:3])}, ...: the accuracy below compares label numbers only")
     if getattr(recipe_cfg, "channels_last", False):  # the layout evaluate() gives the inputs
         model = model.to(memory_format=torch.channels_last)
     loader = DataLoader(test_set, cfg.batch_size, collate_fn=test_set.whole_batch)

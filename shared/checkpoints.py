@@ -128,6 +128,8 @@ class Checkpoints:
                 f"process is re-seeded from (--seed, step {progress.step}, rank). Augmentation and dropout draws "
                 "differ from a run never stopped: bitwise equality holds only on the same world size")
         self.resumed_from = checkpoint
+        if checkpoint.resolve() == (self.run_dir / "checkpoints" / checkpoint.name).resolve():
+            self.saved.add(self.run_dir / "checkpoints" / checkpoint.name)  # resumed at the last step: not saved again
         return checkpoint
 
     def branch(self, checkpoint: Path, step: int) -> None:

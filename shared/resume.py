@@ -43,11 +43,15 @@ def check_resume(checkpoint: Path, config: dict, progress) -> None:
     if progress.step > total_steps:
         raise RecipeError(f"--resume {checkpoint} is at step {progress.step}, past the {total_steps} steps asked for: "
                           "raise --max_steps or --epochs, or resume from an earlier checkpoint")
-    if progress.step == total_steps:
+    finishing = progress.step == total_steps  # the last step's checkpoint; the weights, unless the run was stopped
+    if finishing and (Path(config["output_dir"]) / "model.safetensors").exists():
         raise RecipeError(f"{config['output_dir']} already finished its {total_steps} steps: "
                           "raise --max_steps or --epochs to train on")
     if not PartialState().is_main_process:
         return
+    if finishing:  # stopped after its last checkpoint, before its weights: the recipe evaluates and writes them
+        return print(f"resuming from {checkpoint}: its last step ({total_steps}), the run stopped before writing its "
+                     "weights: evaluating and writing them now")
     epoch, left = progress.epoch + 1, config["train_size"] - progress.samples_into_epoch
     print(f"resuming from {checkpoint}: step {progress.step}, epoch {epoch} after {progress.samples_into_epoch} of its "
           f"{config['train_size']} samples")

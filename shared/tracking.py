@@ -63,10 +63,11 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
     if (run_dir / "config.json").exists() and not (cfg.resume or cfg.overwrite):
         raise RecipeError(f"{run_dir} already holds a run: pass --resume latest to continue it, "
                           "--overwrite to replace it, or another --output_dir")
-    overwrite = cfg.overwrite and not cfg.resume and run_dir.is_dir() and any(run_dir.iterdir())
-    if overwrite and not is_run(run_dir):
-        raise RecipeError(f"--overwrite: {run_dir} holds files but no run of these recipes (no config.json with a "
-                          "run_id), so nothing in it is deleted: pass a new or empty --output_dir")
+    filled = run_dir.is_dir() and any(run_dir.iterdir())
+    if filled and not is_run(run_dir):  # a user's own folder: its metrics.jsonl would be appended to
+        raise RecipeError(f"{run_dir} holds files but no run of these recipes (no config.json with a run_id), so "
+                          "nothing is written into it: pass a new or empty --output_dir")
+    overwrite = cfg.overwrite and not cfg.resume and filled
     state.wait_for_everyone()  # every process has read the folder before the main process changes it
     if state.is_main_process:
         try:
@@ -86,7 +87,9 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
     run_id, labels = run_id or uuid.uuid4().hex[:8], {"synthetic": True} if cfg.synthetic else {}
     chosen = {"wandb": lambda: [WandB(recipe, run_dir, run_id, tags=list(labels))],
               "tensorboard": lambda: [TensorBoard("tensorboard", run_dir)], "none": lambda: []}[cfg.tracker]()
-    return run_dir, chosen + [RunFiles(run_dir, run_id, labels)]
+    # RunFiles first: its config.json makes the folder a run before wandb or TensorBoard write into it, so a job
+    # stopped between the two is still a run to its next start.
+    return run_dir, [RunFiles(run_dir, run_id, labels)] + chosen
 
 
 def check_shared(run_dir: Path) -> None:
@@ -283,9 +286,12 @@ class RunFiles(GeneralTracker):
 
     def store_init_configuration(self, values: dict):
         write_json(self.run_dir / "config.json", {**values, "run_id": self.run_id})
-        if values.get("resumed_step") is not None and self.metrics.exists():
-            # The points after the checkpoint will be logged again: keep the file up to it.
-            rows = [row for row in read_jsonl(self.metrics) if row["step"] <= values["resumed_step"]]
+        step = values.get("resumed_step")
+        if step is not None and self.metrics.exists():
+            # The points after the checkpoint will be logged again, and so will those of its own step logged after
+            # it was written (an epoch's or the run's evaluation, the summary): keep the file up to its training point.
+            rows = [row for row in read_jsonl(self.metrics) if row["step"] < step or row["step"] == step
+                    and "train_loss" in row]
             self.metrics.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
     def log(self, values: dict, step: int | None = None, **kwargs):

@@ -278,7 +278,7 @@ def test_every_weights_layout_loads_to_the_same_weights(trained, tmp_path):
     for name, path in files.items():
         model = make_model(10)
         load_weights(model, path)
-        assert_bitwise_equal(model.state_dict(), expected), name
+        assert_bitwise_equal(model.state_dict(), expected, name)
 
 
 @pytest.mark.parametrize("layout", ["saved_on_cuda.pt", "accelerate_checkpoint_folder"])

@@ -87,7 +87,7 @@ def test_download_folders_are_found_from_their_root(tmp_path, data_module):
     idx_folder(tmp_path / "fmnist" / "FashionMNIST" / "raw", splits, suffix=".gz")
     train, test = data_module.load_image_data(str(tmp_path / "fmnist"), (1, 28, 28))
     assert torch.equal(train.images[:, 0], torch.from_numpy(splits["train"][0])) and len(test) == 20
-    assert train.classes[0] == "T-shirt/top" and train.classes[9] == "Ankle boot"  # a Fashion-MNIST folder
+    assert train.classes == [str(i) for i in range(10)]  # random labels: the folder's name does not name them
 
     hundred = random_splits((3, 32, 32), classes=100)
     cifar_folder(tmp_path / "c100" / "cifar-100-binary", hundred, [f"c{i}" for i in range(100)], hundred=True)
@@ -229,6 +229,22 @@ def test_real_images_as_idx_files_and_as_a_saved_dataset_give_the_same_tensors(r
         assert torch.equal(files_split.labels, saved_split.labels)
 
 
+def test_the_data_not_the_path_names_the_fashion_mnist_classes(data_module, tmp_path):
+    """Digits in a folder whose path says "fashion" keep digit names (they were given Fashion-MNIST's)."""
+    folder = idx_folder(tmp_path / "fashion-mnist" / "my-digits", random_splits((28, 28), sizes=(64, 20)))
+    train, test = data_module.load_image_data(str(folder), (1, 28, 28))
+    assert train.classes == test.classes == [str(i) for i in range(10)]
+
+
+@needs_fashion_mnist
+def test_the_real_test_labels_name_the_fashion_mnist_classes_in_any_folder(data_module, tmp_path):
+    folder = idx_folder(tmp_path / "my-digits", random_splits((28, 28), sizes=(64, 20)))
+    for name in ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"):
+        (folder / name).write_bytes((FASHION_MNIST / name).read_bytes())
+    train, test = data_module.load_image_data(str(folder), (1, 28, 28))
+    assert len(test) == 10_000 and train.classes[0] == "T-shirt/top" and test.classes[9] == "Ankle boot"
+
+
 @needs_fashion_mnist
 def test_cifar_cnn_learns_the_real_fashion_mnist_from_the_debian_folder(env, tmp_path):
     out = tmp_path / "run"
@@ -247,7 +263,8 @@ def test_resnet_trains_on_real_fashion_mnist_idx_files(env, real_subset, tmp_pat
     ok(launch(env, "resnet18_fmnist", "--data", str(real_subset), "--max_steps", "4", "--batch_size", "16",
               "--tracker", "none", "--output_dir", str(out)))
     config = read_json(out / "config.json")
-    assert (config["train_size"], config["test_size"], config["classes"][0]) == (2000, 500, "T-shirt/top")
+    # A subset: its test labels are not the published file's, so the classes are the labels' numbers.
+    assert (config["train_size"], config["test_size"], config["classes"][0]) == (2000, 500, "0")
     assert read_json(out / "summary.json")["eval_samples"] == 500
 
 

@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from conftest import ROOT, launch, ok, read_json, read_jsonl
+from conftest import ROOT, assert_bitwise_equal, launch, ok, read_json, read_jsonl, weights
 from tiny_data import cifar_binary_dataset, image_splits, text_dataset
 
 RECIPES = ["cifar_cnn", "resnet18_fmnist", "deep_mlp_ckpt"]
@@ -225,6 +225,34 @@ def test_output_dir_already_holding_a_run(env, data, finished):
     one_line(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(finished), *SHORT, config=None),
              "already holds a run", "--resume latest", "--overwrite")
     assert snapshot(finished) == before
+
+
+def test_a_run_stopped_after_its_last_checkpoint_is_finished_by_a_resume(env, data, finished, tmp_path):
+    """Killed after the checkpoint of its last step, during the final evaluation or while writing its weights: the
+    resume evaluates and writes them (it was refused as "already finished", and the run had no weights)."""
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    for name in ("model.safetensors", "summary.json", "curves.png", "confusion_matrix.png"):
+        (run / name).unlink(missing_ok=True)
+    args = ("--data", str(data), "--output_dir", str(run), *SHORT, "--resume", "latest")
+    result = ok(launch(env, "cifar_cnn", *args))
+    assert "its last step (4), the run stopped before writing its weights" in result.stdout
+    assert_bitwise_equal(weights(run), weights(finished))
+    assert read_json(run / "summary.json")["eval_acc"] == read_json(finished / "summary.json")["eval_acc"]
+    assert [row["step"] for row in read_jsonl(run / "metrics.jsonl") if "eval_acc" in row] == [4]  # logged once
+    one_line(launch(env, "cifar_cnn", *args), "already finished its 4 steps", "raise --max_steps")
+
+
+def test_an_extended_run_logs_the_evaluation_at_its_checkpoint_once(env, data, tmp_path):
+    """The checkpoint falls on an epoch's last step (8 steps of 8 images in 64), before that epoch's evaluation; the
+    resumed run evaluates there again, and metrics.jsonl keeps one row of it (it held 8, 8 and 16)."""
+    run = tmp_path / "run"
+    args = ("--data", str(data), "--output_dir", str(run), *SHORT, "--checkpoint_every", "4")
+    ok(launch(env, "cifar_cnn", *args, "--max_steps", "8"))
+    ok(launch(env, "cifar_cnn", *args, "--max_steps", "16", "--resume", "latest"))
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert [row["step"] for row in rows if "eval_acc" in row] == [8, 16]
+    assert [row["step"] for row in rows if "train_loss" in row] == list(range(1, 17))
 
 
 def test_corrupt_truncated_checkpoint(env, data, finished, tmp_path):

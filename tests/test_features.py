@@ -199,6 +199,18 @@ def test_evaluate_of_every_recipe_passes_only_the_flags_it_has(recipe, data, tmp
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["eval_samples"] == 40  # the test split
 
 
+def test_evaluate_on_data_whose_class_names_differ_from_the_weights_says_so(data, tmp_path, capsys):
+    weights = tmp_path / "weights.pt"
+    torch.save(resnet18_fmnist.make_model(10, resnet18_fmnist.Config()).state_dict(), weights)
+    names = [f"kind {i}" for i in range(10)]
+    predict_script.run(predict_script.Config(str(weights), evaluate=True, data=str(data), recipe="resnet18_fmnist",
+                                             classes=",".join(names)))
+    warning, result = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert warning == (f"warning: {data} names its classes {', '.join(CLASSES[:3])}, ..., the weights kind 0, kind 1, "
+                       "kind 2, ...: the accuracy below compares label numbers only")
+    assert json.loads(result)["eval_samples"] == 40
+
+
 def test_predict_reads_a_checkpoint_folder_beside_its_run_config(run, folder, tmp_path):
     out, _ = run
     root, test_set = folder

@@ -185,12 +185,16 @@ def test_the_resume_report_compares_with_the_configuration_that_wrote_the_checkp
         assert "changed since the checkpoint: lr 0.05 -> 0.1" in result.stdout, result.stdout
 
 
-def test_overwrite_refuses_a_folder_that_never_held_a_run(env, data, tmp_path):
+@pytest.mark.parametrize("overwrite", [(), ("--overwrite",)], ids=["plain", "overwrite"])
+def test_a_folder_that_never_held_a_run_is_left_as_it_is(env, data, tmp_path, overwrite):
+    """Neither a run nor empty: with or without --overwrite nothing is written into it (its metrics.jsonl was
+    appended to, and a later resume of it failed)."""
     folder = tmp_path / "mine"
     for name in ("checkpoints", "wandb", "tensorboard", "abandoned"):
         (folder / name).mkdir(parents=True)
         (folder / name / "notes.txt").write_text("mine")
-    refused(env, folder, "cifar_cnn", "--data", data, *SHORT, "--output_dir", folder, "--overwrite",
+    (folder / "metrics.jsonl").write_text('{"step": 1, "mine": true}\n')
+    refused(env, folder, "cifar_cnn", "--data", data, *SHORT, "--output_dir", folder, *overwrite,
             needle="holds files but no run of these recipes")
 
 
@@ -235,6 +239,13 @@ def idx_claims_too_much(folder: Path) -> str:  # 2^96 bytes
 
 
 def idx_label_outside_the_named_classes(folder: Path) -> str:
+    """Fashion-MNIST, told by its published test labels, names ten classes: a training label of 200 is refused, not
+    taken as class 200 of 201."""
+    real = Path("/usr/share/datasets/fashion-mnist/t10k-labels-idx1-ubyte.gz")
+    if not real.exists():
+        pytest.skip(f"no real Fashion-MNIST test labels at {real}: apt-get install dataset-fashion-mnist")
+    shutil.copy(real, folder / real.name)
+    write_idx(folder / "t10k-images-idx3-ubyte.gz", np.zeros((10_000, 28, 28), np.uint8))
     labels = np.zeros(50, np.uint8)
     labels[7] = 200
     write_idx(folder / "train-labels-idx1-ubyte.gz", labels)

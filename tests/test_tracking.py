@@ -256,13 +256,13 @@ def test_without_a_terminal_a_line_comes_at_least_every_30_s(monkeypatch, capsys
     clock = [1000.0]
     monkeypatch.setattr(tracking.time, "perf_counter", lambda: clock[0])
     window = tracking.TrainWindow(Accelerator(cpu=True), Progress())
-    window.add(torch.tensor(0.5), {"acc": torch.tensor(1)}, 8)
+    window.add(torch.tensor(0.5), {"acc": torch.tensor(1)}, 310)  # 310 samples in the 31 s below
     clock[0] += 29
     window.heartbeat(1, 10)
     assert capsys.readouterr().out == ""  # not yet
     clock[0] += 2
     window.heartbeat(2, 10)
-    assert capsys.readouterr().out == "step 2/10  train_loss 0.5000  0 samples/s (since the last log point)\n"
+    assert capsys.readouterr().out == "step 2/10  train_loss 0.5000  10 samples/s (since the last log point)\n"
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a terminal has the progress bar instead
     clock[0] += 60
     window.heartbeat(3, 10)
