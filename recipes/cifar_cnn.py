@@ -229,6 +229,7 @@ def train(cfg: Config) -> None:
         model.train()
         order.set_position(progress.epoch, progress.samples_into_epoch)  # this epoch's order, from the first unseen one
         bar = tqdm(train_loader, desc=f"epoch {progress.epoch + 1}/{math.ceil(run_epochs)}", disable=not show_bar,
+                   total=min(len(train_loader), (total_steps - progress.step) * cfg.grad_accum),  # --max_steps
                    leave=False)
         for images, labels in bar:
             if progress.step == total_steps:
@@ -289,7 +290,7 @@ def train(cfg: Config) -> None:
     checkpoints.save_weights(model if ema is None else ema, {  # model.safetensors
         "recipe": RECIPE, "script": __file__, "weights": "trained" if ema is None else "ema",
         "classes": train_set.classes, "flags": vars(cfg), **metrics, **summary})
-    diagnostics.save_pictures(accelerator, run_dir, test_set, predictions, progress.step)  # confusion matrix, mistakes
+    diagnostics.save_pictures(accelerator, run_dir, test_set, predictions, progress.step)  # confusion_matrix.png
     accelerator.log(summary, step=progress.step)
     accelerator.wait_for_everyone()  # gloo's exit race (docs/troubleshooting.md) is rarer if all leave together
     accelerator.end_training()

@@ -218,7 +218,7 @@ def train(cfg: Config) -> None:
     progress = Progress()
     accelerator.register_for_checkpointing(progress)  # saved and restored with every checkpoint
     # --ema: an average of the weights (schedule.update_ema), a copy of the model updated on every process after every
-    # optimizer step. The processes hold the same weights, so the same average; BatchNorm's running statistics too.
+    # optimizer step. The processes hold the same weights, so the same average (LayerNorm keeps no statistics).
     ema = copy.deepcopy(accelerator.unwrap_model(model)).requires_grad_(False) if cfg.ema else None
     if ema is not None:
         accelerator.register_for_checkpointing(ema)  # in every checkpoint, so a resume continues it exactly
@@ -256,6 +256,7 @@ def train(cfg: Config) -> None:
         model.train()
         order.set_position(progress.epoch, progress.samples_into_epoch)  # this epoch's order, from the first unseen one
         bar = tqdm(train_loader, desc=f"epoch {progress.epoch + 1}/{math.ceil(run_epochs)}", disable=not show_bar,
+                   total=min(len(train_loader), (total_steps - progress.step) * cfg.grad_accum),  # --max_steps
                    leave=False)
         for images, labels in bar:
             if progress.step == total_steps:
@@ -296,7 +297,7 @@ def train(cfg: Config) -> None:
             progress.epoch, progress.samples_into_epoch = progress.epoch + 1, 0
         with window.paused():
             metrics, predictions = evaluate(model, test_loader, accelerator, cfg)
-            if ema is not None:  # BatchNorm statistics differ between processes: the main process's, as DDP does
+            if ema is not None:  # buffers from the main process, as DDP does (this model has none)
                 broadcast(list(ema.buffers()))
                 ema_metrics, _ = evaluate(ema, test_loader, accelerator, cfg)
                 metrics |= {f"{key}_ema": value for key, value in ema_metrics.items() if key != "eval_samples"}
@@ -314,7 +315,7 @@ def train(cfg: Config) -> None:
     checkpoints.save_weights(model if ema is None else ema, {  # model.safetensors
         "recipe": RECIPE, "script": __file__, "weights": "trained" if ema is None else "ema",
         "classes": train_set.classes, "flags": vars(cfg), **metrics, **summary})
-    diagnostics.save_pictures(accelerator, run_dir, test_set, predictions, progress.step)  # confusion matrix, mistakes
+    diagnostics.save_pictures(accelerator, run_dir, test_set, predictions, progress.step)  # confusion_matrix.png
     accelerator.log(summary, step=progress.step)
     accelerator.wait_for_everyone()  # gloo's exit race (docs/troubleshooting.md) is rarer if all leave together
     accelerator.end_training()

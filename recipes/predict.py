@@ -108,7 +108,8 @@ def load_recipe(cfg: Config, about: dict):
     if not isinstance(trained_by, str) or not RECIPE_NAME.fullmatch(trained_by):
         trained_by = None
     if cfg.recipe is None:
-        hint = f"they were trained by {trained_by}: pass --recipe {trained_by} or" if trained_by else "pass"
+        known = trained_by and (RECIPES / f"{trained_by}.py").is_file()  # in a project, the recipe is train.py
+        hint = f"they were trained by {trained_by}: pass --recipe {trained_by} or" if known else "pass"
         raise RecipeError(f"--weights {cfg.weights}: which recipe builds the model? {hint} --recipe PATH of your copy "
                           "(a recipe is code, so it is never taken from the weights)")
     path = Path(cfg.recipe) if cfg.recipe.endswith(".py") else RECIPES / f"{cfg.recipe}.py"

@@ -76,7 +76,7 @@ class RunConfig:
     resume: str | None = None  # `latest` or a checkpoints/step_<N> folder to continue from
     tracker: Literal["wandb", "tensorboard", "none"] = "wandb"  # wandb is offline without an API key
     compile: bool = False  # torch.compile the model (the first steps wait 10-40 s while it compiles)
-    channels_last: bool = False  # NHWC memory layout for convolutions (faster on CPUs; GPUs with bf16/fp16)
+    channels_last: bool = False  # NHWC memory layout for convolutions (faster on CPUs; on GPUs: BENCHMARKS.md)
     data_on_device: bool | None = None  # uint8 dataset in GPU memory, no copy per batch; default: on a GPU if it fits
     tf32: bool = True  # on a GPU, float32 matmuls and convolutions in TF32 (~3x faster); --no-tf32: full float32
     cudnn_benchmark: bool = False  # on a GPU, time cuDNN's algorithms per shape, keep the fastest: for long runs

@@ -12,7 +12,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from conftest import launch, ok, read_json, read_jsonl
-from tiny_data import imagefolder_dataset, parquet_dataset, save_to_disk_dataset
+from tiny_data import cifar_binary_dataset, imagefolder_dataset, parquet_dataset, save_to_disk_dataset
 
 STEPS = ("--max_steps", "6", "--batch_size", "8", "--log_every", "2")
 SHORT = (*STEPS, "--tracker", "none")
@@ -137,3 +137,16 @@ def test_help_lists_the_contract_flags_with_units(env):
                  "--compile", "--channels_last", "--data_on_device"):
         assert flag in result.stdout, flag
     assert "images per process per step" in result.stdout
+
+
+def test_an_accumulation_window_spans_an_epoch_end(env, tmp_path):
+    """8 batches an epoch, --grad_accum 3: every optimizer step sums 3 batches, the third step's window taking 2 from
+    the first epoch and 1 from the second, so 3 epochs are 8 whole steps. With accelerate's default
+    (sync_with_dataloader=True) each epoch's end would force a step of 2 batches, and 8 steps would end in epoch 3."""
+    out, data = tmp_path / "run", cifar_binary_dataset(tmp_path / "data", sizes={"train": 64, "test": 16})
+    ok(launch(env, "cifar_cnn", "--data", str(data), "--batch_size", "8", "--grad_accum", "3", "--epochs", "3",
+              "--log_every", "1", "--tracker", "none", "--output_dir", str(out)))
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [row["step"] for row in rows if "train_loss" in row] == list(range(1, 9))
+    assert [round(row["epoch"], 4) for row in rows if "train_loss" in row] == [round(3 * s / 8, 4) for s in range(1, 9)]
+    assert read_json(out / "summary.json")["epochs"] == 3.0

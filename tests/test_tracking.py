@@ -268,3 +268,48 @@ def test_without_a_terminal_a_line_comes_at_least_every_30_s(monkeypatch, capsys
     window.heartbeat(3, 10)
     assert capsys.readouterr().out == ""
 
+
+
+def test_the_curves_show_the_metrics_and_nothing_of_the_summary(tmp_path, monkeypatch):
+    """The summary's row, logged at the run's end, holds train_s: it was drawn as a metric in curves.png."""
+    import matplotlib.axes
+
+    from shared.diagnostics import plot_curves
+
+    labels, plot = [], matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda ax, *args, **kwargs: (
+        labels.append(kwargs.get("label")), plot(ax, *args, **kwargs))[1])
+    rows = [{"step": 1, "train_loss": 2.0, "train_acc": 0.1, "grad_norm": 1.0, "samples_per_s": 9.0},
+            {"step": 1, "eval_loss": 2.1, "eval_acc": 0.2, "eval_samples": 20},
+            {"step": 1, "train_s": 3.5, "wall_s": 4.0, "max_eval_acc": 0.2, "samples_per_s": 9.0}]
+    plot_curves(rows, tmp_path / "curves.png", "run")
+    assert sorted(labels) == ["eval_acc", "eval_loss", "grad_norm", "train_acc", "train_loss"]
+
+
+def test_the_progress_bar_counts_the_batches_the_run_will_train(env, tmp_path):
+    """On a terminal, a run of --max_steps 4 in an epoch of 8 batches shows 4 batches to go (it showed 8)."""
+    import fcntl
+    import pty
+    import termios
+
+    data = cifar_binary_dataset(tmp_path / "data", sizes={"train": 64, "test": 16})
+    primary, secondary = pty.openpty()  # stderr a terminal: the bar is drawn there
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("4H", 24, 160, 0, 0))  # 0 columns: tqdm draws nothing
+    process = subprocess.Popen([sys.executable, "recipes/cifar_cnn.py", "--data", str(data), "--batch_size", "8",
+                                "--max_steps", "4", "--tracker", "none", "--output_dir", str(tmp_path / "run")],
+                               cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                               stderr=secondary)
+    os.close(secondary)
+    drawn = b""
+    while True:
+        try:
+            chunk = os.read(primary, 65536)
+        except OSError:  # the run ended: no process holds the terminal any more
+            break
+        if not chunk:
+            break
+        drawn += chunk
+    os.close(primary)
+    assert process.wait(timeout=300) == 0, drawn.decode(errors="replace")[-2000:]
+    text = drawn.decode(errors="replace")
+    assert "0/4 " in text and "/8 " not in text, text[-2000:]
