@@ -203,7 +203,8 @@ def load_dataset_files(files: DatasetFiles, source: str, image_shape) -> tuple[I
     """IDX files or CIFAR binary files, converted to `image_shape` as a dataset's images would be (tested); cached by
     the files' paths, sizes and modification times."""
     stamps = [(str(file.resolve()), file.stat().st_size, file.stat().st_mtime_ns) for file in files.all_files()]
-    key = hashlib.sha256(json.dumps([stamps, image_shape, decoder_hash()]).encode()).hexdigest()[:16]
+    readers = inspect.getsource(inspect.getmodule(DatasetFiles))  # they name the classes kept in the cache too
+    key = hashlib.sha256(json.dumps([stamps, image_shape, decoder_hash(), readers]).encode()).hexdigest()[:16]
     cache = CACHE_DIR / f"files-{key}-{'x'.join(map(str, image_shape))}.safetensors"
     if not cache.exists():
         splits, classes = files.read()

@@ -145,9 +145,9 @@ def read_idx_splits(files: dict[str, list[Path]]):
         splits[split] = (torch.from_numpy(images.copy())[:, None], torch.from_numpy(labels.astype(np.int64)))
     test_labels = splits["test"][1].to(torch.uint8).numpy().tobytes()  # the file's bytes: read once, above
     # The data names Fashion-MNIST, not the path: digits in a folder called "fashion" keep digit names, and a subset
-    # of Fashion-MNIST, whose test labels are not the published file, gets the labels' numbers.
-    if hashlib.sha256(test_labels).hexdigest().startswith(FASHION_MNIST_TEST_LABELS):  # a label outside its ten
-        # names is refused, not taken as an eleventh class
+    # of Fashion-MNIST, whose test labels are not the published file, gets the labels' numbers. With its ten names, a
+    # label outside them is refused, not taken as an eleventh class.
+    if hashlib.sha256(test_labels).hexdigest().startswith(FASHION_MNIST_TEST_LABELS):
         return splits, FASHION_MNIST
     return splits, [str(i) for i in range(max(int(labels.max()) for _, labels in splits.values()) + 1)]
 
