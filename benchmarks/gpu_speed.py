@@ -25,7 +25,7 @@ In the order they run (the most wanted first: a run cut short keeps them), until
 
 The GPU setting (GPU_SETTING): bf16.yaml and --batch_size 512 (the ResNet's learning rate follows the global batch by
 its default --lr_scaling sqrt), on top of the recipes' GPU defaults (shared/speed.py): the data held on the GPU,
-cudnn.benchmark, TF32 for float32 matmuls and convolutions.
+TF32 for float32 matmuls and convolutions, cudnn.benchmark off (its row turns it on).
 
     bash benchmarks/gpu_speed.sh                                # benchmarks/results/gpu-<name>/gpu_speed.json
     python benchmarks/gpu_speed.py --dry_run --out DIR --fashion_mnist DIR   # the same steps, tiny, on the CPU

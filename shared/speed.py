@@ -1,6 +1,6 @@
 """Process settings that make a step faster on its device, each measured there (benchmarks/BENCHMARKS.md): on a CPU,
-glibc keeping the memory a step frees for the next step; on a GPU, cuDNN's autotuning, TF32, and the uint8 dataset
-held in GPU memory."""
+glibc keeping the memory a step frees for the next step; on a GPU, TF32, the uint8 dataset held in GPU memory, and
+cuDNN's autotuning when --cudnn_benchmark asks for it."""
 
 import ctypes
 import sys

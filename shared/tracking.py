@@ -310,6 +310,7 @@ class RunFiles(GeneralTracker):
 
 def write_json(path: Path, values: dict) -> None:
     partial = path.with_suffix(".tmp")
+    partial.unlink(missing_ok=True)  # a link left there (a run folder from anywhere) goes, and is never written through
     partial.write_text(json.dumps(values, indent=2, default=str) + "\n")
     os.replace(partial, path)  # readers never see half a file
 

@@ -200,6 +200,18 @@ def test_a_folder_that_never_held_a_run_is_left_as_it_is(env, data, tmp_path, ov
             needle="holds files but no run of these recipes")
 
 
+def test_a_link_in_the_run_folder_is_not_written_through(env, data, run, tmp_path):
+    """summary.tmp, where summary.json is written before it is renamed into place, as a link to a file outside: the
+    resume that finishes the run wrote the summary there."""
+    out, outside = tmp_path / "out", tmp_path / "outside.json"
+    shutil.copytree(run, out)
+    (out / "model.safetensors").unlink()
+    (out / "summary.tmp").symlink_to(outside)
+    ok(launch(env, "cifar_cnn", "--data", str(data), *SHORT, "--output_dir", str(out), "--resume", "latest"))
+    assert not outside.exists() and not (out / "summary.json").is_symlink()
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4
+
+
 def test_resume_of_a_checkpoint_at_a_one_part_relative_path(env, data, run, tmp_path):
     shutil.copytree(run / "checkpoints" / "step_2", tmp_path / "step_2")
     refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--resume", "step_2", cwd=tmp_path,
