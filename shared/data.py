@@ -77,7 +77,7 @@ def open_dataset(source: str) -> datasets.DatasetDict:
         except Exception as error:
             raise RecipeError(f"could not read a dataset from {path} ({type(error).__name__}: {first_line(error)}): "
                               "expected a save_to_disk folder, parquet files, an imagefolder (one subfolder per "
-                              "class) with examples in every split, IDX files or CIFAR's binary version") from None
+                              "class) with examples in every split, IDX files or CIFAR's files") from None
         return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict(train=loaded)
     print(f"Loading {source} from the Hugging Face hub (or its local cache)...", flush=True)
     logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # one line at the end, not a warning per retry

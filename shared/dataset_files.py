@@ -1,12 +1,14 @@
-"""The files image datasets are published in, read as they are: the MNIST family's IDX files and CIFAR's binary version.
+"""The files image datasets are published in, read as they are: the MNIST family's IDX files and CIFAR's two versions.
 
 `find_dataset_files(folder)` returns a `DatasetFiles` (or None) for a folder, or one below it, that holds
 - IDX files, gzipped or not, as the MNIST and Fashion-MNIST authors publish them, torchvision downloads them
   (`<root>/FashionMNIST/raw/`) and Debian installs them (`/usr/share/datasets/fashion-mnist/`):
   `train-images-idx3-ubyte`, `train-labels-idx1-ubyte`, and `t10k-*` (or `test-*`) for the test split;
 - CIFAR-10 or CIFAR-100 in the authors' binary version (`cifar-10-batches-bin/`, `cifar-100-binary/`): records of
-  label bytes and 3,072 pixel bytes, nothing to interpret. Their Python version (torchvision's download) is pickles,
-  and unpickling can run any code: it is refused with one line, never opened.
+  label bytes and 3,072 pixel bytes, nothing to interpret; or in their Python version, which torchvision downloads
+  (`cifar-10-batches-py/`, `cifar-100-python/`): pickles. Unpickling can run any code, so these are read by an
+  unpickler that builds only dicts, lists, numbers, strings and uint8 arrays made of the file's own bytes, and counts
+  the operations first (`read_pickled_batch`). A folder holding both versions is read in the binary one.
 Every reader checks the size a file or header claims against MAX_FILE_BYTES and the free memory before it
 allocates. `.read()` returns {"train": (images, labels), "test": ...}, uint8 (N, C, H, W) and int64 (N,), and the
 class names.
@@ -14,8 +16,11 @@ class names.
 
 import gzip
 import hashlib
+import io
 import math
 import os
+import pickle
+import pickletools
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,18 +44,26 @@ CIFAR_BINARY = {  # folder -> the files of each split, the class names' file, th
                              "batches.meta.txt", 1),
     "cifar-100-binary": ({"train": ["train.bin"], "test": ["test.bin"]}, "fine_label_names.txt", 2),  # coarse, fine
 }
-PICKLED_CIFAR = {"cifar-10-batches-py": "cifar-10-binary.tar.gz", "cifar-100-python": "cifar-100-binary.tar.gz"}
+CIFAR_PICKLED = {  # folder -> the files of each split, the class names' file, its key for them, the labels' key
+    "cifar-10-batches-py": ({"train": [f"data_batch_{i}" for i in range(1, 6)], "test": ["test_batch"]},
+                            "batches.meta", "label_names", "labels"),
+    "cifar-100-python": ({"train": ["train"], "test": ["test"]}, "meta", "fine_label_names", "fine_labels"),
+}
+BINARY_OF = {"cifar-10-batches-py": "cifar-10-batches-bin", "cifar-100-python": "cifar-100-binary"}
+MAX_PICKLE_OPS = 2_000_000  # CIFAR-100's train file has about 300,000
 
 
 @dataclass
 class DatasetFiles:
-    kind: str  # "idx", or a CIFAR_BINARY folder name
+    kind: str  # "idx", or a CIFAR_BINARY or CIFAR_PICKLED folder name
     files: dict[str, list[Path]]  # split -> its files (IDX: images then labels)
 
     def all_files(self) -> list[Path]:
         return [file for files in self.files.values() for file in files]
 
     def read(self) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], list[str]]:
+        if self.kind in CIFAR_PICKLED:
+            return read_pickled_cifar_splits(self.kind, self.files)
         return read_idx_splits(self.files) if self.kind == "idx" else read_cifar_splits(self.kind, self.files)
 
 
@@ -59,6 +72,8 @@ def find_dataset_files(folder: Path) -> DatasetFiles | None:
     candidates = (folder, folder / "raw", *sorted(folder.glob("*/raw")), *sorted(folder.glob("cifar-*")))
     found = [f for candidate in candidates
              if candidate.is_dir() and (f := idx_files(candidate) or cifar_files(candidate))]
+    # torchvision's root may hold both CIFAR versions of one dataset (a download of each): the binary one is read
+    found = [f for f in found if BINARY_OF.get(f.kind) not in {other.kind for other in found}]
     if len({tuple(f.all_files()) for f in found}) > 1:
         places = ", ".join(str(f.all_files()[0].parent) for f in found)
         raise RecipeError(f"--data {folder} holds more than one dataset ({places}): pass --data one of these folders")
@@ -87,13 +102,9 @@ def idx_files(folder: Path) -> DatasetFiles | None:
 
 
 def cifar_files(folder: Path) -> DatasetFiles | None:
-    if folder.name in PICKLED_CIFAR:
-        raise RecipeError(f"{folder} is CIFAR's Python version (torchvision's download): pickles, and unpickling can "
-                          f"run any code, so it is never opened: use the binary version ({PICKLED_CIFAR[folder.name]} "
-                          "from https://www.cs.toronto.edu/~kriz/cifar.html) or the hub id")
-    if folder.name not in CIFAR_BINARY:
+    if folder.name not in CIFAR_BINARY and folder.name not in CIFAR_PICKLED:
         return None
-    splits, names, _ = CIFAR_BINARY[folder.name]
+    splits, names, *_ = CIFAR_BINARY.get(folder.name) or CIFAR_PICKLED[folder.name]
     files = {split: [folder / name for name in names] for split, names in splits.items()}
     files["names"] = [folder / names]
     missing = [file.name for file in files["names"] + files["train"] + files["test"] if not file.is_file()]
@@ -175,4 +186,115 @@ def read_cifar_splits(kind: str, files: dict[str, list[Path]]):
         rows = np.concatenate(rows)
         splits[split] = (torch.from_numpy(rows[:, label_bytes:].reshape(-1, 3, 32, 32).copy()),
                          torch.from_numpy(rows[:, label_bytes - 1].astype(np.int64)))  # the last label byte: fine
+    return splits, classes
+
+
+class CifarUnpickler(pickle.Unpickler):
+    """Builds what a CIFAR pickle holds, nothing else: dicts, lists, numbers, strings, and uint8 arrays whose bytes are
+    in the file. Every class or function a pickle names is refused before it is looked up (os.system, a model's class,
+    numpy.ndarray itself, which would allocate any size), but for stand-ins that check what they are given."""
+
+    def find_class(self, module, name):
+        if (module, name) in (("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct")):
+            return PickledArray  # how NumPy pickles an array (numpy 2 moved numpy.core to numpy._core)
+        if (module, name) == ("numpy", "ndarray"):
+            return NDArrayName
+        if (module, name) == ("numpy", "dtype"):
+            return PickledDtype
+        if (module, name) == ("_codecs", "encode"):  # how Python 3 pickles bytes at protocol 2
+            return latin1_bytes
+        raise pickle.UnpicklingError(f"it would call {module}.{name}")
+
+
+class NDArrayName:
+    """numpy.ndarray as a pickle names it: an argument of _reconstruct, refused as a call (it allocates any size)."""
+
+    def __init__(self, *args):
+        raise pickle.UnpicklingError("it would call numpy.ndarray")
+
+
+def latin1_bytes(text, encoding) -> bytes:
+    if not isinstance(text, str) or encoding != "latin1":
+        raise pickle.UnpicklingError(f"it would encode as {str(encoding)[:20]}")
+    return text.encode("latin1")
+
+
+class PickledDtype:
+    def __init__(self, kind, align=False, copy=True):
+        self.kind = kind
+
+    def __setstate__(self, state):
+        pass  # byte order and alignment: nothing to say for single bytes, and other types are refused
+
+
+class PickledArray:
+    """An array as NumPy pickles it: _reconstruct(ndarray, ...), then its state (shape, dtype, the bytes). Only uint8
+    arrays in C order whose bytes are all in the file: a shape never allocates more than the file holds."""
+
+    def __init__(self, cls, shape=(0,), typecode=b"b"):
+        if cls is not NDArrayName:
+            raise pickle.UnpicklingError("it would build an array of another class")
+        self.array = None
+
+    def __setstate__(self, state):
+        _, shape, dtype, fortran_order, raw = state if isinstance(state, tuple) and len(state) == 5 else [None] * 5
+        raw = raw.encode("latin1") if isinstance(raw, str) else raw  # Python 2 wrote the bytes as a str
+        if not (isinstance(dtype, PickledDtype) and dtype.kind in ("u1", "uint8", b"u1") and not fortran_order
+                and isinstance(raw, bytes) and isinstance(shape, tuple) and len(shape) <= 4
+                and all(type(n) is int and 0 <= n <= len(raw) for n in shape) and len(raw) == math.prod(shape)):
+            raise pickle.UnpicklingError("an array that is not uint8 bytes of its own shape")
+        self.array = np.frombuffer(raw, np.uint8).reshape(shape)
+
+
+def read_pickled_batch(path: Path) -> dict:
+    """A CIFAR pickle as a dict with str keys, read whole first (bounded by MAX_FILE_BYTES), its operations counted
+    before any is run."""
+    try:
+        check_size(path, path.stat().st_size)
+        with open(path, "rb") as f:
+            raw = f.read(MAX_FILE_BYTES + 1)
+        # genops first: it counts the operations and checks each claimed length against the bytes that follow, before
+        # the C unpickler, which allocates a string or bytes of its claimed length before reading it.
+        if sum(1 for _ in pickletools.genops(raw)) > MAX_PICKLE_OPS:
+            raise pickle.UnpicklingError(f"more than {MAX_PICKLE_OPS:,} pickle operations")
+        batch = CifarUnpickler(io.BytesIO(raw), encoding="latin1").load()  # Python 2 wrote its strings as latin-1
+    except RecipeError:
+        raise
+    except Exception as error:  # anything a damaged pickle raises
+        raise RecipeError(f"{path} is not a plain CIFAR pickle, refused ({first_line(error)[:200]}): download the "
+                          "dataset again, or use its binary version") from None
+    if not isinstance(batch, dict):
+        raise RecipeError(f"{path} holds a {type(batch).__name__}, not a CIFAR batch (a dict): download it again")
+    # Keys and names are str when Python 2 wrote them (read as latin-1), bytes when Python 3 wrote bytes
+    return {as_text(key): value for key, value in batch.items()}
+
+
+def as_text(value):
+    return value.decode("latin1") if isinstance(value, bytes) else value
+
+
+def read_pickled_cifar_splits(kind: str, files: dict[str, list[Path]]):
+    _, _, names_key, labels_key = CIFAR_PICKLED[kind]
+    classes = read_pickled_batch(files["names"][0]).get(names_key)
+    classes = [as_text(name) for name in classes] if isinstance(classes, list) and len(classes) <= 256 else None
+    if not (classes and all(isinstance(name, str) and len(name) <= 100 for name in classes)):
+        raise RecipeError(f"{files['names'][0]} has no '{names_key}' list of up to 256 names of up to 100 characters: "
+                          "download the dataset again")
+    splits = {}
+    for split in ("train", "test"):
+        images, labels = [], []
+        for path in files[split]:
+            batch = read_pickled_batch(path)
+            data = batch.get("data")
+            data = data.array if isinstance(data, PickledArray) else None
+            if data is None or data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
+                raise RecipeError(f"{path}: its 'data' is not uint8 rows of 3,072 bytes: download it again")
+            batch_labels = batch.get(labels_key)
+            if not (isinstance(batch_labels, list) and len(batch_labels) == len(data)
+                    and all(type(label) is int and 0 <= label < len(classes) for label in batch_labels)):
+                raise RecipeError(f"{path}: its '{labels_key}' are not {len(data)} labels in 0..{len(classes) - 1}, "
+                                  "one per image: download it again")
+            images.append(data.reshape(-1, 3, 32, 32))
+            labels.append(np.array(batch_labels, np.int64))
+        splits[split] = (torch.from_numpy(np.concatenate(images)), torch.from_numpy(np.concatenate(labels)))
     return splits, classes

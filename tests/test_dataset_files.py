@@ -1,6 +1,6 @@
 """--data DIR with the files datasets are published in: the MNIST family's IDX files (the real Fashion-MNIST, as
-Debian's dataset-fashion-mnist installs it, when it is there) and CIFAR's binary version; CIFAR's Python version
-(pickles) is refused unopened. The same images as a save_to_disk dataset give the same tensors."""
+Debian's dataset-fashion-mnist installs it, when it is there) and CIFAR's binary and Python versions (pickles, read
+without running their code). The same images as a save_to_disk dataset give the same tensors."""
 
 from __future__ import annotations
 
@@ -19,7 +19,15 @@ from PIL import Image
 from test_errors import one_line
 
 from conftest import ROOT, launch, ok, read_json
-from tiny_data import cifar_binary_dataset, cifar_folder, idx_folder, random_splits, save_to_disk_dataset, write_idx
+from tiny_data import (
+    cifar_binary_dataset,
+    cifar_folder,
+    cifar_python_folder,
+    idx_folder,
+    random_splits,
+    save_to_disk_dataset,
+    write_idx,
+)
 
 FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 needs_fashion_mnist = pytest.mark.skipif(not FASHION_MNIST.is_dir(), reason=(
@@ -100,19 +108,49 @@ class RunsCode:
         return os.system, (f"touch {self.marker}",)
 
 
-def test_cifar_python_version_is_refused_unopened_in_one_line(env, tmp_path):
+@pytest.mark.parametrize("hundred", [False, True])
+def test_cifar_python_version_gives_the_tensors_of_its_binary_version(tmp_path, data_module, hundred):
+    splits = random_splits((3, 32, 32), sizes=(60, 20), classes=100 if hundred else 10)
+    classes = [f"class {i} \xe9" for i in range(100 if hundred else 10)]  # latin-1, as Python 2 wrote its str
+    names = ("cifar-100-python", "cifar-100-binary") if hundred else ("cifar-10-batches-py", "cifar-10-batches-bin")
+    python = cifar_python_folder(tmp_path / "py" / names[0], splits, classes, hundred)
+    cifar_folder(tmp_path / "bin" / names[1], splits, classes, hundred)
+    raw = (python / ("test" if hundred else "test_batch")).read_bytes()
+    assert b"data" in pickle.loads(raw, encoding="bytes")  # bytes keys, as Python 2 wrote them
+    with pytest.raises(UnicodeDecodeError):
+        pickle.loads(raw)  # and latin-1 strings: Python 3's default reading (ASCII) fails on them
+    from_python = data_module.load_image_data(str(tmp_path / "py"), (3, 32, 32))
+    from_binary = data_module.load_image_data(str(tmp_path / "bin"), (3, 32, 32))
+    for python_split, binary_split in zip(from_python, from_binary):
+        assert torch.equal(python_split.images, binary_split.images)
+        assert torch.equal(python_split.labels, binary_split.labels) and python_split.classes == classes
+    assert torch.equal(from_python[0].labels, torch.from_numpy(splits["train"][1]))
+
+
+def test_a_cifar_pickle_that_would_run_code_is_refused_in_one_line(env, tmp_path):
     # torchvision's download, as its root folder holds it: pickled batches, one of them hostile.
-    folder = tmp_path / "root" / "cifar-10-batches-py"
-    folder.mkdir(parents=True)
+    folder = cifar_python_folder(tmp_path / "root" / "cifar-10-batches-py", random_splits((3, 32, 32)),
+                                 [str(i) for i in range(10)])
     bomb = RunsCode()
     bomb.marker = tmp_path / "code-ran"
-    (folder / "data_batch_1").write_bytes(pickle.dumps({"data": bomb}, protocol=2))
-    assert pickle.loads((folder / "data_batch_1").read_bytes()) == {"data": 0} and bomb.marker.exists()  # it works
+    (folder / "data_batch_3").write_bytes(pickle.dumps({"data": bomb}, protocol=2))
+    assert pickle.loads((folder / "data_batch_3").read_bytes()) == {"data": 0} and bomb.marker.exists()  # it works
     bomb.marker.unlink()
     line = one_line(launch(env, "cifar_cnn", "--data", str(tmp_path / "root"), "--tracker", "none"),
-                    "cifar-10-batches-py is CIFAR's Python version (torchvision's download): pickles",
-                    "use the binary version (cifar-10-binary.tar.gz from https://www.cs.toronto.edu/~kriz/cifar.html)")
+                    "data_batch_3 is not a plain CIFAR pickle, refused (it would call", "system)",
+                    "download the dataset again, or use its binary version")
     assert not bomb.marker.exists(), line
+
+
+def test_a_folder_with_both_cifar_versions_reads_the_binary_one(tmp_path, data_module):
+    splits = random_splits((3, 32, 32))
+    cifar_folder(tmp_path / "root" / "cifar-10-batches-bin", splits, [str(i) for i in range(10)])
+    python = cifar_python_folder(tmp_path / "root" / "cifar-10-batches-py", splits, [str(i) for i in range(10)])
+    bomb = RunsCode()
+    bomb.marker = tmp_path / "code-ran"
+    (python / "data_batch_1").write_bytes(pickle.dumps({"data": bomb}, protocol=2))  # so it must not be opened
+    train, test = data_module.load_image_data(str(tmp_path / "root"), (3, 32, 32))
+    assert torch.equal(test.labels, torch.from_numpy(splits["test"][1])) and not bomb.marker.exists()
 
 
 def truncated_gz(folder: Path) -> str:

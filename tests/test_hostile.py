@@ -10,6 +10,7 @@ import gzip
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import struct
 import subprocess
@@ -23,7 +24,15 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import ROOT, assert_bitwise_equal, launch, ok, read_jsonl, weights
-from tiny_data import cifar_binary_dataset, cifar_folder, idx_folder, imagefolder_dataset, random_splits, write_idx
+from tiny_data import (
+    cifar_binary_dataset,
+    cifar_folder,
+    cifar_python_folder,
+    idx_folder,
+    imagefolder_dataset,
+    random_splits,
+    write_idx,
+)
 
 ADDRESS_SPACE = 8 * 2**30  # RLIMIT_AS of each run: torch alone reserves about 5 GiB of address space
 PEAK_RSS = 1.5 * 2**30  # what a refused input may cost in resident memory; the attacks below asked for 2.7-27 GB
@@ -281,6 +290,68 @@ def test_cifar_class_names_that_never_end(env, tmp_path):
         f.truncate(2**31)
     refused(env, tmp_path, "cifar_cnn", "--data", folder, *SHORT, "--output_dir", tmp_path / "out",
             needle="batches.meta.txt is not up to 256 class names of up to 100 characters, one per line")
+
+
+class Call:
+    """Pickles as `function(*args)`: what a hostile pickle asks the unpickler to do."""
+
+    def __init__(self, function, *args):
+        self.function, self.args = function, args
+
+    def __reduce__(self):
+        return self.function, self.args
+
+
+class ShapedArray:
+    """An array's pickle with a shape of our choosing and the bytes of our choosing."""
+
+    def __init__(self, shape, raw):
+        self.shape, self.raw = shape, raw
+
+    def __reduce__(self):
+        reconstruct, args, (version, _, dtype, fortran, _) = np.empty(0, np.uint8).__reduce__()
+        return reconstruct, args, (version, self.shape, dtype, fortran, self.raw)
+
+
+def laughs(depth: int = 60):
+    """A list that is 2^depth zeros when walked, a few hundred bytes when pickled (shared references)."""
+    nested = [0] * 10
+    for _ in range(depth):
+        nested = [nested, nested]
+    return nested
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    (b"data", Call(os.system, "touch MARKER"), "refused (it would call posix.system)"),
+    (b"data", Call(np.ndarray, (2**40,)), "it would call numpy.ndarray"),  # 1 TiB, uninitialized, from ~100 bytes
+    (b"data", ShapedArray((2**20, 3072), b"\0" * 3072), "an array that is not uint8 bytes of its own shape"),  # 3 GiB
+    (b"labels", laughs(), "its 'labels' are not"),
+    (b"labels", [2**70] * 10, "its 'labels' are not"),
+    (b"labels", list(range(2_100_000)), "more than 2,000,000 pickle operations"),
+])
+def test_cifar_pickles_that_lie(env, tmp_path, key, value, needle):
+    folder = cifar_python_folder(tmp_path / "cifar-10-batches-py", random_splits((3, 32, 32)),
+                                 [str(i) for i in range(10)])
+    batch = pickle.loads((folder / "data_batch_2").read_bytes(), encoding="bytes")
+    batch[key] = value
+    (folder / "data_batch_2").write_bytes(pickle.dumps(batch, protocol=2))
+    refused(env, tmp_path, "cifar_cnn", "--data", folder, *SHORT, "--output_dir", tmp_path / "out", needle=needle,
+            cwd=tmp_path)
+
+
+@pytest.mark.parametrize("names, needle", [
+    (laughs(), "has no 'label_names' list of up to 256 names"),
+    ([str(i) for i in range(9)] + [10**20000], "has no 'label_names' list of up to 256 names"),
+    # Claims 2^40 bytes it lacks: the C unpickler would allocate them before reading; genops refuses first.
+    (None, "batches.meta is not a plain CIFAR pickle, refused (expected 1099511627776 bytes in a bytes8, but only 4"),
+])
+def test_cifar_pickled_class_names_that_lie(env, tmp_path, names, needle):
+    folder = cifar_python_folder(tmp_path / "cifar-10-batches-py", random_splits((3, 32, 32)),
+                                 [str(i) for i in range(10)])
+    meta = (pickle.dumps({"label_names": names}, protocol=2) if names is not None
+            else b"\x80\x04\x8e" + struct.pack("<Q", 2**40) + b"abc.")
+    (folder / "batches.meta").write_bytes(meta)
+    refused(env, tmp_path, "cifar_cnn", "--data", folder, *SHORT, "--output_dir", tmp_path / "out", needle=needle)
 
 
 # ------------------------------------------------------------------ images

@@ -1,5 +1,5 @@
 """Tiny image datasets written in the formats users bring: save_to_disk, parquet, imagefolder, IDX files and
-CIFAR's binary version.
+CIFAR's binary and Python versions.
 
 Most are random images, with a per-class brightness so that a label means something, small enough
 that a recipe runs through them in seconds. `real_photos` and `real_digits` are small versions of
@@ -9,6 +9,9 @@ the real-image sets of benchmarks/real_images.py.
 from __future__ import annotations
 
 import gzip
+import io
+import pickle
+import struct
 import sys
 from pathlib import Path
 
@@ -89,6 +92,45 @@ def cifar_folder(folder: Path, splits: dict, classes: list[str], hundred: bool =
             rows = np.concatenate([np.stack(label_bytes, 1), images[part].reshape(len(part), -1)], 1)
             (folder / name).write_bytes(rows.astype(np.uint8).tobytes())
     (folder / ("fine_label_names.txt" if hundred else "batches.meta.txt")).write_text("\n".join(classes) + "\n\n")
+    return folder
+
+
+class Python2Pickler(pickle._Pickler):
+    """Pickles bytes as Python 2 pickled its str (SHORT_BINSTRING, BINSTRING), as CIFAR's Python version was written:
+    its keys, names and the arrays' bytes; Python 3 reads them back as str (latin-1) or bytes, by its `encoding`."""
+
+    dispatch = dict(pickle._Pickler.dispatch)
+
+    def save_str2(self, obj: bytes):
+        head = pickle.SHORT_BINSTRING + bytes([len(obj)]) if len(obj) < 256 else pickle.BINSTRING + struct.pack(
+            "<i", len(obj))
+        self.write(head + obj)
+        self.memoize(obj)
+
+    dispatch[bytes] = save_str2
+
+
+def python2_pickle(value) -> bytes:
+    out = io.BytesIO()
+    Python2Pickler(out, protocol=2).dump(value)
+    return out.getvalue()
+
+
+def cifar_python_folder(folder: Path, splits: dict, classes: list[str], hundred: bool = False) -> Path:
+    """CIFAR's Python version, as torchvision downloads it: dicts pickled by Python 2, their keys and names Python 2
+    str (bytes here), the images one uint8 array of rows of 3,072 bytes (R, G, B planes) per file."""
+    folder.mkdir(parents=True, exist_ok=True)
+    labels_key, names_key = (b"fine_labels", b"fine_label_names") if hundred else (b"labels", b"label_names")
+    files = ({"train": ["train"], "test": ["test"]} if hundred
+             else {"train": [f"data_batch_{i}" for i in range(1, 6)], "test": ["test_batch"]})
+    for split, names in files.items():
+        images, labels = splits[split]
+        for name, part in zip(names, np.array_split(np.arange(len(labels)), len(names))):
+            batch = {b"batch_label": f"batch {name} \xe9".encode("latin1"), labels_key: labels[part].tolist(),
+                     b"data": images[part].reshape(len(part), -1), b"filenames": [f"{i}.png".encode() for i in part]}
+            (folder / name).write_bytes(python2_pickle(batch))
+    names_file = folder / ("meta" if hundred else "batches.meta")
+    names_file.write_bytes(python2_pickle({names_key: [name.encode("latin1") for name in classes]}))
     return folder
 
 
