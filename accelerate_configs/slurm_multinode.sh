@@ -64,7 +64,6 @@ requeue() {
 }
 trap requeue TERM
 
-STARTED=$(date +%s)  # every file this start writes is at least this new
 # The per-node values come from SLURM and override the template's placeholders.
 # $SLURM_NODEID is expanded by each task on its own node, hence the single quotes.
 srun --kill-on-bad-exit=1 bash -c 'exec accelerate launch -q \
@@ -87,12 +86,19 @@ if [ "$(preempt_time)" != "$PREEMPT_TIME" ]; then
     exit 0
 fi
 # gloo (processes on CPUs) can abort a process as it exits, after its run has ended (pytorch#179291,
-# docs/troubleshooting.md): the launchers then report a failure. Weights this start wrote (model.safetensors, saved
-# before the processes' last barrier) mean that the run finished, and so did the job: not FAILED.
-if [ "$status" != 0 ] && [ -f "$OUTPUT_DIR/model.safetensors" ] \
-        && [ "$(stat -c %Y "$OUTPUT_DIR/model.safetensors")" -ge "$STARTED" ]; then
-    echo "job $SLURM_JOB_ID: the run finished ($OUTPUT_DIR/model.safetensors); a process failed after it" \
-         "(exit $status: gloo's exit race, docs/troubleshooting.md), so the job ends as completed"
-    exit 0
+# docs/troubleshooting.md): the launchers then report a failure. Only that race's own signature counts as the run's
+# success: this start's output (this job's log, from its start line) holds the main process's last line ("done:",
+# printed after every file and tracker was written and the processes' last barrier), and every process failure
+# torchrun reports in it is a SIGABRT (exitcode -6). A crash while writing the pictures, the summary or to wandb
+# comes before that line, or is no SIGABRT: the job fails.
+LOG=$(scontrol show job "$SLURM_JOB_ID" | grep -o 'StdOut=[^ ]*' | cut -d= -f2 || true)
+if [ "$status" != 0 ] && [ -f "$LOG" ]; then
+    THIS_START=$(sed -n "/^job $SLURM_JOB_ID, start ${SLURM_RESTART_COUNT:-0}:/,\$p" "$LOG")
+    FAILURES=$(grep -E 'exitcode +: ' <<<"$THIS_START" || true)
+    if grep -q '^done: ' <<<"$THIS_START" && [ -n "$FAILURES" ] && ! grep -qvE 'exitcode +: -6 ' <<<"$FAILURES"; then
+        echo "job $SLURM_JOB_ID: the run finished ($OUTPUT_DIR/model.safetensors); a process aborted after it" \
+             "(SIGABRT, exit $status: gloo's exit race, docs/troubleshooting.md), so the job ends as completed"
+        exit 0
+    fi
 fi
 exit "$status"

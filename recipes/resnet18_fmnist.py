@@ -234,7 +234,8 @@ def train(cfg: Config) -> None:
     checkpoints = Checkpoints(accelerator, run_dir, cfg)
     # SIGTERM (sent by SLURM and most schedulers before a kill) or Ctrl-C: finish this step, save, exit 0 (after_step).
     checkpoints.stop_on_signals()
-    checkpoint = checkpoints.resume(progress)  # with --resume: the checkpoint loaded, else None
+    # With --resume: the checkpoint loaded, else None. From another number of processes, every process is re-seeded.
+    checkpoint = checkpoints.resume(progress)
     order.set_position(progress.epoch, progress.samples_into_epoch)
     # Optimizer steps to the end of --epochs from where the run stands: the rest of this epoch, then whole ones
     # (counted this way, a resume on another number of processes still ends after --epochs).
@@ -258,9 +259,12 @@ def train(cfg: Config) -> None:
                                  train_size=len(train_set), test_size=len(test_set), classes=train_set.classes,
                                  data_on_device=on_device, resumed_from=str(checkpoint) if checkpoint else None,
                                  resumed_step=progress.step if checkpoint else None)
-    checkpoints.check_resume(config, progress)  # steps left to run? what changed, and what that changes
+    # Steps left to run? What changed, and what that changes? From an older checkpoint than the newest, this moves
+    # the later history (checkpoints, weights, summary, pictures) into abandoned/: a new branch of the run.
+    checkpoints.check_resume_and_branch(config, progress)
     accelerator.init_trackers(RECIPE, config=config)
 
+    progress.pieces += 1  # this launch is one more piece of the run (saved with each checkpoint, in the summary)
     window = tracking.TrainWindow(accelerator, progress)  # train_* points, and the run's time across its pieces
     show_bar = accelerator.is_local_main_process and sys.stderr.isatty()
     while True:  # the rest of an epoch, then an evaluation; resumed at the run's last step, only the evaluation

@@ -13,6 +13,7 @@ import shlex
 import shutil
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from shared.errors import RecipeError, first_line
 from shared.resume import check_resume, find_checkpoint, list_checkpoints
 
 STOP_CHECK_S = 1.0  # several processes agree on a stop about this often (seconds of training)
+SECOND_INTERRUPT_S = 1.0  # a SIGINT this long after the first is the user's second Ctrl-C, not torchrun's copy
 PR_SET_PDEATHSIG = 1  # prctl: the signal this process gets when its parent dies (<linux/prctl.h>)
 
 
@@ -62,8 +64,9 @@ class Checkpoints:
     """The run's checkpoints/ folder and its final weights.
 
     After `stop_on_signals()`, SIGTERM or SIGINT asks the run to stop: it finishes the optimizer step, saves a
-    checkpoint and exits 0. Later signals change nothing
-    (torchrun forwards the first one again, and that must not cost the checkpoint); kill -9 stops at once.
+    checkpoint and exits 0. A second SIGINT more than SECOND_INTERRUPT_S after the first (Ctrl-C again, for a hung
+    evaluation or collective) stops the process at once, exit 130, without saving. Other later signals change nothing
+    (torchrun forwards the first one again at once, and that must not cost the checkpoint); kill -9 stops at once.
 
     How soon: one process stops after the step in flight. Several processes must first agree on a step, which they
     do about every STOP_CHECK_S seconds of training; the stop then takes at most that, plus an evaluation if one
@@ -74,24 +77,46 @@ class Checkpoints:
     def __init__(self, accelerator, run_dir: Path, cfg):
         self.accelerator, self.run_dir, self.cfg = accelerator, Path(run_dir), cfg
         self.resumed_from = self.signal = None
+        self.launcher = launcher_command()  # read now: a stop under one process may outlive its launcher
         self.saved = set()  # checkpoints this launch wrote: the only ones `save` may take as already saved
         self.next_check, self.last_check = 0, None  # the step of the processes' next agreement on a stop; the last's
 
     def stop_on_signals(self) -> None:
         """From now on SIGTERM (what SLURM and most schedulers send before they kill a job) and SIGINT (Ctrl-C) ask
         the run to stop: `after_step` then saves a checkpoint and returns True. Without this call they kill it."""
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, self._on_signal)
-        if sys.platform == "linux" and "LOCAL_RANK" not in os.environ and launched_by_accelerate():
+        if sys.platform == "linux" and "LOCAL_RANK" not in os.environ and self.launcher:
             # `accelerate launch` of one process starts this script and waits: it forwards no signal (accelerate
             # #929), so a SIGTERM to it (Kubernetes stops a container's first process; a user kills the pid they
             # see) would leave this process training on, never saving. Asked here, the kernel sends SIGTERM to this
             # process when the launcher dies, and the stop saves a checkpoint. torchrun (several processes) forwards
-            # signals itself, and a script run with `python` has no launcher to lose.
+            # signals itself, and a script run with `python` has no launcher to lose. Asked before the handlers are
+            # set, so that a process seen handling SIGTERM (tests/test_checkpoints.py) has both.
             ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        # Python runs a handler only when the main thread returns to the interpreter, which a hung collective never
+        # does; the C handler writes each signal's number to this pipe at once, read by a thread of its own.
+        read_end, write_end = os.pipe()
+        os.set_blocking(write_end, False)
+        signal.set_wakeup_fd(write_end)
+        threading.Thread(target=self._stop_at_second_interrupt, args=(read_end,), daemon=True).start()
+        for signum in (signal.SIGINT, signal.SIGTERM):  # SIGTERM's last: seen handled, both are
+            signal.signal(signum, self._on_signal)
 
     def _on_signal(self, signum, frame):
         self.signal = self.signal or signal.Signals(signum).name
+
+    def _stop_at_second_interrupt(self, read_end: int) -> None:
+        first = None
+        while True:
+            for signum in os.read(read_end, 64):
+                if signum == signal.SIGINT and first is not None and time.monotonic() - first > SECOND_INTERRUPT_S:
+                    os.write(2, f"error: stopped at once by a second Ctrl-C, without saving: continue from the newest "
+                                f"checkpoint in {self.run_dir / 'checkpoints'} with --resume latest\n".encode())
+                    os._exit(128 + signal.SIGINT)
+                if signum == signal.SIGINT and first is None:
+                    first = time.monotonic()
+                    if self.accelerator.is_main_process:
+                        os.write(1, b"Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again to stop at "
+                                    b"once, without saving)\n")
 
     def resume(self, progress: Progress) -> Path | None:
         """With --resume: accelerator.load_state (restoring `progress` too), after checking that no file in the
@@ -134,13 +159,14 @@ class Checkpoints:
 
     def branch(self, checkpoint: Path, step: int) -> None:
         """Resumed from a checkpoint older than the run's newest: move the later history (its checkpoints, final
-        weights and summary, a copy of its metrics) aside into abandoned/, so that it is neither deleted nor ever
-        continued by --resume latest or mixed into this history's files."""
+        weights, summary and pictures, a copy of its metrics) aside into abandoned/, so that it is neither deleted
+        nor ever continued by --resume latest or mixed into this history's files."""
         later = [p for p in list_checkpoints(self.run_dir) if int(p.name.split("_")[1]) > step]
         if self.accelerator.is_main_process and later:
             aside = self.run_dir / "abandoned" / f"after_step_{step}-{time.strftime('%Y%m%d-%H%M%S')}"
             aside.mkdir(parents=True)
-            for path in later + [self.run_dir / name for name in ("model.safetensors", "summary.json")]:
+            for path in later + [self.run_dir / name for name in ("model.safetensors", "summary.json", "curves.png",
+                                                                   "confusion_matrix.png")]:
                 if path.exists():
                     os.replace(path, aside / path.name)
             for name in ("metrics.jsonl", "config.json"):
@@ -150,7 +176,7 @@ class Checkpoints:
                   f"of the run; the later history ({', '.join(p.name for p in later)}) moved to {aside}")
         self.accelerator.wait_for_everyone()
 
-    def check_resume(self, config: dict, progress: Progress) -> None:
+    def check_resume_and_branch(self, config: dict, progress: Progress) -> None:
         """After a resume: refuse it if no step is left to run; print where the run continues and what changed; from
         an older checkpoint than the newest, move the later history aside (`branch`)."""
         if self.resumed_from:
@@ -240,15 +266,21 @@ class Checkpoints:
             if not skip and not arg.startswith(("--output_dir", "--resume", "--overwrite")):
                 args.append(arg)
             skip = arg in ("--output_dir", "--resume") and not skip
-        launched = "ACCELERATE_MIXED_PRECISION" in os.environ  # set by `accelerate launch` for every config
-        launcher = "accelerate launch --config_file <the same config>" if launched else "python"
-        return f"{launcher} {shlex.join([sys.argv[0], *args, '--output_dir', str(self.run_dir), '--resume', 'latest'])}"
+        launcher = self.launcher or ["python"]
+        return shlex.join([*launcher, sys.argv[0], *args, "--output_dir", str(self.run_dir), "--resume", "latest"])
 
 
-def launched_by_accelerate() -> bool:
-    """Whether this process's parent is `accelerate launch` (its command line, from /proc)."""
+def launcher_command() -> list[str] | None:
+    """`accelerate launch` and its flags, as they started this process (its parent's command line, from /proc), or
+    None when `accelerate launch` did not start it."""
     try:
-        command = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    return any(part.endswith((b"accelerate", b"accelerate_cli")) for part in command) and b"launch" in command
+        command = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")
+    except (OSError, UnicodeDecodeError):
+        return None
+    # `accelerate launch`, `python -m accelerate.commands.accelerate_cli launch`, `python -m accelerate.commands.launch`
+    starts = [i + 1 for i, part in enumerate(command) if part == "accelerate.commands.launch" or (
+        part == "launch" and i and command[i - 1].endswith(("accelerate", "accelerate_cli")))]
+    if not starts:
+        return None
+    end = command.index(sys.argv[0], starts[0]) if sys.argv[0] in command[starts[0]:] else len(command)
+    return ["accelerate", "launch", *command[starts[0]:end]]

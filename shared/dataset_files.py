@@ -201,8 +201,6 @@ class CifarUnpickler(pickle.Unpickler):
             return NDArrayName
         if (module, name) == ("numpy", "dtype"):
             return PickledDtype
-        if (module, name) == ("_codecs", "encode"):  # how Python 3 pickles bytes at protocol 2
-            return latin1_bytes
         raise pickle.UnpicklingError(f"it would call {module}.{name}")
 
 
@@ -211,12 +209,6 @@ class NDArrayName:
 
     def __init__(self, *args):
         raise pickle.UnpicklingError("it would call numpy.ndarray")
-
-
-def latin1_bytes(text, encoding) -> bytes:
-    if not isinstance(text, str) or encoding != "latin1":
-        raise pickle.UnpicklingError(f"it would encode as {str(encoding)[:20]}")
-    return text.encode("latin1")
 
 
 class PickledDtype:

@@ -167,10 +167,27 @@ class WandB(WandBTracker):
 
 
 class TensorBoard(TensorBoardTracker):
+    """accelerate's TensorBoard tracker, one run and one history per run folder: the flags go into the run's own
+    event file (add_hparams writes them as a second run, pytorch#32651); a resume hides the events logged after its
+    checkpoint (a branch's abandoned points, a piece killed after its checkpoint) with SummaryWriter's purge_step;
+    the summary's one-point scalars stay in summary.json."""
+
     @on_main_process
-    def store_init_configuration(self, values: dict):  # hparams take numbers, strings and booleans only
-        super().store_init_configuration({k: v if isinstance(v, (int, float, str, bool)) else str(v)
-                                          for k, v in values.items()})
+    def store_init_configuration(self, values: dict):
+        from torch.utils.tensorboard.summary import hparams
+
+        if values.get("resumed_step") is not None:
+            self.writer.close()
+            self.writer = type(self.writer)(self.logging_dir, purge_step=values["resumed_step"] + 1)
+        flags = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in values.items()}
+        for summary in hparams(flags, {}):  # hparams take numbers, strings and booleans only
+            self.writer.file_writer.add_summary(summary)
+        self.writer.flush()
+
+    @on_main_process
+    def log(self, values: dict, step: int | None = None, **kwargs):
+        if "pieces" not in values:  # the summary (TrainWindow.summary): one point per key
+            super().log(values, step=step, **kwargs)
 
 
 def run_config(cfg, accelerator, run_dir: Path, **extra) -> dict:
@@ -197,7 +214,6 @@ class TrainWindow:
         self.batches = self.samples = self.seconds = 0
         self.started = self.launched = self.last_line = time.perf_counter()
         self.wall_before = progress.wall_s
-        progress.pieces += 1
 
     def add(self, loss: torch.Tensor, metric_sums: dict[str, torch.Tensor], samples: int) -> None:
         """One batch of this process: its mean loss, the recipe's metrics summed over it, and its size."""

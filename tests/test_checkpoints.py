@@ -138,8 +138,9 @@ def safe_rows(run: Path) -> list[dict]:
 
 
 def test_kill_9_during_a_checkpoint_save_keeps_the_previous_one(env, tmp_path):
-    # The 72-layer MLP's checkpoint is ~0.9 GB, so a save lasts long enough to be interrupted. Checkpointed
-    # segments and dropout: the resumed run must also replay dropout's masks exactly when it recomputes a segment.
+    # The save of step 2 stops after its first file (a fault), and is killed there. The 72-layer MLP, with
+    # checkpointed segments and dropout: the resumed run must also replay dropout's masks exactly when it recomputes
+    # a segment.
     data = cifar_binary_dataset(tmp_path / "data", sizes={"train": 32, "test": 8})
     args = ("--data", str(data), "--batch_size", "8", "--max_steps", "2", "--checkpoint_every", "1",
             "--keep_checkpoints", "1", "--log_every", "1", "--tracker", "none", "--ckpt", "sequential",
@@ -148,8 +149,9 @@ def test_kill_9_during_a_checkpoint_save_keeps_the_previous_one(env, tmp_path):
     ok(launch(env, "deep_mlp_ckpt", *args, "--output_dir", str(reference)))
     out = tmp_path / "run"
     command = [sys.executable, "recipes/deep_mlp_ckpt.py", *args, "--output_dir", str(out)]
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for(lambda: (out / "checkpoints" / "partial_step_2").exists(), process)
+    held = dict(env, PYTHONPATH=str(ROOT / "tests" / "faults"), FAULT_HOLD_SAVE_AT_STEP="2")
+    process = subprocess.Popen(command, cwd=ROOT, env=held, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: any((out / "checkpoints" / "partial_step_2").glob("*")), process)
     process.kill()
     process.wait()
     assert [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_")] == ["step_1"]
@@ -162,12 +164,12 @@ def test_sigterm_saves_the_current_step_exits_0_and_prints_a_working_resume_comm
     out = tmp_path / "run"
     command = [sys.executable, "recipes/cifar_cnn.py", "--data", str(data), "--output_dir", str(out), *RUN]
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for(lambda: any(r.get("step", 0) >= 5 for r in safe_rows(out)), process)
+    wait_for(lambda: catches_sigterm(process.pid), process)  # set before the first step: it stops after step 1 or 2
     process.send_signal(signal.SIGTERM)
     stdout, stderr = process.communicate(timeout=120)
     assert process.returncode == 0, stderr
     stopped = int(stdout.split("stopped by SIGTERM at step ")[1].split(",")[0])
-    assert 5 <= stopped < 20 and (out / "checkpoints" / f"step_{stopped}").is_dir()
+    assert 1 <= stopped < 20 and (out / "checkpoints" / f"step_{stopped}").is_dir()
     assert not (out / "model.safetensors").exists()  # stopped, not finished
     first = torch.load(out / "checkpoints" / f"step_{stopped}" / "custom_checkpoint_0.pkl", weights_only=True)
     assert first["pieces"] == 1 and first["wall_s"] > 0 and first["train_samples"] == 8 * stopped
@@ -183,34 +185,70 @@ def test_sigterm_saves_the_current_step_exits_0_and_prints_a_working_resume_comm
     assert row["state"] == "finished" and row["pieces"] == 2 and row["wall_s"] == summary["wall_s"]
 
 
-def test_sigterm_to_the_launcher_of_1_process_reaches_the_training_process(env, data, reference, tmp_path):
+def test_a_second_ctrl_c_stops_a_hung_evaluation_at_once(env, data, tmp_path):
+    """The first Ctrl-C asks for a stop after the step, which a hung evaluation never reaches; the second, a second
+    later, stops at once (exit 130) and leaves the checkpoints as they were."""
+    out, hung = tmp_path / "run", tmp_path / "hung"
+    faulty = dict(env, PYTHONPATH=str(ROOT / "tests" / "faults"), FAULT_HANG_IN_EVALUATION=str(hung))
+    command = [sys.executable, "recipes/cifar_cnn.py", "--data", str(data), "--output_dir", str(out), *RUN]
+    process = subprocess.Popen(command, cwd=ROOT, env=faulty, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    wait_for(hung.exists, process)  # the first epoch's evaluation, after step 8's checkpoint
+    process.send_signal(signal.SIGINT)
+    time.sleep(2)
+    assert process.poll() is None  # the first Ctrl-C waits for the step's end: never, here
+    saved = sorted(p.name for p in (out / "checkpoints").iterdir())
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=30)
+    assert process.returncode == 130 and "Ctrl-C again to stop at once" in stdout, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == (
+        f"error: stopped at once by a second Ctrl-C, without saving: continue from the newest checkpoint in "
+        f"{out / 'checkpoints'} with --resume latest")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == saved and saved[-1] == "step_8"
+
+
+@pytest.mark.parametrize("ctrl_c", [False, True])
+def test_a_stop_under_the_launcher_of_1_process(env, data, reference, tmp_path, ctrl_c):
     """`accelerate launch` of one process starts the script and waits, forwarding no signal (accelerate #929): a
-    SIGTERM kills the launcher only. The training process asks the kernel for a SIGTERM when its parent dies
-    (PR_SET_PDEATHSIG), so it still saves its step, and the run resumes to the uninterrupted run's weights (those
-    of `python recipes/cifar_cnn.py`: one process trains the same under cpu.yaml)."""
+    SIGTERM kills the launcher only (exit 143 in a shell). The training process asks the kernel for a SIGTERM when
+    its parent dies (PR_SET_PDEATHSIG), so it still saves its step, and the run resumes to the uninterrupted run's
+    weights (those of `python recipes/cifar_cnn.py`: one process trains the same under cpu.yaml). Ctrl-C reaches
+    both: the launcher ends in a KeyboardInterrupt traceback (exit 130 in a shell), the trainer saves."""
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file",
-               "accelerate_configs/cpu.yaml", "recipes/cifar_cnn.py", "--data", str(data), "--output_dir", str(out),
-               *RUN]
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for(lambda: any(r.get("step", 0) >= 5 for r in safe_rows(out)), process)
-    process.send_signal(signal.SIGTERM)  # to the launcher's pid, as Kubernetes or `kill <pid>` would
+    launcher = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "-q", "--config_file",
+                "accelerate_configs/cpu.yaml"]
+    process = subprocess.Popen([*launcher, "recipes/cifar_cnn.py", "--data", str(data), "--output_dir", str(out), *RUN],
+                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    # The trainer handles SIGTERM before its first step, and asked for its parent's death signal before that
+    wait_for(lambda: [catches_sigterm(pid) for pid in training_processes(process.pid)] == [True], process)
+    if ctrl_c:
+        os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+    else:
+        process.send_signal(signal.SIGTERM)  # to the launcher's pid, as Kubernetes or `kill <pid>` would
     stdout, stderr = process.communicate(timeout=120)  # the pipes close when the orphaned trainer exits
-    assert "stopped by SIGTERM at step " in stdout, stderr[-3000:]
-    stopped = int(stdout.split("stopped by SIGTERM at step ")[1].split(",")[0])
-    assert 5 <= stopped < 20 and (out / "checkpoints" / f"step_{stopped}").is_dir()
+    name = "SIGINT" if ctrl_c else "SIGTERM"
+    assert process.returncode == -getattr(signal, name), stderr[-3000:]  # the launcher died; the trainer saved after
+    assert ("KeyboardInterrupt" in stderr) == ctrl_c and f"stopped by {name} at step " in stdout, stderr[-3000:]
+    stopped = int(stdout.split(f"stopped by {name} at step ")[1].split(",")[0])
+    assert 1 <= stopped < 20 and (out / "checkpoints" / f"step_{stopped}").is_dir()
     assert not (out / "model.safetensors").exists()  # stopped, not finished
-    ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out), *RUN, "--resume", "latest",
-              config="cpu"))
+    # The command printed is the launcher's own, its flags (-q, the config file) included
+    resume = shlex.split(stdout.split("continue with:\n")[1].strip().splitlines()[0])
+    assert resume[:5] == ["accelerate", "launch", "-q", "--config_file", "accelerate_configs/cpu.yaml"], resume
+    ok(subprocess.run([*launcher, *resume[5:]], cwd=ROOT, env=env, capture_output=True, text=True))
     assert_bitwise_equal(weights(out), weights(reference[1]))
 
 
-def test_sigterm_to_the_launcher_of_2_processes_stops_them_between_log_points(env, data, reference, tmp_path):
+@pytest.mark.parametrize("ctrl_c", [False, True])
+def test_a_stop_of_2_processes_between_log_points(env, data, reference, tmp_path, ctrl_c):
     """`accelerate launch` of several processes runs torchrun, which forwards a SIGTERM to every worker and kills
     them TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds later (30 by default; 5 here). This run's only log point is its
     last step, and it saves no checkpoint before it: the processes must agree on a stop between log points, save a
     complete checkpoint before the kill, and resume from it to the weights of the uninterrupted 2-process run, which
-    logged every step and saved every 2 (neither changes what is trained)."""
+    logged every step and saved every 2 (neither changes what is trained). Ctrl-C reaches every process of the
+    terminal's group, and torchrun forwards it again at once: that copy is not a second Ctrl-C. torchrun itself
+    then ends in its SignalException traceback, exit 1 (what README.md says the user sees)."""
     args = ("--data", str(data), "--batch_size", "8", "--max_steps", "20", "--log_every", "20", "--seed", "5",
             "--tracker", "none", *EMA)
     out = tmp_path / "run"
@@ -218,14 +256,19 @@ def test_sigterm_to_the_launcher_of_2_processes_stops_them_between_log_points(en
                "accelerate_configs/2gpu.yaml", "recipes/cifar_cnn.py", *args, "--output_dir", str(out)]
     process = subprocess.Popen(command, cwd=ROOT, env=dict(env, ACCELERATE_USE_CPU="true",
                                                            TORCH_ELASTIC_SHUTDOWN_TIMEOUT="5"),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     # Signalled as soon as both training processes catch SIGTERM (their handlers are in place, before the first of
     # 20 steps, each an all-reduce between them): on any machine, the run is far from its only log point.
     wait_for(lambda: [catches_sigterm(pid) for pid in training_processes(process.pid)] == [True, True], process)
-    process.send_signal(signal.SIGTERM)  # to torchrun, as Kubernetes or `kill <pid>` would
+    if ctrl_c:
+        os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+    else:
+        process.send_signal(signal.SIGTERM)  # to torchrun, as Kubernetes or `kill <pid>` would
     stdout, stderr = process.communicate(timeout=120)
-    assert "stopped by SIGTERM at step " in stdout, stderr[-3000:]
-    stopped = int(stdout.split("stopped by SIGTERM at step ")[1].split(",")[0])
+    name = "SIGINT" if ctrl_c else "SIGTERM"
+    assert f"stopped by {name} at step " in stdout, stderr[-3000:]
+    assert process.returncode == 1 and "SignalException" in stderr  # torchrun's own ending
+    stopped = int(stdout.split(f"stopped by {name} at step ")[1].split(",")[0])
     checkpoint = out / "checkpoints" / f"step_{stopped}"
     assert stopped < 20 and sorted(p.name for p in checkpoint.glob("random_states_*")) == [
         "random_states_0.pkl", "random_states_1.pkl"]

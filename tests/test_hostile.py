@@ -175,8 +175,10 @@ def test_an_older_checkpoint_starts_a_branch_and_the_later_history_is_moved_asid
     result = ok(launch(env, "cifar_cnn", *args, "--max_steps", "6", "--resume", str(out / "checkpoints" / "step_2")))
     aside = next((out / "abandoned").glob("after_step_2-*"))
     assert f"the later history (step_3, step_4) moved to {aside}" in result.stdout
-    assert sorted(p.name for p in aside.iterdir()) == ["config.json", "metrics.jsonl", "model.safetensors",
-                                                       "step_3", "step_4", "summary.json"]
+    assert sorted(p.name for p in aside.iterdir()) == ["config.json", "confusion_matrix.png", "curves.png",
+                                                       "metrics.jsonl", "model.safetensors", "step_3", "step_4",
+                                                       "summary.json"]
+    assert digest(aside / "confusion_matrix.png") == digest(run / "confusion_matrix.png")
     assert snapshot(aside / "step_4") == {aside / "step_4" / p.relative_to(run / "checkpoints" / "step_4"): h
                                           for p, h in snapshot(run / "checkpoints" / "step_4").items()}
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step_{n}" for n in range(1, 7)]
@@ -334,7 +336,7 @@ def test_cifar_pickles_that_lie(env, tmp_path, key, value, needle):
                                  [str(i) for i in range(10)])
     batch = pickle.loads((folder / "data_batch_2").read_bytes(), encoding="bytes")
     batch[key] = value
-    (folder / "data_batch_2").write_bytes(pickle.dumps(batch, protocol=2))
+    (folder / "data_batch_2").write_bytes(pickle.dumps(batch, protocol=4))
     refused(env, tmp_path, "cifar_cnn", "--data", folder, *SHORT, "--output_dir", tmp_path / "out", needle=needle,
             cwd=tmp_path)
 
@@ -348,7 +350,7 @@ def test_cifar_pickles_that_lie(env, tmp_path, key, value, needle):
 def test_cifar_pickled_class_names_that_lie(env, tmp_path, names, needle):
     folder = cifar_python_folder(tmp_path / "cifar-10-batches-py", random_splits((3, 32, 32)),
                                  [str(i) for i in range(10)])
-    meta = (pickle.dumps({"label_names": names}, protocol=2) if names is not None
+    meta = (pickle.dumps({"label_names": names}, protocol=4) if names is not None
             else b"\x80\x04\x8e" + struct.pack("<Q", 2**40) + b"abc.")
     (folder / "batches.meta").write_bytes(meta)
     refused(env, tmp_path, "cifar_cnn", "--data", folder, *SHORT, "--output_dir", tmp_path / "out", needle=needle)

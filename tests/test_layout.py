@@ -21,8 +21,8 @@ def test_one_command_makes_a_project_that_runs_its_readme_and_a_metric_is_one_ed
     one edit of metric_sums adds top-2 accuracy to training, evaluation, the run's files and predict.py."""
     data = save_to_disk_dataset(tmp_path / "data", sizes={"train": 64, "test": 20})
     project = tmp_path / "my_project"
-    ok(subprocess.run([sys.executable, "-m", "tools.new_project", str(project), "--from", "cifar_cnn", "--data",
-                       str(data)], cwd=ROOT, env=env, capture_output=True, text=True))
+    ok(subprocess.run([sys.executable, str(ROOT / "tools" / "new_project.py"), str(project), "--from", "cifar_cnn",
+                       "--data", str(data)], cwd=tmp_path, env=env, capture_output=True, text=True))  # from anywhere
     train = project / "train.py"
     one_metric = '    return {"acc": (logits.argmax(dim=1) == labels).sum()}\n'
     two = one_metric.replace("}", ', "top2": (logits.topk(2, dim=1).indices == labels[:, None]).any(dim=1).sum()}')
@@ -38,7 +38,7 @@ def test_one_command_makes_a_project_that_runs_its_readme_and_a_metric_is_one_ed
     clean = {k: v for k, v in env.items() if k != "PYTHONPATH"}
     outputs = []
     for command, extra in zip(commands, (f"--max_steps 3 {short} --output_dir runs/RUN", f"--max_steps 6 {short}", "",
-                                         "")):
+                                         "", "")):
         words = (command + " " + extra).split()
         launcher = ([sys.executable, "-m", "accelerate.commands.accelerate_cli"] if words[0] == "accelerate"
                     else [sys.executable])
@@ -53,6 +53,9 @@ def test_one_command_makes_a_project_that_runs_its_readme_and_a_metric_is_one_ed
     assert summary["pieces"] == 2 and config["recipe"] == "my_project" and config["data"] == str(data)
     assert len((project / "predictions.csv").read_text().splitlines()) == 4  # a header and a row per image
     evaluated = json.loads(outputs[3].strip().splitlines()[-1])
+    table = outputs[4].splitlines()  # the runs table, a metric_sums entry among its columns
+    assert len(outputs) == 5 and "eval_top2" in table[0]
+    assert any(line.startswith("| RUN | my_project |") for line in table)
     assert evaluated["eval_top2"] == summary["eval_top2"] and evaluated["eval_samples"] == 20
     # Without --recipe, the hint names no recipe the project lacks (it said --recipe my_project).
     refused = subprocess.run([sys.executable, "predict.py", "--weights", str(run / "model.safetensors"), "--images",

@@ -225,7 +225,7 @@ def test_slurm_job_requeued_without_a_checkpoint_starts_again_and_a_finished_one
     wait_for(lambda: completed(cluster, job, "1", log), "requeued run to the end", cluster, log)
     second = log.read_text().split(f"job {job}, start 1:")[1]
     assert "--overwrite (restarted with no complete checkpoint" in second.splitlines()[0], second[-3000:]
-    assert "the run finished" in second and "a process failed after it (exit" in second  # the abort, counted as such
+    assert "the run finished" in second and "a process aborted after it (SIGABRT" in second  # the race, as such
     assert_bitwise_equal(weights(out), weights(long_reference))
     assert [row["step"] for row in read_jsonl(out / "metrics.jsonl") if "train_loss" in row] == list(
         range(1, STEPS + 1))
@@ -233,3 +233,22 @@ def test_slurm_job_requeued_without_a_checkpoint_starts_again_and_a_finished_one
     wait_for(lambda: completed(cluster, job, "2", log), "finished job's restart", cluster, log)
     assert "already finished (model.safetensors); nothing to do" in log.read_text().split(f"job {job}, start 2:")[1]
 
+
+
+def test_slurm_job_that_fails_after_its_weights_ends_failed(env, data, cluster, tmp_path):
+    """The script counts a failure after model.safetensors as success only by gloo's exit race's signature (the main
+    process's last line, then SIGABRTs only): a crash while the pictures are written is the job's failure."""
+    out, log = tmp_path / "run", tmp_path / "slurm.out"
+    job_env = dict(env, SLURM_CONF=str(cluster.conf), PATH=f"{Path(sys.executable).parent}:{env['PATH']}",
+                   ACCELERATE_USE_CPU="true", GPUS_PER_NODE="1", MAIN_PORT=str(free_ports()), OUTPUT_DIR=str(out),
+                   RECIPE_FLAGS=" ".join(("--data", str(data), *RUN, "--max_steps", "8")),
+                   PYTHONPATH=str(ROOT / "tests" / "faults"), FAULT_FAIL_SAVING_IMAGE="confusion_matrix.png")
+    submitted = cluster.run("sbatch", "--parsable", "--nodes=2", "--gpus-per-node=0", "--cpus-per-task=1",
+                            f"--output={log}", "accelerate_configs/slurm_multinode.sh", cwd=ROOT, env=job_env)
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip()
+    wait_for(lambda: cluster.fields("job", job).get("JobState") in ("FAILED", "COMPLETED"), "the job to end",
+             cluster, log)
+    text = log.read_text()
+    assert cluster.fields("job", job)["JobState"] == "FAILED", text[-3000:]
+    assert (out / "model.safetensors").exists() and "confusion_matrix.png" in text and "ends as completed" not in text

@@ -121,13 +121,20 @@ def test_tensorboard_scalars_match_metrics_jsonl(env, data, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "run"
-    result = ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out), *SHORT, "--tracker",
-                       "tensorboard"))
+    args = ("--data", str(data), "--output_dir", str(out), *SHORT, "--tracker", "tensorboard",
+            "--checkpoint_every", "2")
+    result = ok(launch(env, "cifar_cnn", *args))
     assert "\r" not in result.stderr + result.stdout and "step 6/6" in result.stdout  # a pipe: lines, no progress bar
-    event_files = list((out / "tensorboard").glob("events.out.tfevents.*"))  # add_hparams adds a sub-run folder too
-    assert len(event_files) == 1 and list((out / "tensorboard").glob("*/events.out.tfevents.*"))
-    events = EventAccumulator(str(event_files[0].parent), size_guidance={"scalars": 0, "images": 0}).Reload()
-    rows = read_jsonl(out / "metrics.jsonl")
+    # From an older checkpoint: a new branch, whose points replace the abandoned ones after step 2
+    ok(launch(env, "cifar_cnn", *args, "--resume", str(out / "checkpoints" / "step_2"), "--lr", "0.2"))
+    # One run: the flags in its own event files (add_hparams alone writes them as a second run in a folder below)
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert not list((out / "tensorboard").glob("*/events.out.tfevents.*"))
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0, "images": 0}).Reload()
+    assert "_hparams_/experiment" in events.PluginTagToContent("hparams")
+    assert not {"wall_s", "pieces", "max_eval_acc"} & set(events.Tags()["scalars"])  # the summary's, one point each
+    rows = [row for row in read_jsonl(out / "metrics.jsonl") if "pieces" not in row]  # not the summary's row
+    assert [row["step"] for row in rows if "train_loss" in row] == [2, 4, 6]
     for key in ("train_loss", "lr", "samples_per_s", "eval_loss", "eval_acc"):
         expected = [(row["step"], row[key]) for row in rows if key in row]
         logged = [(event.step, event.value) for event in events.Scalars(key)]
@@ -152,9 +159,28 @@ def test_runs_table_lists_every_run(env, data, wandb_run, tmp_path):
     lines = [line for line in result.stdout.splitlines() if line.startswith("| a ") or line.startswith("| b ")]
     assert len(lines) == 2 and all("cifar_cnn" in line for line in lines)
     assert "final_acc" in result.stdout and markdown.read_text().count("| cifar_cnn |") == 2
+    header = next(line for line in result.stdout.splitlines() if line.startswith("| run "))
+    assert "| --lr |" in header and "--output_dir" not in header and "| eval_loss |" in header  # what differs
+    assert "| train_loss |" in header and "--seed" not in header  # every metric; a flag both runs share is no column
     empty = subprocess.run([sys.executable, "-m", "tools.runs", str(tmp_path / "nothing")], cwd=ROOT,
                            capture_output=True, text=True)
     assert empty.returncode == 1 and "no finished runs" in empty.stderr
+
+
+def test_runs_table_shows_the_flags_that_differ_and_every_metric(tmp_path):
+    from tools.runs import collect, columns
+
+    for name, lr, extra in (("a", 0.1, {"eval_top5": 0.9}), ("b", 0.2, {})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps({"steps": 3, "eval_acc": 0.5, **extra}))
+        (tmp_path / name / "config.json").write_text(json.dumps({"lr": lr, "seed": 0, "run_id": name}))
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "summary.json").write_text("[not a run's summary")  # from anywhere: a row, no traceback
+    rows = collect(tmp_path)
+    assert [row.get("--lr") for row in rows] == [0.1, 0.2, None] and [row.get("eval_top5") for row in rows] == [
+        0.9, None, None]
+    # --seed differs too: the folder without a readable config has none
+    assert columns(rows)[-3:] == ["--lr", "--seed", "eval_top5"] and "--run_id" not in columns(rows)
 
 
 def test_runs_table_reads_the_older_name_of_max_eval_acc(tmp_path):

@@ -1,8 +1,9 @@
 """A project of your own from a recipe, in one command: the recipe as train.py, predict.py, shared/, the accelerate
-configs and requirements.txt, with the recipe's name replaced by the project's and a README of the commands.
+configs, requirements.txt and the runs table (tools/runs.py), with the recipe's name replaced by the project's and a
+README of the commands.
 
-    python -m tools.new_project my_project --from cifar_cnn
-    python -m tools.new_project ~/work/shoes --from resnet18_fmnist --data ~/data/shoes   # its default --data
+    python -m tools.new_project my_project --from cifar_cnn      # from this repository's root
+    python ~/recipes/tools/new_project.py ~/work/shoes --from resnet18_fmnist --data ~/data/shoes   # from anywhere
 
 train.py keeps the recipe's code and comments; its header is replaced, since the recipe's results are not yours.
 Nothing of this repository is needed afterwards: the folder runs on its own (tested with its README's commands).
@@ -25,7 +26,8 @@ accelerate launch -q --config_file accelerate_configs/cpu.yaml train.py --synthe
 accelerate launch -q --config_file accelerate_configs/cpu.yaml train.py --data {data}
 accelerate launch -q --config_file accelerate_configs/cpu.yaml train.py --output_dir runs/RUN --resume latest
 python predict.py --recipe train --weights runs/RUN/model.safetensors --images my_photos/
-python predict.py --recipe train --weights runs/RUN/model.safetensors --evaluate"""
+python predict.py --recipe train --weights runs/RUN/model.safetensors --evaluate
+python -m tools.runs runs/"""
 
 
 def header(name: str, recipe: str) -> str:
@@ -59,10 +61,14 @@ def make_project(folder: Path, recipe: str, data: str | None) -> Path:
     shutil.copytree(ROOT / "shared", folder / "shared", ignore=skip)
     shutil.copytree(ROOT / "accelerate_configs", folder / "accelerate_configs", ignore=skip)
     shutil.copy(ROOT / "requirements.txt", folder / "requirements.txt")
+    (folder / "tools").mkdir()
+    for name in ("__init__.py", "runs.py", "report.py"):  # the runs table, and the markdown it is written in
+        shutil.copy(ROOT / "tools" / name, folder / "tools" / name)
     commands = COMMANDS.format(data=data or default_data.group(1))
     (folder / "README.md").write_text(
         f"# {name}\n\nStarted from the `{recipe}` recipe. Install, then train, continue a stopped run (RUN: the "
-        f"folder a run printed), and use the model:\n\n```bash\npip install -r requirements.txt\n{commands}\n```\n\n"
+        f"folder a run printed), use the model, and compare the runs:\n\n"
+        f"```bash\npip install -r requirements.txt\n{commands}\n```\n\n"
         "Edit train.py: `make_model`, `IMAGE_SHAPE`, `MEAN` and `STD`, `loss_fn`, `metric_sums` (a new entry is logged "
         "as train_<name> and eval_<name>), `preprocess`, and the `Config` fields (each is a flag; its comment, the "
         "--help). `accelerate_configs/` holds the configs for one or two GPUs, bf16, fp16 and several nodes.\n")
@@ -79,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(2, f"error: {args.folder} already exists and is not empty: pick a new folder\n")
     folder = make_project(args.folder, args.recipe, args.data)
     print(f"{folder}: train.py (from {args.recipe}), predict.py, shared/, accelerate_configs/, requirements.txt, "
-          f"README.md\n  cd {folder} && {COMMANDS.splitlines()[0]}")
+          f"tools/runs.py, README.md\n  cd {folder} && {COMMANDS.splitlines()[0]}")
 
 
 if __name__ == "__main__":

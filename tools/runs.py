@@ -15,14 +15,31 @@ from tools.report import markdown_table
 
 COLUMNS = ["run", "recipe", "state", "data", "launch", "world_size", "precision", "global_batch", "epochs",
            "final_acc", "max_acc", "samples_per_s", "wall_s", "pieces"]
+# config.json keys that are no flag of the training (where and how the run was started), and summary.json keys that
+# the columns above already show or that are bookkeeping, not metrics
+NOT_FLAGS = {"output_dir", "run_id", "resume", "resumed_from", "resumed_step", "overwrite", "versions", "script",
+             "device", "distributed_type", "world_size", "mixed_precision", "classes", "lr_schedule", "recipe",
+             "data", "global_batch_size", "total_steps", "train_size", "test_size", "epochs"}
+NOT_METRICS = {"step", "steps", "epochs", "pieces", "wall_s", "train_s", "samples_per_s", "world_size",
+               "max_eval_acc", "best_eval_acc", "eval_acc", "eval_samples", "synthetic"}
+
+
+def read_json(path: Path) -> dict:
+    """A run's JSON file, or {} if it is missing or not a JSON object (a run folder from anywhere)."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def collect(folder: Path) -> list[dict]:
-    rows = []
+    """One row per run under `folder`: the columns above, then the flags whose values differ between the runs
+    (`--name`), then every metric of their summaries (the last logged value of each)."""
+    rows, configs = [], []
     for summary_file in sorted(Path(folder).rglob("summary.json")):
         run = summary_file.parent
-        summary = json.loads(summary_file.read_text())
-        config = json.loads((run / "config.json").read_text()) if (run / "config.json").exists() else {}
+        summary, config = read_json(summary_file), read_json(run / "config.json")
         rows.append({
             "run": str(run.relative_to(folder)) if run != Path(folder) else run.name,
             "recipe": config.get("recipe"), "data": summary.get("data") or config.get("data"),
@@ -35,8 +52,21 @@ def collect(folder: Path) -> list[dict]:
             "max_acc": summary.get("max_eval_acc", summary.get("best_eval_acc")),  # best_eval_acc: in older runs
             "samples_per_s": summary.get("samples_per_s"), "wall_s": summary.get("wall_s"),
             "pieces": summary.get("pieces"),  # launches: 1 + resumes; samples_per_s and wall_s cover them all
+            **{key: value for key, value in summary.items() if key not in NOT_METRICS
+               and isinstance(value, (int, float)) and not isinstance(value, bool)},
         })
+        configs.append(config)
+    flags = sorted({key for config in configs for key in config if key not in NOT_FLAGS})
+    differing = [key for key in flags if len({json.dumps(config.get(key), sort_keys=True) for config in configs}) > 1]
+    for row, config in zip(rows, configs):
+        row.update({f"--{key}": config.get(key) for key in differing})
     return rows
+
+
+def columns(rows: list[dict]) -> list[str]:
+    """COLUMNS, then the differing flags, then the metrics, in the order the runs first have them."""
+    keys = list(dict.fromkeys(key for row in rows for key in row if key not in COLUMNS))
+    return COLUMNS + [key for key in keys if key.startswith("--")] + [key for key in keys if not key.startswith("--")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         print(f"error: no finished runs (summary.json) under {args.folder}", file=sys.stderr)
         return 1
-    table = markdown_table(rows, COLUMNS)
+    table = markdown_table(rows, columns(rows))
     print(table, end="")
     if args.markdown:
         args.markdown.write_text(f"Runs under `{args.folder}`:\n\n{table}")

@@ -9,10 +9,31 @@ With FAULT_SLOW_CONFIG_READ_S=S, every process but the main one waits S seconds 
 config.json, so that the main process runs ahead, as one may on a loaded machine.
 With FAULT_ABORT_AT_EXIT_RANK=R, the process of rank R aborts (SIGABRT) as its interpreter exits, after its run: what
 gloo's teardown race (pytorch#179291) does now and then.
+With FAULT_HANG_IN_EVALUATION=FILE, the first evaluation loss creates FILE and never returns: a hung evaluation.
+With FAULT_FAIL_SAVING_IMAGE=NAME, PIL fails to save an image named NAME (OSError), as on a full disk.
+With FAULT_HOLD_SAVE_AT_STEP=N, the save of step N's checkpoint stops for good after its first file: a save caught
+in the middle, whatever the machine's speed.
 """
 
 import errno
 import os
+
+_hold = os.environ.get("FAULT_HOLD_SAVE_AT_STEP")
+if _hold:
+    import time
+
+    import torch
+
+    def _holding(save):
+        def save_and_hold(obj, path, *args, **kwargs):
+            result = save(obj, path, *args, **kwargs)
+            if f"partial_step_{_hold}" in str(path):
+                while True:
+                    time.sleep(1)
+            return result
+        return save_and_hold
+
+    torch.save = _holding(torch.save)
 
 _step = os.environ.get("FAULT_DISK_FULL_AT_STEP")
 if _step:
@@ -63,3 +84,34 @@ if os.environ.get("FAULT_ABORT_AT_EXIT_RANK", "none") == os.environ.get("RANK"):
     import atexit
 
     atexit.register(os.abort)
+
+_hang = os.environ.get("FAULT_HANG_IN_EVALUATION")
+if _hang:
+    import time
+
+    import torch
+    import torch.nn.functional
+
+    def _hanging(cross_entropy):
+        def cross_entropy_or_hang(input, target, *args, **kwargs):
+            if not torch.is_grad_enabled():  # evaluation
+                open(_hang, "w").close()
+                while True:
+                    time.sleep(1)
+            return cross_entropy(input, target, *args, **kwargs)
+        return cross_entropy_or_hang
+
+    torch.nn.functional.cross_entropy = _hanging(torch.nn.functional.cross_entropy)
+
+_image = os.environ.get("FAULT_FAIL_SAVING_IMAGE")
+if _image:
+    from PIL import Image
+
+    def _failing_image(save):
+        def save_or_fail(self, fp, *args, **kwargs):
+            if os.path.basename(str(fp)) == _image:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(fp))
+            return save(self, fp, *args, **kwargs)
+        return save_or_fail
+
+    Image.Image.save = _failing_image(Image.Image.save)
