@@ -230,7 +230,7 @@ def count_recipe(name: str, flags: list[str], mixed_precision: str = "no") -> li
     """The recipe's own train() in this process, under the stand-in device: a Counter per optimizer step."""
     from accelerate.state import AcceleratorState, GradientState
 
-    from shared import tracking
+    from shared.tracking import window
 
     recipe = importlib.import_module(f"recipes.{name}")
     forget_cached_tensors(recipe)
@@ -246,13 +246,13 @@ def count_recipe(name: str, flags: list[str], mixed_precision: str = "no") -> li
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
     # Without a terminal a run prints a line every 30 s, with the loss: a read at its own cadence, like the processes'
     # stop agreement (see worker()), and not part of a step. These counted steps are slow: it would fall among them.
-    heartbeat_s, tracking.HEARTBEAT_S = tracking.HEARTBEAT_S, float("inf")
+    heartbeat_s, window.HEARTBEAT_S = window.HEARTBEAT_S, float("inf")
     try:
         with StandInDevice(stop_after=STEPS) as counts, contextlib.redirect_stdout(sys.stderr):
             with contextlib.suppress(CountedEnough):
                 recipe.train(cfg)
     finally:  # as they were: this may run inside another program (the tests)
-        tracking.HEARTBEAT_S = heartbeat_s
+        window.HEARTBEAT_S = heartbeat_s
         if precision_before is None:
             os.environ.pop("ACCELERATE_MIXED_PRECISION")
         else:

@@ -276,12 +276,12 @@ def test_pictures_are_drawn_from_tensors_on_any_device(tmp_path, on_the_gpu):
 def test_without_a_terminal_a_line_comes_at_least_every_30_s(monkeypatch, capsys):
     from accelerate import Accelerator
 
-    from shared import tracking
     from shared.checkpoints import Progress
+    from shared.tracking import TrainWindow, window
 
     clock = [1000.0]
-    monkeypatch.setattr(tracking.time, "perf_counter", lambda: clock[0])
-    window = tracking.TrainWindow(Accelerator(cpu=True), Progress())
+    monkeypatch.setattr(window.time, "perf_counter", lambda: clock[0])
+    window = TrainWindow(Accelerator(cpu=True), Progress())
     window.add(torch.tensor(0.5), {"acc": torch.tensor(1)}, 310)  # 310 samples in the 31 s below
     clock[0] += 29
     window.heartbeat(1, 10)

@@ -44,8 +44,9 @@ def shared_imports(path: Path) -> tuple[list[str], set[Path]]:
             for alias in node.names:
                 names.append(alias.name)
                 module = ROOT / f"{node.module}.{alias.name}".replace(".", "/")  # `from shared import tracking`
-                files.add(module.with_suffix(".py") if module.with_suffix(".py").exists()
-                          else (ROOT / node.module.replace(".", "/")).with_suffix(".py"))
+                parent = ROOT / node.module.replace(".", "/")
+                files.add(next(file for file in (module.with_suffix(".py"), module / "__init__.py",
+                                                 parent.with_suffix(".py"), parent / "__init__.py") if file.exists()))
     return names, files
 
 
@@ -57,7 +58,7 @@ def main() -> None:
         path = {ROOT / "shared" / "__init__.py"}
         while todo:
             file = todo.pop()
-            if file.name != "__init__.py" and file not in path:
+            if file not in path:
                 path.add(file)
                 todo |= shared_imports(file)[1]
         counts = {"names": len(names), "shared": sum(code_lines(file) for file in path),
@@ -66,7 +67,7 @@ def main() -> None:
         print(f"{recipe}: {counts['names']} names from shared/; {counts['shared']} code lines of shared/ in its "
               f"import path ({len(path)} files); {counts['recipe']} code lines; a {counts['header']}-line header")
         over += [f"{recipe}: {key} {value} > {BUDGETS[key]}" for key, value in counts.items() if value > BUDGETS[key]]
-    for file in sorted((ROOT / "shared").glob("*.py")):
+    for file in sorted((ROOT / "shared").rglob("*.py")):
         if (length := code_lines(file)) > BUDGETS["file"]:
             over.append(f"{file.relative_to(ROOT)}: {length} code lines > {BUDGETS['file']}")
     print("\n".join(f"over budget: {line}" for line in over) or "every budget met")

@@ -1,0 +1,104 @@
+"""The run's folder: new, empty, or a run of these recipes to resume or overwrite; one folder for every process and
+every node; and the trackers that record into it."""
+
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+from accelerate import PartialState
+from accelerate.utils import broadcast_object_list, gather_object
+
+from shared.errors import RecipeError, check_launch
+from shared.resume import find_checkpoint
+from shared.tracking.run_files import RunFiles
+from shared.tracking.trackers import TensorBoard, WandB
+
+# What a run writes (misclassified.png and profile/: what earlier versions wrote), and all --overwrite deletes.
+RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "curves.png", "confusion_matrix.png", "misclassified.png",
+             "model.safetensors", "checkpoints", "wandb", "tensorboard", "profile", "abandoned")
+
+
+def open_run(cfg, recipe: str) -> tuple[Path, list]:
+    """Check the launch; return the run folder (--output_dir, the run being resumed, or
+    runs/<recipe>-<YYYYmmdd-HHMMSS>) and the trackers for Accelerator(log_with=...)."""
+    check_launch()  # also starts the process group, which the folder's name is broadcast over
+    state = PartialState()
+    if cfg.resume == "latest" and cfg.output_dir is None:  # never a guess at which run the user meant
+        raise RecipeError(f"--resume latest needs the run to continue: add --output_dir runs/{recipe}-<time>")
+    output_dir = cfg.output_dir
+    if cfg.resume and cfg.resume != "latest":  # a checkpoint folder: it continues its own run, or a new one
+        checkpoint = find_checkpoint(None, cfg.resume).resolve()
+        its_run = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else None
+        if output_dir is None and not (its_run and is_run(its_run)):
+            raise RecipeError(f"--resume {cfg.resume} is not in a run's checkpoints/ folder, so there is no run to "
+                              "continue in: add --output_dir NEW_FOLDER to continue it there as a new run")
+        output_dir = output_dir or its_run
+        if Path(output_dir).resolve() != its_run and (Path(output_dir) / "config.json").exists():
+            raise RecipeError(f"--resume {cfg.resume} is not a checkpoint of {output_dir}, which holds another run: "
+                              "pass a new --output_dir to continue the checkpoint there (two histories never mix)")
+    if output_dir is None:
+        stamp = [time.strftime("%Y%m%d-%H%M%S")]
+        broadcast_object_list(stamp)  # processes start a second apart; they must share one folder
+        output_dir = f"runs/{recipe}{'-synthetic' if cfg.synthetic else ''}-{stamp[0]}"
+    run_dir = Path(output_dir)
+    if (run_dir / "config.json").exists() and not (cfg.resume or cfg.overwrite):
+        raise RecipeError(f"{run_dir} already holds a run: pass --resume latest to continue it, "
+                          "--overwrite to replace it, or another --output_dir")
+    filled = run_dir.is_dir() and any(run_dir.iterdir())
+    if filled and not is_run(run_dir):  # a user's own folder: its metrics.jsonl would be appended to
+        raise RecipeError(f"{run_dir} holds files but no run of these recipes (no config.json with a run_id), so "
+                          "nothing is written into it: pass a new or empty --output_dir")
+    overwrite = cfg.overwrite and not cfg.resume and filled
+    state.wait_for_everyone()  # every process has read the folder before the main process changes it
+    if state.is_main_process:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / ".write_test").touch()
+            (run_dir / ".write_test").unlink()
+        except OSError as error:
+            raise RecipeError(f"cannot write to {run_dir} ({error.strerror}): pass --output_dir to a writable folder"
+                              ) from None
+        if overwrite:
+            for path in (run_dir / name for name in RUN_FILES):  # only what a run writes; the rest stays
+                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    state.wait_for_everyone()
+    # A resumed run keeps its run id (from config.json), so it continues the same wandb run.
+    check_shared(run_dir)
+    run_id = json.loads((run_dir / "config.json").read_text())["run_id"] if cfg.resume and is_run(run_dir) else None
+    run_id, labels = run_id or uuid.uuid4().hex[:8], {"synthetic": True} if cfg.synthetic else {}
+    chosen = {"wandb": lambda: [WandB(recipe, run_dir, run_id, tags=list(labels))],
+              "tensorboard": lambda: [TensorBoard("tensorboard", run_dir)], "none": lambda: []}[cfg.tracker]()
+    # RunFiles first: its config.json makes the folder a run before wandb or TensorBoard write into it, so a job
+    # stopped between the two is still a run to its next start.
+    return run_dir, [RunFiles(run_dir, run_id, labels)] + chosen
+
+
+def check_shared(run_dir: Path) -> None:
+    """On several machines: refuse a run folder the nodes do not share (a file the main process writes must be seen
+    by all), since only the main process writes the run's files and completes its checkpoints."""
+    state = PartialState()
+    if state.num_processes == int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes)):
+        return  # one machine
+    token, check = [uuid.uuid4().hex], run_dir / ".shared_check"
+    broadcast_object_list(token)
+    if state.is_main_process:
+        check.write_text(token[0])
+    state.wait_for_everyone()
+    seen = gather_object([check.is_file() and check.read_text() == token[0]])
+    if state.is_main_process:
+        check.unlink()
+    if not all(seen):
+        raise RecipeError(f"--output_dir {run_dir} is not one folder shared by every node ({seen.count(False)} "
+                          "process(es) do not see the main process's files): put it on a filesystem all nodes mount")
+
+
+def is_run(folder: Path) -> bool:
+    """Whether `folder` holds a run of these recipes: its config.json, with the run id every run records."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and isinstance(config.get("run_id"), str) and "recipe" in config
