@@ -207,6 +207,7 @@ def train(cfg: Config) -> None:
 
     global_batch_size = cfg.batch_size * accelerator.num_processes * cfg.grad_accum
     model = make_model(len(train_set.classes), cfg)
+    init_sha256 = Checkpoints.initial_weights(model, cfg)  # --init_from: trained weights to start from
     if cfg.compile:
         model.compile()  # in place: state_dict keys stay free of `_orig_mod.`
     optimizer = make_optimizer(model, cfg)
@@ -247,7 +248,7 @@ def train(cfg: Config) -> None:
                                  global_batch_size=global_batch_size, total_steps=total_steps,
                                  train_size=len(train_set), test_size=len(test_set), classes=train_set.classes,
                                  data_on_device=on_device, resumed_from=str(checkpoint) if checkpoint else None,
-                                 resumed_step=progress.step if checkpoint else None)
+                                 resumed_step=progress.step if checkpoint else None, init_from_sha256=init_sha256)
     # Steps left to run? What changed, and what that changes? From an older checkpoint than the newest, this moves
     # the later history (checkpoints, weights, summary, pictures) into abandoned/: a new branch of the run.
     checkpoints.check_resume_and_branch(config, progress)

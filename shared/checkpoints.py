@@ -7,8 +7,10 @@ run killed mid-save leaves the previous checkpoint as the newest. The learning r
 """
 
 import ctypes
+import hashlib
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -18,8 +20,10 @@ import time
 from pathlib import Path
 
 import torch
+from accelerate import PartialState
 from accelerate.utils import load as accelerate_load  # torch.load(weights_only=True) + NumPy RNG types
 from accelerate.utils import set_seed
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from shared.errors import RecipeError, first_line
@@ -258,6 +262,47 @@ class Checkpoints:
             save_file({k: v.contiguous() for k, v in state.items()}, partial,
                       metadata={k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()})
             os.replace(partial, self.run_dir / "model.safetensors")
+
+    @staticmethod
+    def initial_weights(model, cfg) -> str | None:
+        """--init_from: every tensor of a model.safetensors (or of the one in a run or checkpoint folder) whose name
+        and shape fit `model` is loaded into it; the rest (a head for another number of classes) stays as made. A
+        resumed run takes its weights from the checkpoint: the file is only hashed. Returns its sha256 (config.json),
+        or None without --init_from."""
+        if not cfg.init_from:
+            return None
+        path = Path(cfg.init_from) / "model.safetensors" if Path(cfg.init_from).is_dir() else Path(cfg.init_from)
+        if not path.is_file() or path.suffix != ".safetensors":  # a regular file: a FIFO would block the read
+            raise RecipeError(f"--init_from {cfg.init_from}: no .safetensors file there: pass a run's "
+                              "model.safetensors, or the run or checkpoint folder that holds one")
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for piece in iter(lambda: f.read(2**24), b""):
+                digest.update(piece)
+        expected, loaded = model.state_dict(), {}
+        try:  # safetensors: a header of names, shapes and offsets, checked against the file; no code
+            with safe_open(path, "pt") as f:
+                for key in [] if cfg.resume else f.keys():
+                    name = re.sub(r"^(module\.|_orig_mod\.)+", "", key)  # DDP's and torch.compile's prefixes
+                    if name in expected and f.get_slice(key).get_shape() == list(expected[name].shape):
+                        loaded[name] = f.get_tensor(key)  # no larger than the model's own tensor
+        except Exception as error:
+            raise RecipeError(f"--init_from {path} cannot be read ({type(error).__name__}: {first_line(error)[:200]}"
+                              "): pass a model.safetensors written by a run") from None
+        if cfg.resume:
+            return digest.hexdigest()
+        head = next(reversed(expected)).rsplit(".", 1)[0]  # the last layer: the classifier
+        if not loaded or all(name.rsplit(".", 1)[0] == head for name in loaded):
+            raise RecipeError(f"--init_from {path}: {'no tensor' if not loaded else 'only the last layer'} of it fits "
+                              "this model (same name and shape): pass weights of the same model, trained with the "
+                              "model flags in the config.json beside them")
+        if not all(torch.isfinite(tensor).all() for tensor in loaded.values() if tensor.is_floating_point()):
+            raise RecipeError(f"--init_from {path} holds NaN or infinite weights: pass weights of a finished run")
+        model.load_state_dict(loaded, strict=False)
+        new = [name for name in expected if name not in loaded]
+        PartialState().print(f"--init_from {path}: {len(loaded)} of {len(expected)} tensors loaded; new: "
+                             f"{', '.join(new) if new else 'none'}")
+        return digest.hexdigest()
 
     def resume_command(self) -> str:
         """The same script and flags, with --resume latest."""

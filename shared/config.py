@@ -74,6 +74,7 @@ class RunConfig:
     checkpoint_every: int = 0  # optimizer steps between full-state checkpoints (0: only at the end)
     keep_checkpoints: int = 3  # newest full-state checkpoints kept on disk
     resume: str | None = None  # `latest` or a checkpoints/step_<N> folder to continue from
+    init_from: str | None = None  # a model.safetensors (or a run or checkpoint folder) to start a new run from
     tracker: Literal["wandb", "tensorboard", "none"] = "wandb"  # wandb is offline without an API key
     compile: bool = False  # torch.compile the model (the first steps wait 10-40 s while it compiles)
     channels_last: bool = False  # NHWC memory layout for convolutions (faster on CPUs; on GPUs: BENCHMARKS.md)
