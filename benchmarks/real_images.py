@@ -38,7 +38,7 @@ import numpy as np
 from PIL import Image
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "accelerate-recipes" / "real_images"
-FORMATS = ("save_to_disk", "parquet", "imagefolder")
+FORMATS = ("save_to_disk", "parquet", "imagefolder")  # and "idx", asked for: grayscale sets only (digits)
 SIDE, GRID, CROP = 400, 5, 32  # square photograph side (px), tiles per row and column, output image side (px)
 TILE = SIDE // GRID
 
@@ -135,9 +135,16 @@ def digits(test_size: int = 297, seed: int = 0, limit: int | None = None) -> dat
 
 
 def write(splits: datasets.DatasetDict, folder: Path, layout: str) -> Path:
-    """`splits` written as a save_to_disk folder, parquet files (one per split) or an imagefolder."""
+    """`splits` written as a save_to_disk folder, parquet files (one per split), an imagefolder, or IDX files (the
+    MNIST family's format, for grayscale sets: nothing to install where the recipes read them)."""
     folder.mkdir(parents=True, exist_ok=True)
-    if layout == "save_to_disk":
+    if layout == "idx":
+        for split, prefix in (("train", "train"), ("test", "t10k")):
+            images = np.stack([np.asarray(image.convert("L")) for image in splits[split]["image"]])
+            for kind, array in (("images-idx3", images), ("labels-idx1", np.array(splits[split]["label"]))):
+                header = bytes([0, 0, 8, array.ndim]) + np.array(array.shape, ">u4").tobytes()
+                (folder / f"{prefix}-{kind}-ubyte").write_bytes(header + array.astype(np.uint8).tobytes())
+    elif layout == "save_to_disk":
         splits.save_to_disk(str(folder))
     elif layout == "parquet":
         for split, data in splits.items():
@@ -176,7 +183,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=CACHE, help="folder that receives <set>/<format>/")
     parser.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS))
-    parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
+    parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=[*FORMATS, "idx"])
     args = parser.parse_args()
     for name in args.sets:
         for layout in args.formats:

@@ -247,9 +247,12 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
     state = PartialState()
     if state.num_processes > 1:
         raise RecipeError("predict.py --images runs in one process: start it with `python recipes/predict.py ...`")
-    model = recipe.make_model(len(classes), recipe_config(recipe, flags))
+    recipe_cfg = recipe_config(recipe, flags)
+    model = recipe.make_model(len(classes), recipe_cfg)
     load_weights(model, cfg.weights)  # one line if the file is not this recipe's model
     model.to(state.device).eval()  # float32 and NCHW, whatever --channels_last or precision trained it: same weights
+    # The size the model was trained at: a recipe with an --image_size flag says it (finetune.py's image_shape)
+    shape = recipe.image_shape(recipe_cfg) if hasattr(recipe, "image_shape") else recipe.IMAGE_SHAPE
     root = Path(cfg.images)
     images, skipped = find_images(root)
     output = Path(cfg.output)
@@ -262,7 +265,7 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
     k = min(cfg.top_k, len(classes))
     for start in range(0, len(images), cfg.batch_size):
         paths = images[start:start + cfg.batch_size]
-        batch = torch.stack([read_image(p, recipe.IMAGE_SHAPE, str(p)) for p in paths]).to(state.device)
+        batch = torch.stack([read_image(p, shape, str(p)) for p in paths]).to(state.device)
         probabilities = model(recipe.preprocess(batch, training=False)).float().softmax(dim=1)
         top_p, top_i = probabilities.topk(k, dim=1)
         for path, p, i in zip(paths, top_p.tolist(), top_i.tolist()):

@@ -29,6 +29,7 @@ def test_one_command_makes_a_project_that_runs_its_readme_and_a_metric_is_one_ed
     assert train.read_text().count(one_metric) == 1
     train.write_text(train.read_text().replace(one_metric, two))
     readme = (project / "README.md").read_text()
+    assert readme.startswith("# my_project\n")
     commands = readme.split("```bash\n")[1].split("```")[0].splitlines()[2:]  # after the install and smoke run
     short = "--batch_size 8 --log_every 1 --checkpoint_every 3 --tracker none"
     photos = project / "my_photos"

@@ -19,10 +19,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPES = ("cifar_cnn", "resnet18_fmnist", "deep_mlp_ckpt")
+RECIPES = ("cifar_cnn", "resnet18_fmnist", "deep_mlp_ckpt", "finetune")
 FIND_SHARED = "sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it"
 COMMANDS = """\
-accelerate launch -q --config_file accelerate_configs/cpu.yaml train.py --synthetic --max_steps 200
+accelerate launch -q --config_file accelerate_configs/cpu.yaml train.py --synthetic --max_steps 200{smoke}
 accelerate launch -q --config_file accelerate_configs/cpu.yaml train.py --data {data}
 accelerate launch -q --config_file accelerate_configs/cpu.yaml train.py --output_dir runs/RUN --resume latest
 python predict.py --recipe train --weights runs/RUN/model.safetensors --images my_photos/
@@ -62,9 +62,11 @@ def make_project(folder: Path, recipe: str, data: str | None) -> Path:
     shutil.copytree(ROOT / "accelerate_configs", folder / "accelerate_configs", ignore=skip)
     shutil.copy(ROOT / "requirements.txt", folder / "requirements.txt")
     (folder / "tools").mkdir()
-    for name in ("__init__.py", "runs.py", "report.py"):  # the runs table, and the markdown it is written in
-        shutil.copy(ROOT / "tools" / name, folder / "tools" / name)
-    commands = COMMANDS.format(data=data or default_data.group(1))
+    for tool in ("__init__.py", "runs.py", "report.py"):  # the runs table, and the markdown it is written in
+        shutil.copy(ROOT / "tools" / tool, folder / "tools" / tool)
+    # finetune: offline, the smoke run needs no pretrained weights, and small images are enough
+    smoke = " --weights none --image_size 64" if recipe == "finetune" else ""
+    commands = COMMANDS.format(data=data or default_data.group(1), smoke=smoke)
     (folder / "README.md").write_text(
         f"# {name}\n\nStarted from the `{recipe}` recipe. Install, then train, continue a stopped run (RUN: the "
         f"folder a run printed), use the model, and compare the runs:\n\n"
@@ -84,8 +86,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.folder.exists() and (not args.folder.is_dir() or any(args.folder.iterdir())):
         parser.exit(2, f"error: {args.folder} already exists and is not empty: pick a new folder\n")
     folder = make_project(args.folder, args.recipe, args.data)
+    readme = (folder / "README.md").read_text().splitlines()
+    first = next(line for line in readme if line.startswith("accelerate launch"))  # the smoke run
     print(f"{folder}: train.py (from {args.recipe}), predict.py, shared/, accelerate_configs/, requirements.txt, "
-          f"tools/runs.py, README.md\n  cd {folder} && {COMMANDS.splitlines()[0]}")
+          f"tools/runs.py, README.md\n  cd {folder} && {first}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,387 @@
+"""Fine-tune a pretrained torchvision classifier on your own photos: the new classifier alone first, then the whole
+network with a lower learning rate for the pretrained part.
+
+`--model` is any torchvision classification builder (resnet18, resnet50, mobilenet_v3_large, efficientnet_b0,
+convnext_tiny, vit_b_16, ...) and `--weights` its pretrained weights (DEFAULT, a name such as IMAGENET1K_V1, or none),
+read by torchvision's own loader from its cache, $TORCH_HOME/hub/checkpoints/. Your photos: an imagefolder (one
+subfolder per class), parquet, a hub id or any format the recipes read, decoded once at --image_size.
+
+Result: ImageNet weights cannot be downloaded on this project's machines: accuracy with them, not measured. Speed
+on a 2-core CPU, resnet18: one epoch of 1,000 photos in 37 s at 224 px, 4.5 s at 64 px (cpu_bf16.yaml; float32:
+71 s, 7.6 s); benchmarks/BENCHMARKS.md, "Starting from trained weights".
+
+Run it from the repository root (outputs in runs/finetune-<time>/, as every recipe's):
+  accelerate launch --config_file accelerate_configs/1gpu.yaml recipes/finetune.py --data my_photos/
+  python recipes/finetune.py --synthetic --weights none --image_size 64 --max_steps 20   # offline smoke run
+"""
+
+import copy
+import math
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+import torch.nn.functional as F
+import torchvision
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.utils import GradientAccumulationPlugin, broadcast, set_seed
+from torch import nn
+from torch.utils.data import DataLoader
+from torchvision.ops import roi_align
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it
+from shared import augment, diagnostics, schedule, speed, tracking  # augmentation; pictures; lr, EMA; run files
+from shared.batches import EpochOrder
+from shared.checkpoints import Checkpoints, Progress
+from shared.config import RunConfig
+from shared.data import load_image_data
+from shared.errors import RecipeError, one_line_errors
+
+RECIPE = "finetune"
+
+
+@dataclass
+class Config(RunConfig):
+    data: str = "AI-Lab-Makerere/beans"  # hub id, or a folder: imagefolder, parquet, save_to_disk, IDX, CIFAR
+    model: str = "resnet18"  # a torchvision classification builder: resnet50, efficientnet_b0, convnext_tiny, ...
+    weights: str = "DEFAULT"  # its pretrained weights: DEFAULT, a name (e.g. IMAGENET1K_V1), or none
+    image_size: int = 224  # images' side in pixels: the weights were trained at 224 (64: faster, less accurate)
+    epochs: int = 10  # passes over the training set
+    freeze_epochs: int = 1  # first epochs train the new classifier alone (the rest frozen, BatchNorm statistics too)
+    batch_size: int = 32  # images per process per step; global batch = batch_size x processes x grad_accum
+    grad_accum: int = 1  # batches whose gradients are summed into one optimizer step
+    lr: float = 0.01  # peak learning rate of the one-cycle schedule, for the new classifier
+    backbone_lr: float = 0.1  # the pretrained layers' learning rate, as a share of --lr
+    momentum: float = 0.9  # SGD Nesterov momentum
+    weight_decay: float = 1e-4  # L2 penalty on conv and linear weights (not on biases)
+    max_grad_norm: float = 1.0  # clip the gradient's global L2 norm to this before each step; inf: only measure it
+    augment: bool = True  # random resized crop and horizontal flip, on the device
+    tta: bool = False  # also evaluate each test image's logits averaged with its mirror's (eval_acc_tta)
+    channels_last: bool = True  # NHWC layout for the convolutions: faster on CPUs (BENCHMARKS.md)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.model not in torchvision.models.list_models(module=torchvision.models):
+            raise ValueError(f"--model {self.model} is not a torchvision classification model: e.g. resnet18, "
+                             "resnet50, mobilenet_v3_large, efficientnet_b0, convnext_tiny, vit_b_16")
+        if self.momentum < 0 or self.weight_decay < 0 or self.freeze_epochs < 0 or not 0 <= self.backbone_lr <= 1:
+            raise ValueError("--momentum, --weight_decay and --freeze_epochs must be >= 0, --backbone_lr in [0, 1]")
+        if self.image_size < 32 or self.model.startswith(("vit_", "maxvit")) and self.image_size != 224:
+            raise ValueError(f"--image_size must be at least 32 (224 for the fixed-size vit_* and maxvit models), got "
+                             f"{self.image_size}")
+        if self.model in ("googlenet", "inception_v3"):  # in training they return auxiliary classifiers' outputs too
+            raise ValueError(f"--model {self.model} is not supported here: its training outputs are several")
+
+
+# ----------------------------------------------------------------------------- data
+IMAGE_SHAPE = (3, 224, 224)  # channels, height, width at the default --image_size (image_shape(cfg): at another)
+MEAN = (0.485, 0.456, 0.406)  # the ImageNet statistics every torchvision classification weight was trained with
+STD = (0.229, 0.224, 0.225)
+
+
+def image_shape(cfg: Config) -> tuple[int, int, int]:
+    return (3, cfg.image_size, cfg.image_size)
+
+
+def load_data(cfg: Config):
+    """(train, test) as uint8 image tensors at --image_size: the hub, a local folder, or --synthetic."""
+    return load_image_data(cfg.data, image_shape(cfg), cfg.synthetic)
+
+
+def random_resized_crop(images: torch.Tensor, scale=(0.25, 1.0), ratio=(3 / 4, 4 / 3)) -> torch.Tensor:
+    """Each image: a random box of `scale` of its area and an aspect ratio in `ratio` (log-uniform), resized back to
+    the batch's size with bilinear sampling, one roi_align call for the whole batch. Floats out (0-255)."""
+    n, _, h, w = images.shape
+    area_draw, aspect_draw, left_draw, top_draw = torch.rand(4, n, device=images.device)
+    area = (scale[0] + (scale[1] - scale[0]) * area_draw) * h * w
+    aspect = torch.exp(math.log(ratio[0]) + (math.log(ratio[1]) - math.log(ratio[0])) * aspect_draw)
+    box_w, box_h = (area * aspect).sqrt().clamp(max=w), (area / aspect).sqrt().clamp(max=h)
+    left, top = left_draw * (w - box_w), top_draw * (h - box_h)
+    boxes = torch.stack([torch.arange(n, device=images.device, dtype=torch.float), left, top, left + box_w,
+                         top + box_h], dim=1)
+    return roi_align(images.float(), boxes, output_size=(h, w), sampling_ratio=2, aligned=True)
+
+
+def preprocess(images: torch.Tensor, training: bool) -> torch.Tensor:
+    """uint8 batch on the device -> normalized float batch, augmented for training."""
+    if training:
+        images = augment.random_flip(random_resized_crop(images))
+    return augment.normalize(images, MEAN, STD)
+
+
+# ----------------------------------------------------------------------------- model
+def classifier_name(model: nn.Module) -> str:
+    """The name of the model's last Linear layer: the classifier of every torchvision classification model (fc,
+    classifier.3, heads.head, ...)."""
+    return [name for name, module in model.named_modules() if isinstance(module, nn.Linear)][-1]
+
+
+def make_model(num_classes: int, cfg: Config | None = None) -> nn.Module:
+    """The architecture, its classifier replaced by one for your classes; the pretrained weights: load_pretrained."""
+    model = torchvision.models.get_model((cfg or Config()).model, weights=None)
+    parent, _, name = classifier_name(model).rpartition(".")
+    old = getattr(model.get_submodule(parent), name)
+    setattr(model.get_submodule(parent), name, nn.Linear(old.in_features, num_classes))
+    return model
+
+
+def load_pretrained(model: nn.Module, cfg: Config) -> None:
+    """--weights into every layer but the new classifier, through torchvision's loader: the file in its cache, else
+    downloaded there; read with weights_only=True (tensors only: a file that would run code is refused)."""
+    if cfg.weights == "none":
+        return
+    choices = torchvision.models.get_model_weights(cfg.model)
+    if cfg.weights != "DEFAULT" and cfg.weights not in choices.__members__:
+        raise RecipeError(f"--weights {cfg.weights}: {cfg.model} has {', '.join(choices.__members__)} (or DEFAULT, "
+                          "none)")
+    weights = choices.DEFAULT if cfg.weights == "DEFAULT" else choices[cfg.weights]
+    file = Path(torch.hub.get_dir()) / "checkpoints" / Path(urlparse(weights.url).path).name
+    if file.exists() and not file.is_file():  # a FIFO or a folder: reading it would block or fail later
+        raise RecipeError(f"--weights: {file} is not a regular file: delete it")
+    try:
+        state = weights.get_state_dict(progress=False, weights_only=True)
+    except Exception as error:
+        where = "cannot be read" if file.is_file() else f"is not there and could not be downloaded from {weights.url}"
+        raise RecipeError(f"--weights {weights}: {file} {where} ({type(error).__name__}): download it where the "
+                          "internet is reachable and copy it there (or set TORCH_HOME), or pass --weights none"
+                          ) from None
+    head = classifier_name(model)
+    missing, unexpected = model.load_state_dict(
+        {k: v for k, v in state.items() if not k.startswith(f"{head}.")}, strict=False)
+    if unexpected or sorted(missing) != [f"{head}.bias", f"{head}.weight"]:
+        raise RecipeError(f"--weights: {file} does not fit {cfg.model} ({(unexpected or missing)[0]}): delete it to "
+                          "download it again")
+
+
+def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    # Weight decay on weight matrices and kernels only. Each group keeps its share of the scheduled learning rate:
+    # the new classifier all of it, the pretrained layers --backbone_lr of it (none while frozen).
+    head = classifier_name(model)
+    groups = []
+    for backbone in (True, False):
+        params = [(n, p) for n, p in model.named_parameters() if n.startswith(f"{head}.") != backbone]
+        for decay in (True, False):
+            groups.append({"params": [p for _, p in params if (p.ndim > 1) == decay], "backbone": backbone,
+                           "weight_decay": cfg.weight_decay if decay else 0})
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=True, fused=True)
+
+
+LABEL_SMOOTHING = 0.1  # the targets 0.9 for the class and 0.1 spread over all: less overconfidence on small sets
+
+
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """The objective. Training and evaluation both call this one: change the loss here."""
+    return F.cross_entropy(logits.float(), labels, reduction=reduction, label_smoothing=LABEL_SMOOTHING)
+
+
+def metric_sums(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The metrics, each summed over a batch: logged as train_<name> and eval_<name> (divided by the samples) in
+    metrics.jsonl, the trackers, curves.png and summary.json, and by predict.py --evaluate. Add a metric here."""
+    return {"acc": (logits.argmax(dim=1) == labels).sum()}
+
+
+@torch.no_grad()  # no autograd graph: evaluation needs no gradients, and would hold every activation
+def evaluate(model, loader, accelerator, cfg: Config) -> tuple[dict, torch.Tensor]:
+    """Test loss and accuracy over every process, and the predictions in test-set order. With --tta, also those of
+    each image's logits averaged with its mirror's (eval_loss_tta, eval_acc_tta): training flips, so both count."""
+    model.eval()
+    sums, predictions = defaultdict(int), []
+    for images, labels in loader:
+        inputs = preprocess(images, training=False)
+        if cfg.channels_last:  # the layout the model was trained in
+            inputs = inputs.contiguous(memory_format=torch.channels_last)
+        outputs = {"": model(inputs)}
+        if cfg.tta:
+            outputs["_tta"] = (outputs[""] + model(inputs.flip(3))) / 2
+        # From every process, minus the samples accelerate repeated to even out the last batch.
+        outputs, labels = accelerator.gather_for_metrics((outputs, labels))
+        for suffix, logits in outputs.items():
+            sums[f"eval_loss{suffix}"] += loss_fn(logits, labels, reduction="sum")
+            for name, value in metric_sums(logits, labels).items():
+                sums[f"eval_{name}{suffix}"] += value
+        predictions.append(outputs[""].argmax(dim=1))
+    count = sum(len(p) for p in predictions)
+    return {**{k: (v / count).item() for k, v in sums.items()}, "eval_samples": count}, torch.cat(predictions).cpu()
+
+
+# ----------------------------------------------------------------------------- training
+def train(cfg: Config) -> None:
+    run_dir, trackers = tracking.open_run(cfg, RECIPE)  # checks the launch first (see shared/errors.py)
+    accelerator = Accelerator(
+        # Every optimizer step averages exactly grad_accum batches, also across an epoch's end (by default accelerate
+        # steps early at the end of the data, with too small a gradient).
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.grad_accum, sync_with_dataloader=False),
+        # Pinned batches (pin_memory below) copied to a GPU without waiting for it; no effect on a CPU.
+        dataloader_config=DataLoaderConfiguration(non_blocking=True),
+        project_dir=run_dir,
+        log_with=trackers,  # wandb or TensorBoard, and config.json, metrics.jsonl, summary.json, curves.png
+    )
+    # CPU: glibc keeps freed memory (up to a quarter faster steps); GPU: TF32, cuDNN autotuning if asked (BENCHMARKS.md)
+    speed.device_settings(accelerator.device, cfg)
+    set_seed(cfg.seed, device_specific=True)  # seed + rank: each process its own crops, flips and dropout masks
+    with accelerator.local_main_process_first():  # one process per machine decodes into the machine's cache
+        train_set, test_set = load_data(cfg)
+    on_device = speed.data_on_device(accelerator.device, cfg.data_on_device, train_set, test_set)
+    if on_device:  # one copy of the uint8 dataset now, instead of a host-to-GPU copy per batch
+        train_set, test_set = train_set.to(accelerator.device), test_set.to(accelerator.device)
+    # Each epoch's order is a function of (seed, epoch), resumable at any sample (see EpochOrder). Own generators:
+    # every new DataLoader iterator draws a seed, and drawing it from the global RNG would shift the augmentation's
+    # random numbers after a mid-epoch resume (no longer bitwise exact).
+    order = EpochOrder(len(train_set), cfg.seed)
+    pin = train_set.images.device.type == "cpu" and accelerator.device.type == "cuda"  # page-locked: async copies
+    train_loader = DataLoader(train_set, cfg.batch_size, sampler=order, drop_last=True,
+                              collate_fn=train_set.whole_batch, generator=torch.Generator(), pin_memory=pin)
+    test_loader = DataLoader(test_set, 2 * cfg.batch_size, collate_fn=test_set.whole_batch, generator=torch.Generator())
+
+    global_batch_size = cfg.batch_size * accelerator.num_processes * cfg.grad_accum
+    model = make_model(len(train_set.classes), cfg)
+    if not (cfg.resume or cfg.init_from):  # else the checkpoint, or the --init_from file, holds the weights
+        with accelerator.local_main_process_first():  # one download per machine, into torchvision's cache
+            load_pretrained(model, cfg)
+    init_sha256 = Checkpoints.initial_weights(model, cfg)  # --init_from: trained weights to start from
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    if cfg.compile:
+        model.compile()  # in place: state_dict keys stay free of `_orig_mod.`
+    optimizer = make_optimizer(model, cfg)
+    backbone = [p for group in optimizer.param_groups if group["backbone"] for p in group["params"]]
+    model, optimizer, train_loader, test_loader = accelerator.prepare(model, optimizer, train_loader, test_loader)
+
+    # After prepare, len(train_loader) counts this process's batches: its share of an epoch.
+    epoch_batches = len(train_loader)
+    epoch_samples = epoch_batches * cfg.batch_size * accelerator.num_processes  # less a remainder short of a batch
+    progress = Progress()
+    accelerator.register_for_checkpointing(progress)  # saved and restored with every checkpoint
+    # --ema: an average of the weights (schedule.update_ema), a copy of the model updated on every process after every
+    # optimizer step. The processes hold the same weights, so the same average; BatchNorm's running statistics too.
+    ema = copy.deepcopy(accelerator.unwrap_model(model)).requires_grad_(False) if cfg.ema else None
+    if ema is not None:
+        accelerator.register_for_checkpointing(ema)  # in every checkpoint, so a resume continues it exactly
+    checkpoints = Checkpoints(accelerator, run_dir, cfg)
+    # SIGTERM (sent by SLURM and most schedulers before a kill) or Ctrl-C: finish this step, save, exit 0 (after_step).
+    checkpoints.stop_on_signals()
+    # With --resume: the checkpoint loaded, else None. From another number of processes, every process is re-seeded.
+    checkpoint = checkpoints.resume(progress)
+    order.set_position(progress.epoch, progress.samples_into_epoch)
+    # Optimizer steps to the end of --epochs from where the run stands: the rest of this epoch, then whole ones
+    # (counted this way, a resume on another number of processes still ends after --epochs).
+    batches_left = len(train_loader) + (cfg.epochs - progress.epoch - 1) * epoch_batches
+    total_steps = cfg.max_steps or progress.step + batches_left // cfg.grad_accum
+    if epoch_batches < cfg.grad_accum or total_steps == 0:  # an epoch must hold a step (drop_last: whole batches)
+        raise RecipeError(f"{len(train_set)} training images make no full step of {global_batch_size}: "
+                          "lower --batch_size or --grad_accum")
+    run_epochs = total_steps * cfg.grad_accum / epoch_batches  # the run's length: a fraction with --max_steps
+    log_every = cfg.log_every or max(1, total_steps // 100)  # about 100 points on each curve
+
+    data_name = "SYNTHETIC data" if cfg.synthetic else cfg.data
+    accelerator.print(f"{RECIPE}: {data_name}, {len(train_set)} train / {len(test_set)} test images | "
+                      f"{accelerator.num_processes} process(es) on {accelerator.device}, "
+                      f"precision {accelerator.mixed_precision} | "
+                      f"global batch {global_batch_size}, {total_steps} steps ({run_epochs:.3g} epochs) | {run_dir}")
+    config = tracking.run_config(cfg, accelerator, run_dir, recipe=RECIPE, script=__file__, data=data_name,
+                                 global_batch_size=global_batch_size, total_steps=total_steps,
+                                 train_size=len(train_set), test_size=len(test_set), classes=train_set.classes,
+                                 data_on_device=on_device, resumed_from=str(checkpoint) if checkpoint else None,
+                                 resumed_step=progress.step if checkpoint else None, init_from_sha256=init_sha256)
+    # Steps left to run? What changed, and what that changes? From an older checkpoint than the newest, this moves
+    # the later history (checkpoints, weights, summary, pictures) into abandoned/: a new branch of the run.
+    checkpoints.check_resume_and_branch(config, progress)
+    accelerator.init_trackers(RECIPE, config=config)
+
+    progress.pieces += 1  # this launch is one more piece of the run (saved with each checkpoint, in the summary)
+    window = tracking.TrainWindow(accelerator, progress)  # train_* points, and the run's time across its pieces
+    show_bar = accelerator.is_local_main_process and sys.stderr.isatty()
+    while True:  # the rest of an epoch, then an evaluation; resumed at the run's last step, only the evaluation
+        model.train()
+        frozen = progress.epoch < cfg.freeze_epochs  # the new classifier alone: BatchNorm's statistics kept too
+        for module in model.modules() if frozen else []:
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                module.eval()
+        order.set_position(progress.epoch, progress.samples_into_epoch)  # this epoch's order, from the first unseen one
+        bar = tqdm(train_loader, desc=f"epoch {progress.epoch + 1}/{math.ceil(run_epochs)}", disable=not show_bar,
+                   total=min(len(train_loader), (total_steps - progress.step) * cfg.grad_accum),  # --max_steps
+                   leave=False)
+        for images, labels in bar:
+            if progress.step == total_steps:
+                break
+            lr = schedule.one_cycle_lr(progress.step, total_steps, cfg.lr)  # a function of the step, no state
+            for group in optimizer.param_groups:  # the pretrained layers: a share of it
+                group["lr"] = lr * cfg.backbone_lr if group["backbone"] else lr
+            with accelerator.accumulate(model):  # DDP syncs gradients only on the last batch of each accumulation
+                inputs = preprocess(images, cfg.augment)
+                if cfg.channels_last:  # after preprocessing: roi_align returns a plain NCHW tensor
+                    inputs = inputs.contiguous(memory_format=torch.channels_last)
+                logits = model(inputs)
+                loss = loss_fn(logits, labels)
+                accelerator.backward(loss)  # scaled by 1/grad_accum, so accumulated gradients are a mean
+                if frozen and accelerator.sync_gradients:  # no gradient: SGD moves neither weight nor momentum
+                    for param in backbone:
+                        param.grad = None
+                if accelerator.sync_gradients:  # the gradient is complete: accumulated, averaged over processes
+                    # One bad batch can take a step large enough to kill every ReLU; the clip bounds it.
+                    window.add_grad_norm(accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+                optimizer.step()  # does nothing until the last batch of the accumulation
+                optimizer.zero_grad()
+            progress.samples_into_epoch += len(labels) * accelerator.num_processes
+            window.add(loss, metric_sums(logits.detach(), labels), len(labels))  # summed on the device: no sync
+            if not accelerator.sync_gradients:
+                continue
+            if ema is not None:
+                schedule.update_ema(ema, model, progress.step, cfg.ema)  # no host sync: the decay is a Python number
+            progress.step += 1
+            window.heartbeat(progress.step, total_steps)  # without a terminal (a log file): a line every 30 s
+            log_now = progress.step % log_every == 0 or progress.step == total_steps
+            if log_now:
+                epoch = progress.epoch + progress.samples_into_epoch / epoch_samples
+                point = {"epoch": epoch, "lr": lr, **window.flush(progress.step)}
+                accelerator.log(point, step=progress.step)
+                bar.set_postfix(loss=f"{point['train_loss']:.3f}", acc=f"{point['train_acc']:.3f}",
+                                samples_per_s=f"{point['samples_per_s']:.0f}")
+            with window.paused():  # checkpointing is not training time
+                if checkpoints.after_step(model, progress.step, at_log_point=log_now):  # a stop was asked: saved
+                    accelerator.end_training()
+                    return
+        if len(train_set) - progress.samples_into_epoch < cfg.batch_size * accelerator.num_processes:  # no batch left
+            progress.epoch, progress.samples_into_epoch = progress.epoch + 1, 0
+        with window.paused():
+            metrics, predictions = evaluate(model, test_loader, accelerator, cfg)
+            if ema is not None:  # BatchNorm statistics differ between processes: the main process's, as DDP does
+                broadcast(list(ema.buffers()))
+                ema_metrics, _ = evaluate(ema, test_loader, accelerator, cfg)
+                metrics |= {f"{key}_ema": value for key, value in ema_metrics.items() if key != "eval_samples"}
+        progress.max_eval_acc = max(progress.max_eval_acc, metrics["eval_acc"])  # reported, never selected on
+        accelerator.log(metrics, step=progress.step)
+        accelerator.print(f"step {progress.step}/{total_steps}  "
+                          + "  ".join(f"{key} {value:.4f}" for key, value in metrics.items() if key != "eval_samples"))
+        if progress.step == total_steps:
+            break
+
+    checkpoints.save(model, progress.step)  # a no-op if this step is already saved
+    summary = window.summary(progress.epoch + progress.samples_into_epoch / epoch_samples, data_name)  # whole run
+    # With --ema the average is the model: choosing between it and the trained weights by their test accuracy would
+    # select on the test set. The trained weights stay in the last checkpoint (predict.py --evaluate takes either).
+    checkpoints.save_weights(model if ema is None else ema, {  # model.safetensors
+        "recipe": RECIPE, "script": __file__, "weights": "trained" if ema is None else "ema",
+        "classes": train_set.classes, "flags": vars(cfg), **metrics, **summary})
+    diagnostics.save_pictures(accelerator, run_dir, test_set, predictions, progress.step)  # confusion_matrix.png
+    accelerator.log(summary, step=progress.step)
+    accelerator.wait_for_everyone()  # gloo's exit race (docs/troubleshooting.md) is rarer if all leave together
+    accelerator.end_training()
+    saved = "trained" if ema is None else "EMA"  # the weights in model.safetensors, and their test accuracy
+    accelerator.print(f"done: {saved} weights' eval_acc {metrics['eval_acc' if ema is None else 'eval_acc_ema']:.4f} "
+                      f"after {progress.step} steps, {summary['wall_s']:.0f} s in {summary['pieces']} piece(s); "
+                      f"model.safetensors and the run's files in {run_dir}")
+
+
+def main() -> None:
+    cfg = Config.parse()
+    with one_line_errors():
+        train(cfg)
+
+
+if __name__ == "__main__":
+    main()
