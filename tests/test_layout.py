@@ -94,6 +94,25 @@ def test_a_recipe_copied_beside_shared_runs_outside_the_repository(env, tmp_path
 # keeps its feature examples in step with the complete one the same way: by diffing them.) After a deliberate
 # change, paste the diff the failure prints.
 INTENDED = {
+    ("finetune", "train"): """
+    + if not (cfg.resume or cfg.init_from):  # else the checkpoint, or the --init_from file, holds the weights
+    + with accelerator.local_main_process_first():  # one download per machine, into torchvision's cache
+    + load_pretrained(model, cfg)
+    + backbone = [p for group in optimizer.param_groups if group["backbone"] for p in group["params"]]
+    + frozen = progress.epoch < cfg.freeze_epochs  # the new classifier alone: BatchNorm's statistics kept too
+    + for module in model.modules() if frozen else []:
+    + if isinstance(module, nn.modules.batchnorm._BatchNorm):
+    + module.eval()
+    - for group in optimizer.param_groups:
+    - group["lr"] = lr
+    + for group in optimizer.param_groups:  # the pretrained layers: a share of it
+    + group["lr"] = lr * cfg.backbone_lr if group["backbone"] else lr
+    - if cfg.channels_last:  # after preprocessing: the crop's gather returns a plain NCHW tensor
+    + if cfg.channels_last:  # after preprocessing: roi_align returns a plain NCHW tensor
+    + if frozen and accelerator.sync_gradients:  # no gradient: SGD moves neither weight nor momentum
+    + for param in backbone:
+    + param.grad = None
+""",
     ("resnet18_fmnist", "train"): """
     + peak_lr = scaled_lr(cfg, global_batch_size)
     + if cfg.sync_bn and accelerator.num_processes > 1:
@@ -169,9 +188,9 @@ def function_lines(recipe: str, name: str) -> list[str]:
     return source.splitlines()[start - 1:node.end_lineno]
 
 
-@pytest.mark.parametrize("recipe", ["resnet18_fmnist", "deep_mlp_ckpt"])
+@pytest.mark.parametrize("recipe", ["resnet18_fmnist", "deep_mlp_ckpt", "finetune"])
 @pytest.mark.parametrize("name", ["evaluate", "train", "main"])
-def test_the_three_training_loops_stay_in_step(recipe, name):
+def test_the_training_loops_stay_in_step(recipe, name):
     changed = [f"{line[0]} {line[1:].strip()}"
                for line in difflib.unified_diff(function_lines("cifar_cnn", name), function_lines(recipe, name),
                                                 lineterm="", n=0)
