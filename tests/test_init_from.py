@@ -37,7 +37,7 @@ def three_classes(tmp_path_factory) -> Path:
     return cifar_folder(folder, random_splits((3, 32, 32), sizes=(24, 9), classes=3), ["cat", "dog", "fox"])
 
 
-@pytest.mark.parametrize("recipe", ["cifar_cnn", "resnet18_fmnist", "deep_mlp_ckpt"])
+@pytest.mark.parametrize("recipe", ["cifar_cnn", "resnet18_fmnist", "deep_mlp_ckpt", "finetune"])
 def test_every_tensor_that_fits_is_loaded_and_the_head_is_new(recipe, tmp_path):
     from shared.checkpoints import Checkpoints
 
