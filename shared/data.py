@@ -26,7 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from shared.batches import ImageTensors
-from shared.dataset_files import DatasetFiles, find_dataset_files
+from shared.dataset_files import DatasetFiles, find_dataset_files, free_memory
 from shared.errors import RecipeError, first_line, is_main_process
 
 if TYPE_CHECKING:  # for the annotations only
@@ -51,13 +51,7 @@ def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: b
     import datasets
 
     image_column, label_column, classes = find_columns(train, source)
-    # Every pixel of both splits is held at once (150 KB a 224-px photo: 15 GB for 100,000): refused before a byte
-    need = (len(train) + len(test)) * math.prod(image_shape)
-    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    if need > free:
-        raise RecipeError(f"{source}: {len(train) + len(test):,} images of {'x'.join(map(str, image_shape))} take "
-                          f"{need / 2**30:.1f} GiB decoded, more than the {free / 2**30:.1f} GiB of free memory: use "
-                          "smaller images (finetune.py: --image_size) or fewer, or a machine with more memory")
+    check_decoded_size(source, len(train) + len(test), image_shape)
     file, where = image_file(train.cast_column(image_column, datasets.Image(decode=False))[0][image_column], source,
                              "train", 0)
     read_image(file, image_shape, where)  # a bad first image: one line, at once
@@ -65,6 +59,16 @@ def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: b
         check_conversion(source, image_shape, 1 if first.mode in ("1", "L", "LA") else 3, (first.height, first.width))
     return tuple(decode_split(split, name, source, image_column, label_column, classes, image_shape)
                  for name, split in (("train", train), ("test", test)))
+
+
+def check_decoded_size(source: str, count: int, image_shape: tuple[int, int, int]) -> None:
+    """Every pixel of both splits is held at once, converted to `image_shape` (150 KB a 224-px photo: 15 GB for
+    100,000): refuse more than the free memory before a byte is decoded or converted."""
+    need, free = count * math.prod(image_shape), free_memory()
+    if need > free:
+        raise RecipeError(f"{source}: {count:,} images of {'x'.join(map(str, image_shape))} take "
+                          f"{need / 2**30:.1f} GiB decoded, more than the {free / 2**30:.1f} GiB of free memory: use "
+                          "smaller images (finetune.py: --image_size) or fewer, or a machine with more memory")
 
 
 def open_dataset(source: str) -> datasets.DatasetDict:
@@ -216,6 +220,7 @@ def load_dataset_files(files: DatasetFiles, source: str, image_shape) -> tuple[I
     cache = CACHE_DIR / f"files-{key}-{'x'.join(map(str, image_shape))}.safetensors"
     if not cache.exists():
         splits, classes = files.read()
+        check_decoded_size(source, sum(len(labels) for _, labels in splits.values()), image_shape)
         images = splits["train"][0]
         check_conversion(source, image_shape, images.shape[1], tuple(images.shape[2:]))
         for name, (_, labels) in splits.items():

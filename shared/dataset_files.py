@@ -137,9 +137,17 @@ def read_idx(path: Path) -> np.ndarray:
     return np.frombuffer(raw, np.uint8).reshape(shape)
 
 
+def free_memory() -> float:
+    """Bytes of free memory, or infinity where the system does not say (no SC_AVPHYS_PAGES on macOS)."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return math.inf
+
+
 def check_size(path: Path, size: int) -> None:
     """Refuse a file whose header claims more bytes than MAX_FILE_BYTES or this machine's free memory."""
-    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else size
+    free = free_memory()
     if size > min(MAX_FILE_BYTES, free):
         raise RecipeError(f"{path} claims {size:,} bytes of data, over the {MAX_FILE_BYTES / 2**30:.0f} GiB a dataset "
                           f"file may hold here (or the {free / 2**30:.1f} GiB of free memory): a damaged or hostile "

@@ -16,7 +16,7 @@ import torchvision
 from test_errors import one_line
 
 from conftest import ROOT, assert_bitwise_equal, launch, ok, weights
-from tiny_data import imagefolder_dataset
+from tiny_data import idx_folder, imagefolder_dataset, random_splits
 
 # 24 training photos in batches of 8: 3 steps an epoch, the first epoch frozen
 RUN = ("--image_size", "32", "--batch_size", "8", "--max_steps", "6", "--freeze_epochs", "1", "--log_every", "1",
@@ -94,4 +94,13 @@ def test_photos_that_would_not_fit_in_memory_decoded_are_refused_first(env, phot
                            "--tracker", "none", "--output_dir", str(tmp_path / "out")),
                     "33 images of 3x200000x200000 take 3688.0 GiB decoded, more than the",
                     "use smaller images (finetune.py: --image_size) or fewer")
+    assert "GiB of free memory" in line
+
+
+def test_published_files_that_would_not_fit_in_memory_converted_are_refused_first(env, tmp_path):
+    """IDX files are read, then converted to --image_size all at once: the same bound, before the conversion."""
+    digits = idx_folder(tmp_path / "digits", random_splits((28, 28), sizes=(24, 9), classes=3))
+    line = one_line(launch(env, "finetune", "--data", str(digits), "--weights", "none", "--image_size", "200000",
+                           "--tracker", "none", "--output_dir", str(tmp_path / "out")),
+                    "33 images of 3x200000x200000 take 3688.0 GiB decoded, more than the")
     assert "GiB of free memory" in line
