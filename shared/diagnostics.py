@@ -16,13 +16,18 @@ def pyplot():
     return plt
 
 
+def is_point(row: dict) -> bool:
+    """A training or an evaluation point of a curve; not the summary, logged once at the end with one value a key."""
+    return "train_loss" in row or "eval_loss" in row
+
+
 def plot_curves(rows: list[dict], path: Path, title: str) -> None:
     """Loss, the recipe's metrics (train and eval) and the gradient norm against the optimizer step."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     # train_<name> and eval_<name> of each of metric_sums, from the training and evaluation points: not the summary's
     # train_s (the run's training time), which is no metric
-    points = [row for row in rows if "train_loss" in row or "eval_loss" in row]
+    points = [row for row in rows if is_point(row)]
     metrics = sorted({key for row in points for key in row if key.startswith(("train_", "eval_")) and "loss" not in key
                       and key != "eval_samples"})
     for ax, keys, ylabel in zip(axes, (("train_loss", "eval_loss"), metrics, ("grad_norm",)),

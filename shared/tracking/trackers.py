@@ -12,6 +12,7 @@ from urllib.parse import urlparse
 import torch
 from accelerate.tracking import TensorBoardTracker, WandBTracker, on_main_process
 
+from shared.diagnostics import is_point
 from shared.errors import first_line
 from shared.schedule import SCHEDULE_RULE
 
@@ -82,7 +83,7 @@ class TensorBoard(TensorBoardTracker):
 
     @on_main_process
     def log(self, values: dict, step: int | None = None, **kwargs):
-        if "pieces" not in values:  # the summary (TrainWindow.summary): one point per key
+        if is_point(values):  # the summary stays in summary.json: one point a key
             super().log(values, step=step, **kwargs)
 
 
