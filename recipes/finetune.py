@@ -30,7 +30,6 @@ from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import GradientAccumulationPlugin, broadcast, set_seed
 from torch import nn
 from torch.utils.data import DataLoader
-from torchvision.ops import roi_align
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it
@@ -92,24 +91,10 @@ def load_data(cfg: Config):
     return load_image_data(cfg.data, image_shape(cfg), cfg.synthetic)
 
 
-def random_resized_crop(images: torch.Tensor, scale=(0.25, 1.0), ratio=(3 / 4, 4 / 3)) -> torch.Tensor:
-    """Each image: a random box of `scale` of its area and an aspect ratio in `ratio` (log-uniform), resized back to
-    the batch's size with bilinear sampling, one roi_align call for the whole batch. Floats out (0-255)."""
-    n, _, h, w = images.shape
-    area_draw, aspect_draw, left_draw, top_draw = torch.rand(4, n, device=images.device)
-    area = (scale[0] + (scale[1] - scale[0]) * area_draw) * h * w
-    aspect = torch.exp(math.log(ratio[0]) + (math.log(ratio[1]) - math.log(ratio[0])) * aspect_draw)
-    box_w, box_h = (area * aspect).sqrt().clamp(max=w), (area / aspect).sqrt().clamp(max=h)
-    left, top = left_draw * (w - box_w), top_draw * (h - box_h)
-    boxes = torch.stack([torch.arange(n, device=images.device, dtype=torch.float), left, top, left + box_w,
-                         top + box_h], dim=1)
-    return roi_align(images.float(), boxes, output_size=(h, w), sampling_ratio=2, aligned=True)
-
-
 def preprocess(images: torch.Tensor, training: bool) -> torch.Tensor:
     """uint8 batch on the device -> normalized float batch, augmented for training."""
     if training:
-        images = augment.random_flip(random_resized_crop(images))
+        images = augment.random_flip(augment.random_resized_crop(images))
     return augment.normalize(images, MEAN, STD)
 
 
@@ -313,7 +298,7 @@ def train(cfg: Config) -> None:
                 group["lr"] = lr * cfg.backbone_lr if group["backbone"] else lr
             with accelerator.accumulate(model):  # DDP syncs gradients only on the last batch of each accumulation
                 inputs = preprocess(images, cfg.augment)
-                if cfg.channels_last:  # after preprocessing: roi_align returns a plain NCHW tensor
+                if cfg.channels_last:  # after preprocessing: the crop returns a plain NCHW tensor
                     inputs = inputs.contiguous(memory_format=torch.channels_last)
                 logits = model(inputs)
                 loss = loss_fn(logits, labels)

@@ -65,3 +65,19 @@ def random_erase(images: torch.Tensor, p: float, fill: tuple[int, ...] = (0,), s
     inside = (rows >= top) & (rows < top + height) & (cols >= left) & (cols < left + width)
     inside &= erase_draw < p
     return torch.where(inside.unsqueeze(1), _fill_colour(tuple(fill), c, images.device), images)
+
+
+def random_resized_crop(images: torch.Tensor, scale=(0.25, 1.0), ratio=(3 / 4, 4 / 3)) -> torch.Tensor:
+    """Each image: a random box of `scale` of its area and an aspect ratio in `ratio` (log-uniform), resized back to
+    the batch's size with bilinear sampling, one roi_align call for the whole batch. Floats out (0-255)."""
+    from torchvision.ops import roi_align  # here: torchvision's import is for the recipes that crop this way
+
+    n, _, h, w = images.shape
+    area_draw, aspect_draw, left_draw, top_draw = torch.rand(4, n, device=images.device)
+    area = (scale[0] + (scale[1] - scale[0]) * area_draw) * h * w
+    aspect = torch.exp(math.log(ratio[0]) + (math.log(ratio[1]) - math.log(ratio[0])) * aspect_draw)
+    box_w, box_h = (area * aspect).sqrt().clamp(max=w), (area / aspect).sqrt().clamp(max=h)
+    left, top = left_draw * (w - box_w), top_draw * (h - box_h)
+    boxes = torch.stack([torch.arange(n, device=images.device, dtype=torch.float), left, top, left + box_w,
+                         top + box_h], dim=1)
+    return roi_align(images.float(), boxes, output_size=(h, w), sampling_ratio=2, aligned=True)

@@ -108,7 +108,7 @@ INTENDED = {
     + for group in optimizer.param_groups:  # the pretrained layers: a share of it
     + group["lr"] = lr * cfg.backbone_lr if group["backbone"] else lr
     - if cfg.channels_last:  # after preprocessing: the crop's gather returns a plain NCHW tensor
-    + if cfg.channels_last:  # after preprocessing: roi_align returns a plain NCHW tensor
+    + if cfg.channels_last:  # after preprocessing: the crop returns a plain NCHW tensor
     + if frozen and accelerator.sync_gradients:  # no gradient: SGD moves neither weight nor momentum
     + for param in backbone:
     + param.grad = None
