@@ -4,7 +4,7 @@ that the recipes' defaults can be tried on real images where the hub cannot be r
 
   digits     scikit-learn's 1,797 handwritten digits (8x8, 17 gray levels), upsampled to 20x20 and
              centred in 28x28 as in MNIST: Fashion-MNIST's format (1 x 28 x 28, column 'image', 10 classes);
-             1,500 train / 297 test.
+             1,500 train / 297 test; digits_150: the first 150 of those training digits, the same test digits.
   photos10   32x32 RGB crops of 10 colour photographs; the class is the photograph: CIFAR-10's format
              (column 'img', 10 classes); 500 train / 100 test crops per class.
   photos10_small  the same with 150 train / 30 test crops per class, for models too slow for 5,000 images
@@ -134,6 +134,11 @@ def digits(test_size: int = 297, seed: int = 0, limit: int | None = None) -> dat
     return datasets.DatasetDict(train=data.select(range(test_size, len(data))), test=data.select(range(test_size)))
 
 
+def first_train(splits: datasets.DatasetDict, count: int) -> datasets.DatasetDict:
+    """The first `count` training images and the whole test split."""
+    return datasets.DatasetDict(train=splits["train"].select(range(count)), test=splits["test"])
+
+
 def write(splits: datasets.DatasetDict, folder: Path, layout: str) -> Path:
     """`splits` written as a save_to_disk folder, parquet files (one per split), an imagefolder, or IDX files (the
     MNIST family's format, for grayscale sets: nothing to install where the recipes read them)."""
@@ -163,6 +168,7 @@ def write(splits: datasets.DatasetDict, folder: Path, layout: str) -> Path:
 
 SETS = {  # name -> builder with the sizes of the module docstring
     "digits": lambda: digits(),
+    "digits_150": lambda: first_train(digits(), 150),  # a small labeled set (benchmarks/transfer.sh)
     "photos10": lambda: photos(10, 500, 100),
     "photos10_small": lambda: photos(10, 150, 30),
     "photos100": lambda: photos(100, 50, 10),

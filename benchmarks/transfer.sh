@@ -2,13 +2,13 @@
 # What starting from the recipes' own trained weights is worth (--init_from): the ResNet pretrained on the real
 # Fashion-MNIST, then fine-tuned on scikit-learn's real handwritten digits (1,797 scans: 1,500 train / 297 test,
 # 28x28 as in MNIST, benchmarks/real_images.py), against the same run from scratch: the same flags and steps, seeds
-# 0, 1, 2 (TRANSFER_TRAIN_IMAGES=N: the first N training digits only). Writes OUT/transfer.md (mean ± std) and
-# OUT/transfer.jsonl; each run's folder under OUT. A run whose summary.json is there is not run again, so a cut
-# measurement goes on where it stopped.
+# 0, 1, 2. Writes OUT/transfer.md (mean ± std) and OUT/transfer.jsonl; each run's folder under OUT. A run whose
+# summary.json is there is not run again, so a cut measurement goes on where it stopped.
 #   bash benchmarks/transfer.sh OUT
 #   TRANSFER_CONFIG=accelerate_configs/bf16.yaml TRANSFER_PRETRAIN="--batch_size 512 --epochs 6" bash ... OUT   # GPU
 # The digits' IDX files: python benchmarks/real_images.py --sets digits --formats idx (TRANSFER_DIGITS, else the
-# cache folder it prints); Fashion-MNIST's: TRANSFER_FASHION_MNIST, else /usr/share/datasets/fashion-mnist.
+# cache folder it prints; --sets digits_150: the first 150 training digits only, a small labeled set);
+# Fashion-MNIST's: TRANSFER_FASHION_MNIST, else /usr/share/datasets/fashion-mnist.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,24 +22,6 @@ for folder in "$FASHION_MNIST" "$DIGITS"; do
     [ -d "$folder" ] || { echo "error: no folder $folder (see this script's header)" >&2; exit 1; }
 done
 mkdir -p "$OUT"
-if [ -n "${TRANSFER_TRAIN_IMAGES:-}" ]; then  # a smaller labeled set: the first N training digits, the same test set
-    python3 - "$DIGITS" "$OUT/digits-$TRANSFER_TRAIN_IMAGES" "$TRANSFER_TRAIN_IMAGES" <<'SUBSET'
-import sys
-from pathlib import Path
-
-source, subset, count = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
-subset.mkdir(exist_ok=True)
-for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
-    raw = (source / name).read_bytes()
-    if name.startswith("train"):  # IDX: magic (4 bytes), sizes (4 each, the count first), then the rows
-        dims, row = raw[3], 1
-        for i in range(1, dims):
-            row *= int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big")
-        raw = raw[:4] + count.to_bytes(4, "big") + raw[8:4 + 4 * dims] + raw[4 + 4 * dims:4 + 4 * dims + count * row]
-    (subset / name).write_bytes(raw)
-SUBSET
-    DIGITS="$OUT/digits-$TRANSFER_TRAIN_IMAGES"
-fi
 
 run() {  # run FOLDER FLAGS...: the ResNet recipe into OUT/FOLDER, unless it finished there already
     [ -f "$OUT/$1/summary.json" ] && return 0
