@@ -14,6 +14,7 @@ allocates. `.read()` returns {"train": (images, labels), "test": ...}, uint8 (N,
 class names.
 """
 
+import contextlib
 import gzip
 import hashlib
 import io
@@ -21,6 +22,7 @@ import math
 import os
 import pickle
 import pickletools
+import resource
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,12 +139,27 @@ def read_idx(path: Path) -> np.ndarray:
     return np.frombuffer(raw, np.uint8).reshape(shape)
 
 
-def free_memory() -> float:
-    """Bytes of free memory, or infinity where the system does not say (no SC_AVPHYS_PAGES on macOS)."""
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return math.inf
+def free_memory(cgroups: Path = Path("/sys/fs/cgroup")) -> float:
+    """Bytes this process may still allocate: the memory the system has available (page cache counts as free, as in
+    `free`), within the limit of its cgroup and of every cgroup above it (cgroup v2: a container's or a SLURM job's
+    memory limit), and within its address-space limit (`ulimit -v`). Infinity where the system does not say (macOS)."""
+    room = [math.inf]
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        room.append(int(meminfo["MemAvailable"].split()[0]) * 1024)
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        group = cgroups / next(line[3:] for line in lines if line.startswith("0::")).strip("/")
+        for folder in [group, *group.parents[:len(group.relative_to(cgroups).parts)]]:
+            with contextlib.suppress(OSError, ValueError, KeyError):  # "max": no limit in this cgroup
+                stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines())
+                used = int((folder / "memory.current").read_text()) - int(stat["inactive_file"])
+                room.append(int((folder / "memory.max").read_text()) - used)
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    with contextlib.suppress(OSError, ValueError):
+        if limit != resource.RLIM_INFINITY:
+            room.append(limit - int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE"))
+    return max(min(room), 0)
 
 
 def check_size(path: Path, size: int) -> None:

@@ -36,8 +36,9 @@ def one_line_errors():
     except (RecipeError, MemoryError, torch.OutOfMemoryError, RuntimeError) as error:
         if isinstance(error, RecipeError):
             message = str(error)
-        elif isinstance(error, MemoryError):  # a CPU allocation; the readers of data files name the file themselves
-            message = "out of memory (MemoryError): lower --batch_size, or check that --data holds what it should"
+        elif isinstance(error, MemoryError) or "DefaultCPUAllocator: can't allocate memory" in str(error):
+            # a CPU allocation, Python's or torch's (a RuntimeError); the readers of data files name the file themselves
+            message = "out of memory: lower --batch_size, or check that --data holds what it should"
         elif isinstance(error, torch.OutOfMemoryError):
             message = f"out of GPU memory ({first_line(error)[:120]}): lower --batch_size"
         elif os.environ.get("WORLD_SIZE", "1") != "1" and in_collective(error):

@@ -315,3 +315,18 @@ def test_the_decode_cache_sits_beside_datasets_own_cache_without_importing_datas
     # Reading IDX files or --synthetic needs no datasets (0.6 s of a start): only the hub and datasets' folders do.
     code = "import sys, recipes.cifar_cnn, recipes.predict; assert 'datasets' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_free_memory_stays_within_the_cgroups_limit(tmp_path):
+    """A container's or a SLURM job's memory limit (cgroup v2: memory.max), less what the cgroup uses beyond page cache
+    it can drop. This process's own cgroup is "/" here, so the folder given stands for the cgroup root."""
+    from shared.dataset_files import free_memory
+
+    if "0::/\n" not in Path("/proc/self/cgroup").read_text():
+        pytest.skip("this process sits below the cgroup namespace's root")
+    (tmp_path / "memory.stat").write_text("anon 1\ninactive_file 104857600\n")
+    (tmp_path / "memory.current").write_text("629145600\n")
+    (tmp_path / "memory.max").write_text("1073741824\n")
+    assert free_memory(tmp_path) == 2**30 - 600 * 2**20 + 100 * 2**20
+    (tmp_path / "memory.max").write_text("max\n")  # no limit: the system's free memory (this machine has over 1 GiB)
+    assert free_memory(tmp_path) > 2**30

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import resource
 import shutil
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -393,3 +396,16 @@ def test_flags_parse_without_the_source_file_and_take_help_from_it_when_there(ca
         parse_config(namespace["Config"], ["--help"])
     text = capsys.readouterr().out
     assert "--widen INT" in text and "passes over the training set" in text  # RunConfig's file is there
+
+
+def test_a_batch_whose_activations_do_not_fit_in_memory_is_one_line(env, tmp_path):
+    """torch's CPU allocator raises a RuntimeError, not a MemoryError. The run gets 8 GiB of address space (torch
+    takes about 5), so the ResNet's activations at batch 4096 cannot fit."""
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (8 * 2**30, 8 * 2**30))
+
+    result = subprocess.run([sys.executable, "recipes/resnet18_fmnist.py", "--synthetic", "--batch_size", "4096",
+                             "--max_steps", "1", "--tracker", "none", "--output_dir", str(tmp_path / "out")],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, preexec_fn=limit)
+    one_line(result, "out of memory: lower --batch_size")
+    assert not (tmp_path / "out" / "model.safetensors").exists()

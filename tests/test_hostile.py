@@ -411,6 +411,15 @@ def test_predict_refuses_a_decompression_bomb(env, run, tmp_path):
             photos, "--output", tmp_path / "out" / "p.csv", needle="bomb.png has more than 89,478,485 pixels")
 
 
+def test_photos_that_would_not_fit_under_the_memory_limit_decoded_are_refused_first(env, tmp_path):
+    """33 photos at 8,000 px take 5.9 GiB decoded: less than this machine's free memory, more than the run's address
+    space leaves (ulimit -v, as a cluster sets it). Refused before decoding, with the size and what to do."""
+    data = imagefolder_dataset(tmp_path / "photos", sizes={"train": 24, "test": 9}, num_classes=3)
+    line = refused(env, tmp_path, "finetune", "--data", data, "--weights", "none", "--image_size", "8000", *SHORT,
+                   "--output_dir", tmp_path / "out", needle="33 images of 3x8000x8000 take 5.9 GiB decoded, more than")
+    assert "use smaller images (finetune.py: --image_size) or fewer" in line
+
+
 # ------------------------------------------------------------------ flags past their limits
 @pytest.mark.parametrize("args, needle, status", [
     (("--grad_accum", "100000", "--max_steps", "3"), "make no full step of 800000", 1),
