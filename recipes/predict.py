@@ -43,6 +43,7 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it
+from shared.checkpoints import Checkpoints
 from shared.config import parse_config
 from shared.data import read_image
 from shared.errors import RecipeError, check_launch, first_line, one_line_errors
@@ -168,6 +169,8 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
     if not path.exists():
         raise RecipeError(f"--weights {path}: no such file: pass a model.safetensors, a .pt/.pth file "
                           "or a checkpoint folder")
+    if path.suffix != ".safetensors":
+        Checkpoints.check_archive(path)  # no compressed entry: bounded by the file's size
     try:  # weights_only: tensors and plain containers only; a pickle that would run code is refused
         state = load_file(path) if path.suffix == ".safetensors" else torch.load(path, "cpu", weights_only=True)
     except pickle.UnpicklingError as error:
@@ -194,6 +197,9 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
                   f"{key!r} is {tuple(state[key].shape)} in the file, {tuple(expected[key].shape)} in the model")
         raise RecipeError(f"--weights {path} does not fit this model ({detail}): pass weights written by this recipe, "
                           "with the model flags they were trained with (see config.json beside them)")
+    if not all(torch.isfinite(state[k]).all() for k in expected if state[k].is_floating_point()):
+        raise RecipeError(f"--weights {path} holds NaN or infinite weights (a run that diverged): pass an earlier "
+                          "checkpoint's weights, or train again with a lower --lr")
     model.load_state_dict({k: state[k] for k in expected})
 
 
@@ -256,6 +262,9 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
     root = Path(cfg.images)
     images, skipped = find_images(root)
     output = Path(cfg.output)
+    if output.is_dir() or not output.parent.is_dir():
+        raise RecipeError(f"--output {output}: {'a folder' if output.is_dir() else 'its folder does not exist'}: pass "
+                          "a file name in an existing folder")
     if output.exists() and not cfg.overwrite:
         raise RecipeError(f"{output} exists: pass --overwrite to replace it, or another --output")
     if skipped:
@@ -275,11 +284,16 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
             counts[classes[i[0]]] += 1
 
     partial = output.with_name(output.name + ".tmp")
-    with partial.open("w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["path", "class", "confidence", f"top_{k}"])
-        writer.writerows(rows)
-    os.replace(partial, output)  # a reader never sees half a file
+    try:
+        partial.unlink(missing_ok=True)  # a link left there is removed, never written through
+        with partial.open("x", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["path", "class", "confidence", f"top_{k}"])
+            writer.writerows(rows)
+        os.replace(partial, output)  # a reader never sees half a file
+    except OSError as error:
+        raise RecipeError(f"cannot write {output} ({error.strerror}): pass --output in a writable folder with room"
+                          ) from None
     print(f"{recipe.__name__} ({cfg.weights}), {len(classes)} classes, on {state.device}:")
     for row in rows[:5]:
         print(f"  {row[0]}: {row[1]} ({row[2]})")

@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 import time
+import zipfile
 from pathlib import Path
 
 import torch
@@ -129,6 +130,7 @@ class Checkpoints:
             return None
         checkpoint = find_checkpoint(self.run_dir, self.cfg.resume)
         for pickled in sorted(checkpoint.glob("*.pkl")) + sorted(checkpoint.glob("*.bin")):
+            Checkpoints.check_archive(pickled)
             try:  # accelerate loads registered objects with weights_only=False: refuse what weights_only would
                 accelerate_load(pickled, map_location="cpu")
             except Exception as error:
@@ -262,6 +264,25 @@ class Checkpoints:
             save_file({k: v.contiguous() for k, v in state.items()}, partial,
                       metadata={k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()})
             os.replace(partial, self.run_dir / "model.safetensors")
+
+    @staticmethod
+    def check_archive(path: Path) -> None:
+        """Before torch.load: torch.save writes a zip of stored (uncompressed) entries, so a compressed entry, or
+        entries claiming more bytes than the file holds, could only inflate it, to any size: refused. A file that is
+        no zip is torch's format before 1.6 (torchvision's oldest downloads), left to torch.load."""
+        if not zipfile.is_zipfile(path):
+            return
+        try:
+            with zipfile.ZipFile(path) as archive:
+                entries = archive.infolist()
+        except (zipfile.BadZipFile, OSError, ValueError) as error:
+            raise RecipeError(f"{str(path)!r} is a damaged zip archive ({first_line(error)[:100]}): pass the file "
+                              "torch.save wrote") from None
+        packed = [entry.filename for entry in entries if entry.compress_type != zipfile.ZIP_STORED]
+        if packed or sum(entry.file_size for entry in entries) > path.stat().st_size:
+            raise RecipeError(f"{str(path)!r} holds {'compressed entries' if packed else 'entries larger than itself'}"
+                              f" ({(packed or [entries[0].filename])[0]}), which torch.save never writes: they could "
+                              "inflate to any size, so it is not loaded; pass the file torch.save wrote")
 
     @staticmethod
     def initial_weights(model, cfg) -> str | None:

@@ -87,6 +87,17 @@ def test_offline_without_the_weights_file_is_one_line(env, photos, tmp_path):
     assert "ResNet18_Weights.IMAGENET1K_V1" in line
 
 
+def test_a_cached_weights_file_with_compressed_entries_is_not_inflated(env, photos, torch_home, tmp_path):
+    """The cache may hold a file from anywhere: deflated entries could inflate to any size in torch.load."""
+    from test_hostile import zip_bomb
+
+    home = tmp_path / "home"
+    shutil.copytree(torch_home, home)
+    zip_bomb(home / "hub" / "checkpoints" / CACHED)
+    one_line(launch(dict(env, TORCH_HOME=str(home)), "finetune", "--data", str(photos), *RUN, "--output_dir",
+                    str(tmp_path / "out")), f"{CACHED}' holds compressed entries (", "which torch.save never writes")
+
+
 def test_photos_that_would_not_fit_in_memory_decoded_are_refused_first(env, photos, tmp_path):
     """33 photos at 200,000 px take 3.6 TiB decoded (the decode holds both splits at once), on any machine: one line,
     before any photo is decoded."""

@@ -15,6 +15,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import zipfile
 import zlib
 from pathlib import Path
 
@@ -149,6 +150,40 @@ def test_weights_that_are_a_folder_without_weights(env, tmp_path):
             "--evaluate", "--data", tmp_path, needle="/tmp/model.safetensors: no such file")
 
 
+def zip_bomb(path: Path, claim: bool = False) -> None:
+    """torch.save's zip, rewritten with its entries deflated (so a tensor of zeros of any size takes a few bytes); or
+    (`claim`) stored as torch.save stores them, but the first entry's size in the central directory 2 GiB."""
+    with zipfile.ZipFile(path) as archive:
+        entries = [(info.filename, archive.read(info)) for info in archive.infolist()]
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED if claim else zipfile.ZIP_DEFLATED, compresslevel=1) as archive:
+        for name, content in entries:
+            archive.writestr(name, content)
+    if claim:
+        raw = bytearray(path.read_bytes())
+        at = raw.index(b"PK\x01\x02")  # the first central directory record; its uncompressed size at offset 24
+        raw[at + 24:at + 28] = struct.pack("<I", 2**31)
+        path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("claim", [False, True], ids=["deflated", "claims more than the file"])
+def test_compressed_weights_are_not_inflated(env, run, tmp_path, claim):
+    """A 3.4 MB .pt of deflated entries reached 3.4 GB in predict.py and exited 0."""
+    pt = tmp_path / "weights.pt"
+    torch.save(weights(run), pt)
+    zip_bomb(pt, claim)
+    refused(env, tmp_path, "predict", "--weights", pt, "--recipe", "cifar_cnn", "--classes", ",".join("abcdefghij"),
+            "--images", tmp_path, "--output", tmp_path / "out" / "p.csv",
+            needle="which torch.save never writes: they could inflate to any size, so it is not loaded")
+
+
+def test_a_compressed_checkpoint_file_is_not_inflated(env, data, run, tmp_path):
+    """A 2.9 MB custom_checkpoint_0.pkl reached 3.5 GB on resume."""
+    out = unfinished(run, tmp_path)
+    zip_bomb(out / "checkpoints" / "step_4" / "custom_checkpoint_0.pkl")
+    refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--output_dir", out, "--resume", "latest",
+            needle="custom_checkpoint_0.pkl' holds compressed entries (")
+
+
 # ------------------------------------------------------------------ resumes that would delete or mix histories
 def test_a_checkpoint_outside_a_runs_checkpoints_folder_is_refused(env, data, run, tmp_path):
     # A folder of the user's, with a copy of the checkpoint in exports/ and files that look like a run's.
@@ -211,16 +246,87 @@ def test_a_folder_that_never_held_a_run_is_left_as_it_is(env, data, tmp_path, ov
             needle="holds files but no run of these recipes")
 
 
-def test_a_link_in_the_run_folder_is_not_written_through(env, data, run, tmp_path):
-    """summary.tmp, where summary.json is written before it is renamed into place, as a link to a file outside: the
-    resume that finishes the run wrote the summary there."""
-    out, outside = tmp_path / "out", tmp_path / "outside.json"
+def unfinished(run: Path, tmp_path: Path) -> Path:
+    """A copy of the finished run without its weights: a resume has its last evaluation and files to write."""
+    out = tmp_path / "out"
     shutil.copytree(run, out)
     (out / "model.safetensors").unlink()
-    (out / "summary.tmp").symlink_to(outside)
+    return out
+
+
+@pytest.mark.parametrize("name, target", [
+    ("curves.png", "file"), ("confusion_matrix.png", "file"), ("metrics.jsonl", "file"), ("metrics.jsonl", "none"),
+    ("summary.tmp", "none"), (".write_test", "none"), ("abandoned", "folder"), ("checkpoints/step_4", "folder"),
+    ("checkpoints", "folder"), ("config.json", "file")])
+@pytest.mark.parametrize("how", ["resume", "overwrite"])
+def test_a_link_in_a_run_folder_is_refused_before_anything_is_written(env, data, run, tmp_path, name, target, how):
+    """A run folder from elsewhere with a symbolic link in it: written through, it changed files outside the run
+    (curves.png, metrics.jsonl, a dangling link's target, abandoned/'s), and --overwrite or pruning ended in a
+    traceback. The link's target (outside the run) and the run are left as they were."""
+    out, outside = unfinished(run, tmp_path), tmp_path / "outside"
+    if target == "file":
+        outside.write_bytes((out / name).read_bytes() if (out / name).is_file() else b"mine")
+    elif target == "folder":
+        shutil.copytree(out / name, outside) if (out / name).is_dir() else outside.mkdir()
+        (outside / "mine.txt").write_text("mine")
+    shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink(missing_ok=True)
+    (out / name).symlink_to(outside)
+    before = snapshot(out)
+    flag = ("--resume", "latest") if how == "resume" else ("--overwrite",)
+    refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--output_dir", out, *flag,
+            needle=f"{str(out / name)!r} is a symbolic link: nothing in a run folder is written or read through one")
+    assert snapshot(out) == before and os.path.lexists(out / name) and (target == "none") != outside.exists()
+
+
+def test_wandbs_own_links_are_allowed(env, data, run, tmp_path):
+    """wandb links its logs and its latest run in wandb/, and replaces the links instead of writing through them."""
+    out = unfinished(run, tmp_path)
+    (out / "wandb" / "offline-run-1").mkdir(parents=True)
+    (out / "wandb" / "latest-run").symlink_to("offline-run-1")
     ok(launch(env, "cifar_cnn", "--data", str(data), *SHORT, "--output_dir", str(out), "--resume", "latest"))
-    assert not outside.exists() and not (out / "summary.json").is_symlink()
-    assert json.loads((out / "summary.json").read_text())["steps"] == 4
+    assert (out / "model.safetensors").is_file()
+
+
+def test_a_fifo_in_a_checkpoint_is_refused_instead_of_blocking(env, data, run, tmp_path):
+    """A FIFO among a checkpoint's files blocked the resume forever (it survived SIGTERM and its launcher's death)."""
+    out = unfinished(run, tmp_path)
+    (out / "checkpoints" / "step_4" / "random_states_0.pkl").unlink()
+    os.mkfifo(out / "checkpoints" / "step_4" / "random_states_0.pkl")
+    copy = tmp_path / "elsewhere" / "step_2"  # --resume of a checkpoint folder outside the run: checked too
+    shutil.copytree(run / "checkpoints" / "step_2", copy)
+    (copy / "random_states_0.pkl").unlink()
+    os.mkfifo(copy / "random_states_0.pkl")
+    for flags in (("--output_dir", out, "--resume", "latest"), ("--output_dir", tmp_path / "new", "--resume", copy)):
+        refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, *flags, needle="random_states_0.pkl' is a FIFO, "
+                "socket or device, not a regular file")
+
+
+def test_a_second_run_in_a_folder_in_use_is_refused(env, data, run, tmp_path):
+    """Two runs started at once in one folder: the winner carried the loser's config.json and a foreign metrics row.
+    The first run holds a lock on the folder (taken here by the test, as a running run holds it)."""
+    import fcntl
+
+    out = unfinished(run, tmp_path)
+    before = snapshot(out)
+    descriptor = os.open(out, os.O_RDONLY)
+    fcntl.flock(descriptor, fcntl.LOCK_EX)
+    try:
+        refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--output_dir", out, "--resume", "latest",
+                needle="is in use by another run, still running: wait for it to end, or pass another --output_dir")
+    finally:
+        os.close(descriptor)
+    assert snapshot(out) == before
+    ok(launch(env, "cifar_cnn", "--data", str(data), *SHORT, "--output_dir", str(out), "--resume", "latest"))
+
+
+def test_a_kill_while_metrics_are_rewritten_at_a_resume_loses_nothing(env, data, run, tmp_path):
+    """A resume rewrites metrics.jsonl up to its checkpoint's step; a SIGKILL in the middle left a 363 MB file empty."""
+    out = unfinished(run, tmp_path)
+    before = (out / "metrics.jsonl").read_bytes()
+    killed = launch(dict(env, PYTHONPATH=str(ROOT / "tests" / "faults"), FAULT_KILL_WRITING="metrics"), "cifar_cnn",
+                    "--data", str(data), *SHORT, "--output_dir", str(out), "--resume", "latest")
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert (out / "metrics.jsonl").read_bytes() == before
 
 
 def test_resume_of_a_checkpoint_at_a_one_part_relative_path(env, data, run, tmp_path):
@@ -407,6 +513,7 @@ def test_predict_refuses_a_decompression_bomb(env, run, tmp_path):
     photos = tmp_path / "photos"
     photos.mkdir()
     png(photos / "bomb.png", 30000, 30000, rows=1)
+    (tmp_path / "out").mkdir()
     refused(env, tmp_path, "predict", "--weights", run / "model.safetensors", "--recipe", "cifar_cnn", "--images",
             photos, "--output", tmp_path / "out" / "p.csv", needle="bomb.png has more than 89,478,485 pixels")
 
@@ -418,6 +525,44 @@ def test_photos_that_would_not_fit_under_the_memory_limit_decoded_are_refused_fi
     line = refused(env, tmp_path, "finetune", "--data", data, "--weights", "none", "--image_size", "8000", *SHORT,
                    "--output_dir", tmp_path / "out", needle="33 images of 3x8000x8000 take 5.9 GiB decoded, more than")
     assert "use smaller images (finetune.py: --image_size) or fewer" in line
+
+
+def predict_args(run: Path, tmp_path: Path) -> list:
+    photos = imagefolder_dataset(tmp_path / "photos", sizes={"x": 2})
+    return ["--weights", run / "model.safetensors", "--recipe", "cifar_cnn", "--images", photos]
+
+
+def test_predict_writes_around_a_planted_link(env, run, tmp_path):
+    """A predictions.csv.tmp link in the working folder had the CSV written into its target."""
+    (tmp_path / "out").mkdir()
+    outside = tmp_path / "outside.txt"
+    outside.write_text("mine")
+    (tmp_path / "out" / "p.csv.tmp").symlink_to(outside)
+    ok(subprocess.run([sys.executable, ROOT / "recipes/predict.py", *predict_args(run, tmp_path), "--output",
+                       tmp_path / "out" / "p.csv"], cwd=ROOT, env=env, capture_output=True, text=True))
+    assert outside.read_text() == "mine" and len((tmp_path / "out" / "p.csv").read_text().splitlines()) == 3
+
+
+@pytest.mark.parametrize("output, needle", [("missing/p.csv", "its folder does not exist"), ("", "a folder")],
+                         ids=["missing folder", "a folder"])
+def test_predict_output_that_cannot_be_a_file(env, run, tmp_path, output, needle):
+    (tmp_path / "out").mkdir()
+    refused(env, tmp_path, "predict", *predict_args(run, tmp_path), "--output", tmp_path / "out" / output,
+            needle=f"{needle}: pass a file name in an existing folder")
+    assert list((tmp_path / "out").iterdir()) == []  # no stray .tmp
+
+
+@pytest.mark.parametrize("evaluate", [False, True], ids=["predict", "evaluate"])
+def test_nan_weights_are_refused(env, data, run, tmp_path, evaluate):
+    """predict.py labelled every image with confidence nan and exited 0; --evaluate printed a NaN loss."""
+    state = weights(run)
+    state = {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v for k, v in state.items()}
+    save_file(state, tmp_path / "nan.safetensors")
+    args = predict_args(run, tmp_path)
+    args[1] = tmp_path / "nan.safetensors"
+    rest = ("--evaluate", "--data", data) if evaluate else ("--output", tmp_path / "out" / "p.csv")
+    refused(env, tmp_path, "predict", *args[:4], "--classes", ",".join("abcdefghij"),
+            *(rest if evaluate else (*args[4:], *rest)), needle="holds NaN or infinite weights (a run that diverged)")
 
 
 # ------------------------------------------------------------------ flags past their limits

@@ -1,6 +1,7 @@
 """The run's folder: new, empty, or a run of these recipes to resume or overwrite; one folder for every process and
 every node; and the trackers that record into it."""
 
+import fcntl
 import json
 import os
 import shutil
@@ -36,6 +37,7 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
             raise RecipeError(f"--resume {cfg.resume} is not in a run's checkpoints/ folder, so there is no run to "
                               "continue in: add --output_dir NEW_FOLDER to continue it there as a new run")
         output_dir = output_dir or its_run
+        check_entries(checkpoint)
         if Path(output_dir).resolve() != its_run and (Path(output_dir) / "config.json").exists():
             raise RecipeError(f"--resume {cfg.resume} is not a checkpoint of {output_dir}, which holds another run: "
                               "pass a new --output_dir to continue the checkpoint there (two histories never mix)")
@@ -44,6 +46,8 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
         broadcast_object_list(stamp)  # processes start a second apart; they must share one folder
         output_dir = f"runs/{recipe}{'-synthetic' if cfg.synthetic else ''}-{stamp[0]}"
     run_dir = Path(output_dir)
+    if run_dir.is_dir():
+        check_entries(run_dir)
     if (run_dir / "config.json").exists() and not (cfg.resume or cfg.overwrite):
         raise RecipeError(f"{run_dir} already holds a run: pass --resume latest to continue it, "
                           "--overwrite to replace it, or another --output_dir")
@@ -56,6 +60,7 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
     if state.is_main_process:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
+            lock(run_dir)
             (run_dir / ".write_test").touch()
             (run_dir / ".write_test").unlink()
         except OSError as error:
@@ -74,6 +79,44 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
     # RunFiles first: its config.json makes the folder a run before wandb or TensorBoard write into it, so a job
     # stopped between the two is still a run to its next start.
     return run_dir, [RunFiles(run_dir, run_id, labels)] + chosen
+
+
+def check_entries(folder: Path) -> None:
+    """Refuse a folder from elsewhere (a colleague's run, a download) that holds a symbolic link or a special file:
+    written through, a link changes a file outside the run; read, a FIFO blocks forever. wandb/ must be a folder, and
+    what is in it is wandb's: it links its logs there, and replaces its links (a rename) instead of writing through."""
+    folders, wandb = [Path(folder)], Path(folder) / "wandb"
+    while folders:  # not recursive: a tree thousands of folders deep is walked all the same
+        with os.scandir(folders.pop()) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    folders += [Path(entry.path)] if Path(entry.path) != wandb else []
+                elif not entry.is_file(follow_symlinks=False):
+                    kind = "a symbolic link" if entry.is_symlink() else "a FIFO, socket or device, not a regular file"
+                    raise RecipeError(f"{entry.path!r} is {kind}: nothing in a run folder is written or read through "
+                                      "one (it may lead outside the run, or block): replace it by a copy of the file, "
+                                      "or delete it")
+
+
+_LOCKS: dict[Path, int] = {}  # run folder -> its open descriptor, locked while this process runs in it
+
+
+def lock(run_dir: Path) -> None:
+    """Hold an exclusive lock on the run folder (flock on the folder itself: no file left behind; the system releases
+    it when the process ends, however it ends): a second run started in the same folder stops with one line."""
+    key = run_dir.resolve()
+    if key in _LOCKS:  # a new run in the same folder within this process (train() called again)
+        os.close(_LOCKS.pop(key))
+    descriptor = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        raise RecipeError(f"{run_dir} is in use by another run, still running: wait for it to end, or pass another "
+                          "--output_dir") from None
+    except OSError:
+        pass  # a filesystem without locks (some network mounts): the folder stays unlocked
+    _LOCKS[key] = descriptor
 
 
 def check_shared(run_dir: Path) -> None:

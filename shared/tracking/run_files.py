@@ -28,7 +28,7 @@ class RunFiles(GeneralTracker):
             # it was written (an epoch's or the run's evaluation, the summary): keep the file up to its training point.
             rows = [row for row in read_jsonl(self.metrics) if row["step"] < step or row["step"] == step
                     and "train_loss" in row]
-            self.metrics.write_text("".join(json.dumps(row) + "\n" for row in rows))
+            write_atomic(self.metrics, "".join(json.dumps(row) + "\n" for row in rows))  # a kill keeps one whole
 
     def log(self, values: dict, step: int | None = None, **kwargs):
         with self.metrics.open("a") as f:
@@ -45,10 +45,15 @@ class RunFiles(GeneralTracker):
 
 
 def write_json(path: Path, values: dict) -> None:
+    write_atomic(path, json.dumps(values, indent=2, default=str) + "\n")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Readers, and a run killed while writing, see the old file or the new one, never half of one."""
     partial = path.with_suffix(".tmp")
     partial.unlink(missing_ok=True)  # a link left there (a run folder from anywhere) goes, and is never written through
-    partial.write_text(json.dumps(values, indent=2, default=str) + "\n")
-    os.replace(partial, path)  # readers never see half a file
+    partial.write_text(text)
+    os.replace(partial, path)
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -11,6 +11,8 @@ With FAULT_ABORT_AT_EXIT_RANK=R, the process of rank R aborts (SIGABRT) as its i
 gloo's teardown race (pytorch#179291) does now and then.
 With FAULT_HANG_IN_EVALUATION=FILE, the first evaluation loss creates FILE and never returns: a hung evaluation.
 With FAULT_FAIL_SAVING_IMAGE=NAME, PIL fails to save an image named NAME (OSError), as on a full disk.
+With FAULT_KILL_WRITING=STEM, the process writes half of the first text it writes to a file named STEM.<anything>
+(pathlib's write_text), then kills itself (SIGKILL): a run killed in the middle of rewriting a file.
 With FAULT_HOLD_SAVE_AT_STEP=N, the save of step N's checkpoint stops for good after its first file: a save caught
 in the middle, whatever the machine's speed.
 """
@@ -115,3 +117,18 @@ if _image:
         return save_or_fail
 
     Image.Image.save = _failing_image(Image.Image.save)
+
+_kill_writing = os.environ.get("FAULT_KILL_WRITING")
+if _kill_writing:
+    import pathlib
+    import signal
+
+    _write_text = pathlib.Path.write_text
+
+    def _write_half_and_die(self, data, *args, **kwargs):
+        if self.stem == _kill_writing:
+            _write_text(self, data[:len(data) // 2], *args, **kwargs)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return _write_text(self, data, *args, **kwargs)
+
+    pathlib.Path.write_text = _write_half_and_die
