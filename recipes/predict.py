@@ -306,7 +306,7 @@ def run(cfg: Config) -> None:
     about = describe_weights(cfg)
     recipe = load_recipe(cfg, about)
     classes = cfg.classes.split(",") if cfg.classes else about.get("classes")
-    if not (isinstance(classes, list) and 0 < len(classes) <= 10_000 and all(isinstance(c, str) for c in classes)):
+    if not (isinstance(classes, list) and 0 < len(classes) <= 100_000 and all(isinstance(c, str) for c in classes)):
         raise RecipeError(f"--weights {cfg.weights} names no classes: pass --classes NAME,NAME,... in label order")
     (evaluate if cfg.evaluate else predict)(cfg, recipe, about.get("flags") or {}, classes)
 

@@ -24,7 +24,7 @@ import torch
 from accelerate import PartialState
 from accelerate.utils import load as accelerate_load  # torch.load(weights_only=True) + NumPy RNG types
 from accelerate.utils import set_seed
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from shared.errors import RecipeError, first_line
@@ -239,12 +239,9 @@ class Checkpoints:
         self.accelerator.wait_for_everyone()
         try:
             self.accelerator.save_state(partial)  # every process writes its own RNG state into it
-        except OSError as error:  # disk full, quota, permissions: keep what is on disk, say what happened
+        except (OSError, RuntimeError, SafetensorError) as error:  # disk full, quota: keep what is on disk, say so
             shutil.rmtree(partial, ignore_errors=True)
-            good = list_checkpoints(self.run_dir)
-            raise RecipeError(f"saving the checkpoint of step {step} failed ({error.strerror or error}): the newest "
-                              f"complete checkpoint is {good[-1] if good else 'none'}; free space, then continue "
-                              "with --resume latest") from None
+            self.write_failed(f"saving the checkpoint of step {step}", error)
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
             if (self.run_dir / "config.json").exists():  # the configuration that wrote it, for the resume report
@@ -261,9 +258,22 @@ class Checkpoints:
         state = self.accelerator.get_state_dict(model)  # unwraps DDP; model.compile() adds no prefix
         if self.accelerator.is_main_process:
             partial = self.run_dir / "model.safetensors.tmp"
-            save_file({k: v.contiguous() for k, v in state.items()}, partial,
-                      metadata={k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()})
-            os.replace(partial, self.run_dir / "model.safetensors")
+            try:
+                save_file({k: v.contiguous() for k, v in state.items()}, partial,
+                          metadata={k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()})
+                os.replace(partial, self.run_dir / "model.safetensors")
+            except (OSError, SafetensorError) as error:
+                partial.unlink(missing_ok=True)
+                self.write_failed("writing model.safetensors", error)
+
+    def write_failed(self, what: str, error: Exception) -> None:
+        """A full disk or quota: torch.save says it as a RuntimeError ("unexpected pos"), safetensors as its own
+        error, Python as OSError. One line with the free space and the checkpoint a resume continues from."""
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else first_line(error)[:120]
+        good = list_checkpoints(self.run_dir)
+        raise RecipeError(f"{what} failed ({reason}; {shutil.disk_usage(self.run_dir).free / 2**20:.1f} MiB free "
+                          f"there): the newest complete checkpoint is {good[-1] if good else 'none'}; free space, then "
+                          "continue with --resume latest") from None
 
     @staticmethod
     def check_archive(path: Path) -> None:

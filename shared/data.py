@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # for the annotations only
     import datasets
 
 WIDE_MODES = {"I", "I;16", "I;16B", "I;16L", "I;16N", "F"}  # 16/32-bit and float pixels
+MAX_CLASSES = 100_000  # a label column's classes: ImageNet-21k's 21,841 fit, a label of 2^40 does not
 # Beside datasets' own cache (its config.HF_DATASETS_CACHE, found as datasets finds it: datasets is imported only
 # where a dataset needs it, not for IDX or CIFAR files and --synthetic; it is 0.6 s of a start).
 CACHE_DIR = Path(os.environ.get("HF_DATASETS_CACHE", Path(HF_HOME) / "datasets")) / "decoded"
@@ -127,14 +128,19 @@ def find_columns(split: datasets.Dataset, source: str) -> tuple[str, str, list[s
         raise RecipeError(f"{source} has no image column (columns: {columns}): the images need a datasets.Image "
                           "feature, e.g. dataset.cast_column('image', datasets.Image())")
     label_column = next((n for n, f in features.items() if isinstance(f, datasets.ClassLabel)), None)
-    if label_column is not None:
-        return image_column, label_column, list(features[label_column].names)
-    label_column = next((n for n in ("label", "labels", "target")
-                         if n in features and getattr(features[n], "dtype", "").startswith("int")), None)
+    if label_column is None:
+        label_column = next((n for n in ("label", "labels", "target")
+                             if n in features and getattr(features[n], "dtype", "").startswith("int")), None)
     if label_column is None:
         raise RecipeError(f"{source} has no label column (columns: {columns}): add a ClassLabel column, "
                           "or an integer column named 'label'")
-    return image_column, label_column, [str(i) for i in range(max(split.unique(label_column)) + 1)]
+    feature = features[label_column]
+    count = feature.num_classes if isinstance(feature, datasets.ClassLabel) else max(split.unique(label_column)) + 1
+    if count > MAX_CLASSES:  # before a name is made for each: one label of 2^40 asked for a 4 GB list
+        raise RecipeError(f"{source}: its '{label_column}' column makes {count:,} classes, over the {MAX_CLASSES:,} a "
+                          "recipe trains: fix the labels (they number the classes from 0)")
+    names = feature.names if isinstance(feature, datasets.ClassLabel) else [str(i) for i in range(count)]
+    return image_column, label_column, list(names)
 
 
 def decode_split(split, name, source, image_column, label_column, classes, image_shape) -> ImageTensors:
@@ -200,7 +206,7 @@ def read_image(file: bytes | str | Path, image_shape: tuple[int, int, int], wher
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, MemoryError) as error:
         raise RecipeError(f"{where} is not a readable image ({type(error).__name__}: {first_line(error)[:120]}): "
                           "remove it or replace it") from None
-    return fit(torch.from_numpy(pixels).reshape(*pixels.shape[:2], channels).permute(2, 0, 1), height, width)
+    return fit(torch.from_numpy(pixels).reshape(*pixels.shape[:2], channels).permute(2, 0, 1), height, width, where)
 
 
 def decoder_hash() -> str:
@@ -226,8 +232,9 @@ def load_dataset_files(files: DatasetFiles, source: str, image_shape) -> tuple[I
         for name, (_, labels) in splits.items():
             if labels.min() < 0 or labels.max() >= len(classes):
                 raise RecipeError(f"{source} '{name}' has labels outside 0..{len(classes) - 1}: download it again")
-        _write_cache(cache, {name: (fit(to_channels(images, image_shape[0]), *image_shape[1:]).contiguous(), labels)
-                             for name, (images, labels) in splits.items()}, classes, source)
+        fitted = {name: (fit(to_channels(images, image_shape[0]), *image_shape[1:], f"{source} '{name}'").contiguous(),
+                         labels) for name, (images, labels) in splits.items()}
+        _write_cache(cache, fitted, classes, source)
     return tuple(ImageTensors(*_read_cache(cache, name), name=name) for name in ("train", "test"))
 
 
@@ -252,7 +259,7 @@ def check_conversion(source: str, image_shape: tuple[int, int, int], channels: i
               + "; ".join(changes), flush=True)
 
 
-def fit(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
+def fit(image: torch.Tensor, height: int, width: int, where: str = "images") -> torch.Tensor:
     """uint8 (C, h, w), or a batch (N, C, h, w) -> (..., C, height, width): shorter side resized with antialiasing,
     centre crop. The same pixels as torchvision's v2 resize + center_crop (tested), without its import: 1.3 s of
     every start of every process."""
@@ -261,6 +268,10 @@ def fit(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
         return image
     size = max(height, width)  # the shorter side's new length; the longer keeps the aspect ratio
     new_h, new_w = (int(size * h / w), size) if w <= h else (size, int(size * w / h))
+    need = image.numel() // (h * w) * new_h * new_w  # the resized images before the crop: a 1 x 10^8 image, 10 GB
+    if need > 2**28 and need > free_memory():
+        raise RecipeError(f"{where}: images of {w}x{h} pixels, resized to {new_w}x{new_h} before the centre crop, take "
+                          f"{need / 2**30:.1f} GiB, more than the free memory: crop them nearer to a square first")
     if (new_h, new_w) != (h, w):  # bilinear with antialiasing, computed on the uint8 pixels as torchvision does
         batch = F.interpolate(image if image.ndim == 4 else image[None], size=(new_h, new_w), mode="bilinear",
                               align_corners=False, antialias=True)

@@ -64,6 +64,10 @@ class DatasetFiles:
         return [file for files in self.files.values() for file in files]
 
     def read(self) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], list[str]]:
+        for file in self.all_files():
+            if not file.is_file():  # a FIFO would block the first read forever
+                raise RecipeError(f"{str(file)!r} is not a regular file (a FIFO, socket, device or folder): replace "
+                                  "it by the downloaded file")
         if self.kind in CIFAR_PICKLED:
             return read_pickled_cifar_splits(self.kind, self.files)
         return read_idx_splits(self.files) if self.kind == "idx" else read_cifar_splits(self.kind, self.files)
@@ -128,6 +132,8 @@ def read_idx(path: Path) -> np.ndarray:
             dims = f.read(4 * magic[3])
             shape = tuple(int.from_bytes(dims[i:i + 4], "big") for i in range(0, len(dims), 4))
             size = math.prod(shape)
+            if size == 0 and len(dims) == 4 * magic[3]:
+                raise RecipeError(f"{path} holds no data (its header says {shape}): download it again")
             check_size(path, size)
             raw, extra = f.read(size), f.read(1)  # gzip: decompresses only what it returns
     except (OSError, EOFError, zlib.error, MemoryError) as error:  # a truncated or corrupt .gz; no memory left

@@ -6,6 +6,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+MAX_MATRIX_CLASSES = 1_000  # above, a confusion matrix is no picture to read, and 10^5 classes take 80 GB
+
 
 def pyplot():
     import matplotlib
@@ -49,7 +51,7 @@ def plot_curves(rows: list[dict], path: Path, title: str) -> None:
 def save_pictures(accelerator, run_dir: Path, test_set, predictions: torch.Tensor, step: int) -> None:
     """confusion_matrix.png in the run folder, and as an image in wandb or TensorBoard. `gather_for_metrics` keeps
     the test set's order, so prediction i belongs to test image i."""
-    if not accelerator.is_main_process:
+    if not accelerator.is_main_process or len(test_set.classes) > MAX_MATRIX_CLASSES:
         return
     plt = pyplot()
     # On the CPU whatever device each came from (--data_on_device keeps the test set on the GPU), for NumPy and PNGs.

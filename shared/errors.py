@@ -5,6 +5,7 @@ A recipe raises `RecipeError` for anything the user can fix. Every process of a 
 rank 0 alone prints. Programming errors keep their traceback: those are for whoever changes the code.
 """
 
+import errno
 import os
 import sys
 import traceback
@@ -33,9 +34,13 @@ def one_line_errors():
     """RecipeError -> one line on stderr (rank 0) and exit status 1."""
     try:
         yield
-    except (RecipeError, MemoryError, torch.OutOfMemoryError, RuntimeError) as error:
+    except (RecipeError, MemoryError, torch.OutOfMemoryError, RuntimeError, OSError) as error:
         if isinstance(error, RecipeError):
             message = str(error)
+        elif isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):  # metrics, pictures, ...
+            written = error.filename or "the run's files"  # a failed write() names no file
+            message = (f"writing {written} failed ({error.strerror}): free space, then continue with --resume latest "
+                       "(the complete checkpoints are kept)")
         elif isinstance(error, MemoryError) or "DefaultCPUAllocator: can't allocate memory" in str(error):
             # a CPU allocation, Python's or torch's (a RuntimeError); the readers of data files name the file themselves
             message = "out of memory: lower --batch_size, or check that --data holds what it should"

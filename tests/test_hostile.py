@@ -30,6 +30,7 @@ from tiny_data import (
     cifar_folder,
     cifar_python_folder,
     idx_folder,
+    image_splits,
     imagefolder_dataset,
     random_splits,
     write_idx,
@@ -383,7 +384,24 @@ def idx_label_outside_the_named_classes(folder: Path) -> str:
     return "'train' has labels outside 0..9"
 
 
-@pytest.mark.parametrize("damage", [idx_gzip_bomb, idx_claims_too_much, idx_label_outside_the_named_classes])
+def idx_fifo(folder: Path) -> str:  # a FIFO blocks its reader forever
+    (folder / "train-images-idx3-ubyte.gz").unlink()
+    os.mkfifo(folder / "train-images-idx3-ubyte")
+    return "train-images-idx3-ubyte' is not a regular file (a FIFO, socket, device or folder)"
+
+
+def idx_zero_length(folder: Path) -> str:
+    write_idx(folder / "train-images-idx3-ubyte.gz", np.zeros((0, 28, 28), np.uint8))
+    return "holds no data (its header says (0, 28, 28))"
+
+
+def idx_too_wide(folder: Path) -> str:  # 50 images of 1 x 1,000,000 (50 MB): 36.5 GiB once 28 pixels high
+    write_idx(folder / "train-images-idx3-ubyte.gz", np.zeros((50, 1, 1_000_000), np.uint8))
+    return "images of 1000000x1 pixels, resized to 28000000x28 before the centre crop, take 36.5 GiB"
+
+
+@pytest.mark.parametrize("damage", [idx_gzip_bomb, idx_claims_too_much, idx_label_outside_the_named_classes, idx_fifo,
+                                    idx_zero_length, idx_too_wide])
 def test_idx_files_that_lie(env, tmp_path, damage):
     folder = idx_folder(tmp_path / "fashion-mnist", random_splits((28, 28)))
     needle = damage(folder)
@@ -462,6 +480,36 @@ def test_cifar_pickled_class_names_that_lie(env, tmp_path, names, needle):
     refused(env, tmp_path, "cifar_cnn", "--data", folder, *SHORT, "--output_dir", tmp_path / "out", needle=needle)
 
 
+def integer_labels(folder: Path, highest: int) -> Path:
+    """A parquet dataset whose 'label' is a plain integer column (no ClassLabel), one training label `highest`."""
+    import datasets
+
+    folder.mkdir()
+    for split, dataset in image_splits(sizes={"train": 16, "test": 4}).items():
+        dataset = dataset.cast_column("label", datasets.Value("int64"))
+        dataset = dataset.map(lambda row, i: {"label": highest if i == 3 and split == "train" else row["label"]},
+                              with_indices=True)
+        dataset.to_parquet(str(folder / f"{split}.parquet"))
+    return folder
+
+
+def test_a_label_of_two_to_the_forty_is_refused(env, tmp_path):
+    """One label of 2^40 in a 16-row parquet built a 4 GB list of class names, and the line said lower --batch_size."""
+    refused(env, tmp_path, "cifar_cnn", "--data", integer_labels(tmp_path / "data", 2**40), *SHORT, "--output_dir",
+            tmp_path / "out", needle="its 'label' column makes 1,099,511,627,777 classes, over the 100,000 a recipe "
+            "trains: fix the labels")
+
+
+def test_a_run_of_100000_classes_draws_no_confusion_matrix(env, tmp_path):
+    """Labels up to 99,999: the confusion matrix asked for 80 GB after training. Above 1,000 classes it is no
+    picture to read, and is left out; the run ends as usual."""
+    out = tmp_path / "out"
+    ok(launch(env, "cifar_cnn", "--data", str(integer_labels(tmp_path / "data", 99_999)), *SHORT, "--output_dir",
+              str(out)))
+    assert (out / "model.safetensors").is_file() and not (out / "confusion_matrix.png").exists()
+    assert json.loads((out / "config.json").read_text())["classes"][-1] == "99999"
+
+
 # ------------------------------------------------------------------ images
 def png(path: Path, width: int, height: int, rows: int | None = None) -> Path:
     """A grayscale PNG of zeros, `rows` of its rows present (all by default): 30000x30000 is about 1 MB."""
@@ -502,7 +550,13 @@ def text_named_png(folder: Path) -> str:
     return "0.png) is not a readable image (UnidentifiedImageError"
 
 
-@pytest.mark.parametrize("damage", [a_decompression_bomb, large_images, a_truncated_png, text_named_png])
+def a_thin_image(folder: Path) -> str:  # 1 x 40,000,000 (39 KB), under PIL's limit: 114 GiB once in colour and resized
+    png(folder / "thin.png", 40_000_000, 1)
+    return "thin.png): images of 40000000x1 pixels, resized to 1280000000x32 before the centre crop, take 114.4 GiB"
+
+
+@pytest.mark.parametrize("damage", [a_decompression_bomb, large_images, a_truncated_png, text_named_png,
+                                    a_thin_image])
 def test_images_that_lie(env, tmp_path, damage):
     data = imagefolder_dataset(tmp_path / "photos", sizes={"train": 20, "test": 10})
     needle = damage(data / "train" / "class_0")

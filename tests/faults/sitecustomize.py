@@ -1,8 +1,6 @@
 """Fault injection for the tests, not for the recipes.
 
-Python imports `sitecustomize` at startup when this folder is on PYTHONPATH. With
-FAULT_DISK_FULL_AT_STEP=N, every file written into the checkpoint of step N fails with ENOSPC,
-exactly as the save would on a full disk; everything else writes normally.
+Python imports `sitecustomize` at startup when this folder is on PYTHONPATH.
 With RECORD_TRAINING_LABELS=DIR, every training loss appends its batch's labels as one line to
 DIR/rank<R>.txt: with a dataset whose labels are all different, the samples each process trained on.
 With FAULT_SLOW_CONFIG_READ_S=S, every process but the main one waits S seconds before its first read of a
@@ -36,21 +34,6 @@ if _hold:
         return save_and_hold
 
     torch.save = _holding(torch.save)
-
-_step = os.environ.get("FAULT_DISK_FULL_AT_STEP")
-if _step:
-    import safetensors.torch
-    import torch
-
-    def _failing(save):
-        def save_or_fail(obj, path, *args, **kwargs):
-            if f"partial_step_{_step}" in str(path):
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-            return save(obj, path, *args, **kwargs)
-        return save_or_fail
-
-    torch.save = _failing(torch.save)
-    safetensors.torch.save_file = _failing(safetensors.torch.save_file)
 
 _record_dir = os.environ.get("RECORD_TRAINING_LABELS")
 if _record_dir:
