@@ -58,9 +58,12 @@ class Progress:
         if "samples_into_epoch" not in state:
             raise ValueError("this checkpoint counts its place in the epoch in batches, as the recipes did before "
                              "they counted samples; resume it with the version of the recipe that wrote it")
-        counts = ("step", "epoch", "samples_into_epoch", "pieces", "train_samples")
-        if any(type(state.get(k, 0)) is not int or not 0 <= state.get(k, 0) < 2**62 for k in counts) or any(
-                type(state.get(k, 0.0)) not in (int, float) for k in ("max_eval_acc", "train_s", "wall_s")):
+        counts, times = ("step", "epoch", "samples_into_epoch", "pieces", "train_samples"), ("train_s", "wall_s")
+        if (any(type(state.get(k, 0)) is not int or not 0 <= state.get(k, 0) < 2**62 for k in counts)
+                or any(type(state.get(k, 0.0)) not in (int, float) for k in ("max_eval_acc", *times))
+                # within their ranges (NaN is in none): an accuracy, under a million launches, seconds under 30 years
+                or not (0 <= state.get("max_eval_acc", 0.0) <= 1 and state.get("pieces", 0) < 10**6)
+                or not all(0 <= state.get(k, 0.0) < 10**9 for k in times)):
             raise ValueError(f"its progress is not counts of steps, epochs and samples: {str(state)[:100]}")
         vars(self).update({k: state[k] for k in vars(self) if k in state})
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from huggingface_hub.constants import HF_HOME
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from shared.batches import ImageTensors
@@ -287,10 +287,17 @@ def _read_cache(path: Path, split: str) -> tuple[torch.Tensor, torch.Tensor, lis
 
 def _write_cache(path: Path, splits: dict, classes: list[str], source: str) -> None:
     tensors = {f"{split}.{kind}": t for split, pair in splits.items() for kind, t in zip(("images", "labels"), pair)}
-    path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".tmp{os.getpid()}")
-    save_file(tensors, partial, metadata={"source": source, "classes": json.dumps(classes)})
-    os.replace(partial, path)  # a half-written cache file must never look complete
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, partial, metadata={"source": source, "classes": json.dumps(classes)})
+        os.replace(partial, path)  # a half-written cache file must never look complete
+    except (OSError, SafetensorError) as error:
+        if partial.parent.is_dir():  # HF_HOME may be a file
+            partial.unlink(missing_ok=True)
+        reason = error.strerror if isinstance(error, OSError) else first_line(error)[:100]
+        raise RecipeError(f"cannot write the decoded images to {path.parent} ({reason}): set HF_HOME (or "
+                          "HF_DATASETS_CACHE) to a writable folder with room") from None
 
 
 def make_synthetic(image_shape, train_size: int, test_size: int,

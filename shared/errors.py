@@ -26,7 +26,9 @@ def first_line(error: BaseException) -> str:
 
 
 def is_main_process() -> bool:
-    return os.environ.get("RANK", "0") == "0"  # from the launcher: also before (or without) a process group
+    """From the launcher: also before (or without) a process group. Without torchrun this is the only process, whatever
+    a RANK left in the shell says."""
+    return os.environ.get("RANK", "0") == "0" or "TORCHELASTIC_RUN_ID" not in os.environ
 
 
 @contextmanager
@@ -68,6 +70,15 @@ def in_collective(error: RuntimeError) -> bool:
 
 def check_launch() -> None:
     """Start the process group, and stop launches that would run, but not as the user thinks."""
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):  # what a launcher sets for each process
+        if not os.environ.get(name, "0").isdigit():
+            raise RecipeError(f"the environment sets {name}={os.environ[name]!r}, not a count of processes: unset it "
+                              "(accelerate launch sets it)")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
+        # A value left in the shell: the process group would wait forever for processes that never start.
+        raise RecipeError(f"the environment sets WORLD_SIZE={os.environ['WORLD_SIZE']}, but no launcher started "
+                          "this process (torchrun, which accelerate launch runs, would have): unset WORLD_SIZE, or "
+                          "start it with accelerate launch")
     per_machine, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
     if per_machine > 1 and not parse_flag_from_env("ACCELERATE_USE_CPU") and 0 < gpus < per_machine:
         raise RecipeError(f"the config starts {per_machine} processes on this machine but it has {gpus} GPU(s): "

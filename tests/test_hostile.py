@@ -341,11 +341,14 @@ def test_resume_latest_of_a_folder_without_checkpoints(env, data, tmp_path):
             tmp_path / "out", needle="has no checkpoints")
 
 
-def test_a_checkpoint_whose_progress_is_not_counts(env, data, run, tmp_path):
+@pytest.mark.parametrize("tampered", [{"step": "3"}, {"max_eval_acc": 5.0}, {"wall_s": -1e9}, {"pieces": 10**15},
+                                      {"train_s": float("nan")}], ids=str)
+def test_a_checkpoint_whose_progress_is_not_counts(env, data, run, tmp_path, tampered):
+    """Counters out of their ranges were reported as they were (an accuracy of 5.0, -1e9 s, 10^15 launches)."""
     copy = tmp_path / "out"
     shutil.copytree(run, copy)
     progress = copy / "checkpoints" / "step_2" / "custom_checkpoint_0.pkl"
-    torch.save({**torch.load(progress, weights_only=True), "step": "3"}, progress)
+    torch.save({**torch.load(progress, weights_only=True), **tampered}, progress)
     before = snapshot(copy)
     refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--output_dir", copy, "--resume",
             progress.parent, needle="its progress is not counts of steps, epochs and samples")

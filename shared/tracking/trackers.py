@@ -13,7 +13,7 @@ import torch
 from accelerate.tracking import TensorBoardTracker, WandBTracker, on_main_process
 
 from shared.diagnostics import is_point
-from shared.errors import first_line
+from shared.errors import RecipeError, first_line
 from shared.schedule import SCHEDULE_RULE
 
 
@@ -25,6 +25,9 @@ class WandB(WandBTracker):
 
     def __init__(self, project: str, run_dir: Path, run_id: str, tags: list[str]):
         mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else None)
+        if mode not in (None, "online", "offline", "disabled", "dryrun", "run", "shared"):  # wandb's own choices
+            raise RecipeError(f"the environment sets WANDB_MODE={mode!r}: wandb takes online, offline or disabled "
+                              "(or --tracker tensorboard or none)")
         if mode is None:  # `wandb login` writes the key into ~/.netrc
             host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
             try:
