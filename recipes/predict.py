@@ -47,6 +47,7 @@ from shared.checkpoints import Checkpoints
 from shared.config import parse_config
 from shared.data import read_image
 from shared.errors import RecipeError, check_launch, first_line, one_line_errors
+from shared.resume import read_json
 
 RECIPES = Path(__file__).resolve().parent  # where a recipe named by its name is looked for
 RECIPE_NAME = re.compile(r"[a-z0-9_]+")  # a name in recipes/, never a path
@@ -92,10 +93,7 @@ def describe_weights(cfg: Config) -> dict:
             return {}
     run_config = path.resolve().parent.parent / "config.json"  # runs/<run>/checkpoints/step_<N>
     if path.is_dir() and path.resolve().parent.name == "checkpoints" and run_config.is_file():
-        try:
-            config = json.loads(run_config.read_text())
-        except ValueError:  # damaged: as a bare state dict, --recipe and --classes say what it is
-            return {}
+        config = read_json(run_config)  # None if damaged: as a bare state dict, --recipe and --classes say what it is
         if isinstance(config, dict):
             return {"recipe": config.get("recipe"), "flags": config, "classes": config.get("classes")}
     return {}
@@ -209,7 +207,15 @@ def find_images(root: Path) -> tuple[list[Path], list[Path]]:
         return [root], []
     if not root.is_dir():
         raise RecipeError(f"--images {root}: no such file or folder")
-    files = sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith("."))
+    files, folders = [], [root]
+    while folders:  # not recursive (rglob is, in Python 3.11): a tree 1,500 folders deep is walked all the same
+        with os.scandir(folders.pop()) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    folders.append(Path(entry.path))
+                elif entry.is_file() and not entry.name.startswith("."):
+                    files.append(Path(entry.path))
+    files.sort()
     images = [p for p in files if p.suffix.lower() in IMAGE_EXTENSIONS]
     if not images:
         raise RecipeError(f"--images {root} holds no images ({len(files)} other files): pass a folder of .png, "

@@ -1,5 +1,7 @@
 """What a run draws: curves.png (from RunFiles at the end) and the confusion matrix (save_pictures)."""
 
+from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -23,22 +25,26 @@ def is_point(row: dict) -> bool:
     return "train_loss" in row or "eval_loss" in row
 
 
-def plot_curves(rows: list[dict], path: Path, title: str) -> None:
-    """Loss, the recipe's metrics (train and eval) and the gradient norm against the optimizer step."""
+def plot_curves(rows: Iterable[dict], path: Path, title: str) -> None:
+    """Loss, the recipe's metrics (train and eval) and the gradient norm against the optimizer step. One pass over the
+    rows, keeping only the numbers drawn."""
+    series, metrics = defaultdict(list), set()
+    for row in rows:
+        for key, value in row.items():
+            if key.startswith(("train_", "eval_", "grad_norm")) and type(value) in (int, float):  # no text, no bool
+                series[key].append((row["step"], value))
+                # train_<name> and eval_<name> of each of metric_sums, from the training and evaluation points: not
+                # the summary's train_s (the run's training time), which is no metric
+                if is_point(row) and "loss" not in key and key not in ("eval_samples", "grad_norm"):
+                    metrics.add(key)
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    # train_<name> and eval_<name> of each of metric_sums, from the training and evaluation points: not the summary's
-    # train_s (the run's training time), which is no metric
-    points = [row for row in rows if is_point(row)]
-    metrics = sorted({key for row in points for key in row if key.startswith(("train_", "eval_")) and "loss" not in key
-                      and key != "eval_samples"})
-    for ax, keys, ylabel in zip(axes, (("train_loss", "eval_loss"), metrics, ("grad_norm",)),
+    for ax, keys, ylabel in zip(axes, (("train_loss", "eval_loss"), sorted(metrics), ("grad_norm",)),
                                 ("loss", "metric (a fraction)", "gradient L2 norm, before clipping")):
         for key in keys:
-            points = [(row["step"], row[key]) for row in rows if key in row and row.get("step") is not None]
-            if points:
-                ax.plot(*zip(*points), marker="o" if key.startswith("eval") else None, markersize=3, label=key)
-        ax.set(xlabel="optimizer step", ylabel=ylabel, ylim=(0, 1) if keys is metrics else None)
+            if series[key]:
+                ax.plot(*zip(*series[key]), marker="o" if key.startswith("eval") else None, markersize=3, label=key)
+        ax.set(xlabel="optimizer step", ylabel=ylabel, ylim=(0, 1) if ylabel.startswith("metric") else None)
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend()

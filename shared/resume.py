@@ -13,7 +13,19 @@ STEP_DIR = re.compile(r"step_(\d+)$")
 DATA_ORDER_KEYS = ("data", "synthetic", "train_size", "seed")  # change one, and the rest of the epoch is another
 BATCHING_KEYS = ("world_size", "batch_size", "grad_accum")  # these only cut the same order into other batches
 # Not settings of the training: where the run was started from, and which copy of the script ran it.
+MAX_JSON_BYTES = 2**24  # a config.json: a few KB, up to about 2 MB with 100,000 class names
 NOT_SETTINGS = ("resume", "resumed_step", "resumed_from", "run_id", "overwrite", "output_dir", "versions", "script")
+
+
+def read_json(path: Path):
+    """A run's JSON file (config.json), or None if missing, damaged, over MAX_JSON_BYTES or nested past Python's
+    recursion limit: a run folder may come from anywhere."""
+    try:
+        if path.stat().st_size <= MAX_JSON_BYTES:
+            return json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
+        pass
+    return None
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -58,10 +70,7 @@ def check_resume(checkpoint: Path, config: dict, progress) -> None:
     # The configuration that wrote the checkpoint: saved in it (older checkpoints: the run's, beside it).
     previous = next((p for p in (checkpoint / "config.json", checkpoint.parent.parent / "config.json") if p.is_file()),
                     None)
-    try:
-        before = json.loads(previous.read_text()) if previous else None
-    except ValueError:
-        before = None
+    before = read_json(previous) if previous else None
     if not isinstance(before, dict):
         return print(f"no readable config.json in or beside {checkpoint}: what changed since it cannot be listed")
     changed = [key for key in config if key not in NOT_SETTINGS and before.get(key) != config[key]]

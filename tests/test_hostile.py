@@ -288,6 +288,44 @@ def test_wandbs_own_links_are_allowed(env, data, run, tmp_path):
     assert (out / "model.safetensors").is_file()
 
 
+@pytest.mark.parametrize("line", ["not json", '{"loss": 1}', '{"step": "3"}', "[1, 2]", "[" * 100_000,
+                                  '{"step": 1, "x": "' + "a" * 2**21 + '"}'],
+                         ids=["not json", "no step", "text step", "a list", "nested", "2 MiB"])
+def test_a_metrics_row_that_is_no_row_is_one_line_and_nothing_is_lost(env, data, run, tmp_path, line):
+    """Such rows ended a resume in a traceback; a 347 MB metrics.jsonl took 4.6 GB. Rows are read one at a time."""
+    out = unfinished(run, tmp_path)
+    with (out / "metrics.jsonl").open("a") as f:
+        f.write(line + "\n")
+    before = snapshot(out)
+    refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--output_dir", out, "--resume", "latest",
+            needle=f"metrics.jsonl line {len(before and (run / 'metrics.jsonl').read_text().splitlines()) + 1} is "
+            "not a metrics row (a JSON object with an integer step, under 1 MiB)")
+    assert snapshot(out) == before and not (out / "metrics.tmp").exists()
+
+
+def test_text_in_a_metrics_row_is_not_drawn(env, data, run, tmp_path):
+    """Text values failed at the final plot, after training."""
+    out = unfinished(run, tmp_path)
+    rows = (out / "metrics.jsonl").read_text().splitlines()
+    rows[0] = json.dumps({**json.loads(rows[0]), "train_loss": "abc", "train_acc": None, "grad_norm": [1]})
+    (out / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    ok(launch(env, "cifar_cnn", "--data", str(data), *SHORT, "--output_dir", str(out), "--resume", "latest"))
+    assert (out / "curves.png").stat().st_size > 0 and (out / "model.safetensors").is_file()
+
+
+def test_a_config_nested_past_the_recursion_limit(env, data, run, tmp_path):
+    """In the checkpoint (the resume report) the run goes on and says it cannot compare; as the run's own config.json
+    the folder is no run of these recipes."""
+    out = unfinished(run, tmp_path)
+    (out / "checkpoints" / "step_4" / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    result = ok(launch(env, "cifar_cnn", "--data", str(data), *SHORT, "--max_steps", "6", "--output_dir", str(out),
+                       "--resume", "latest"))  # two steps past the checkpoint: the report compares
+    assert "no readable config.json in or beside" in result.stdout
+    (out / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--output_dir", out, "--resume", "latest",
+            needle="holds files but no run of these recipes")
+
+
 def test_a_fifo_in_a_checkpoint_is_refused_instead_of_blocking(env, data, run, tmp_path):
     """A FIFO among a checkpoint's files blocked the resume forever (it survived SIGTERM and its launcher's death)."""
     out = unfinished(run, tmp_path)
@@ -598,6 +636,20 @@ def test_predict_writes_around_a_planted_link(env, run, tmp_path):
     ok(subprocess.run([sys.executable, ROOT / "recipes/predict.py", *predict_args(run, tmp_path), "--output",
                        tmp_path / "out" / "p.csv"], cwd=ROOT, env=env, capture_output=True, text=True))
     assert outside.read_text() == "mine" and len((tmp_path / "out" / "p.csv").read_text().splitlines()) == 3
+
+
+def test_predict_walks_a_tree_1500_folders_deep(env, run, tmp_path):
+    """rglob recursed, and its RecursionError was a traceback."""
+    from test_tracking import deep_tree
+
+    bottom = deep_tree(tmp_path / "photos", 1500)
+    shutil.copy(next((imagefolder_dataset(tmp_path / "one", sizes={"x": 1})).rglob("*.png")), bottom / "a.png")
+    (tmp_path / "out").mkdir()
+    csv = tmp_path / "out" / "p.csv"
+    ok(subprocess.run([sys.executable, ROOT / "recipes/predict.py", "--weights", run / "model.safetensors",
+                       "--recipe", "cifar_cnn", "--images", tmp_path / "photos", "--output", csv],
+                      cwd=ROOT, env=env, capture_output=True, text=True))
+    assert len(csv.read_text().splitlines()) == 2
 
 
 @pytest.mark.parametrize("output, needle", [("missing/p.csv", "its folder does not exist"), ("", "a folder")],

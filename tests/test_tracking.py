@@ -183,6 +183,36 @@ def test_runs_table_shows_the_flags_that_differ_and_every_metric(tmp_path):
     assert columns(rows)[-3:] == ["--lr", "--seed", "eval_top5"] and "--run_id" not in columns(rows)
 
 
+def deep_tree(root: Path, depth: int) -> Path:
+    """root/d/d/.../d, `depth` folders deep, made one at a time (Path.mkdir(parents=True) recurses)."""
+    root.mkdir(parents=True, exist_ok=True)
+    folder = root
+    for _ in range(depth):
+        folder = folder / "d"
+        folder.mkdir()
+    return folder
+
+
+def test_runs_table_of_folders_from_anywhere_is_rows_or_one_line(tmp_path):
+    """Summaries nested past the recursion limit, over 16 MiB (a 3 GiB one took 6.2 GB), 1,500 folders deep, and a
+    --markdown that is a folder: rows or one line, no traceback."""
+    deep = tmp_path / "runs"
+    for name, text in (("nested", "[" * 100_000 + "]" * 100_000), ("big", '{"x": "' + "a" * 2**24 + '"}')):
+        (deep / name).mkdir(parents=True)
+        (deep / name / "summary.json").write_text(text)
+    folder = deep_tree(deep, 1500) / "run"
+    folder.mkdir()
+    (folder / "summary.json").write_text(json.dumps({"steps": 3, "eval_acc": 0.5}))
+    table = subprocess.run([sys.executable, "-m", "tools.runs", str(deep), "--markdown", str(tmp_path)], cwd=ROOT,
+                           capture_output=True, text=True)
+    assert table.returncode == 1 and table.stdout.count("\n| ") == 3, table.stderr[-2000:]  # a row per run
+    assert table.stderr.strip().splitlines() == [f"error: cannot write --markdown {tmp_path} (Is a directory): pass "
+                                                 "a file path in a writable folder"]
+    missing = subprocess.run([sys.executable, "-m", "tools.runs", str(tmp_path / "missing")], cwd=ROOT,
+                             capture_output=True, text=True)
+    assert missing.returncode == 1 and missing.stderr.startswith("error: ") and "Traceback" not in missing.stderr
+
+
 def test_runs_table_reads_the_older_name_of_max_eval_acc(tmp_path):
     from tools.runs import collect
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from tools.report import markdown_table
 
+MAX_JSON_BYTES = 2**24  # a summary.json or config.json: a few KB, up to about 2 MB with 100,000 class names
 COLUMNS = ["run", "recipe", "state", "data", "launch", "world_size", "precision", "global_batch", "epochs",
            "final_acc", "max_acc", "samples_per_s", "wall_s", "pieces"]
 # config.json keys that are no flag of the training (where and how the run was started), and summary.json keys that
@@ -25,19 +27,34 @@ NOT_METRICS = {"step", "steps", "epochs", "pieces", "wall_s", "train_s", "sample
 
 
 def read_json(path: Path) -> dict:
-    """A run's JSON file, or {} if it is missing or not a JSON object (a run folder from anywhere)."""
+    """A run's JSON file, or {} if it is missing, over MAX_JSON_BYTES, nested too deep or not a JSON object (a run
+    folder from anywhere)."""
     try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
+        value = json.loads(path.read_text()) if path.stat().st_size <= MAX_JSON_BYTES else {}
+    except (OSError, ValueError, RecursionError):
         return {}
     return value if isinstance(value, dict) else {}
+
+
+def summaries(folder: Path) -> list[Path]:
+    """Every summary.json under `folder`, without following links; not recursive (rglob is, in Python 3.11): a tree
+    thousands of folders deep is walked all the same."""
+    found, folders = [], [folder]
+    while folders:
+        with os.scandir(folders.pop()) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    folders.append(Path(entry.path))
+                elif entry.name == "summary.json" and entry.is_file(follow_symlinks=False):
+                    found.append(Path(entry.path))
+    return found
 
 
 def collect(folder: Path) -> list[dict]:
     """One row per run under `folder`: the columns above, then the flags whose values differ between the runs
     (`--name`), then every metric of their summaries (the last logged value of each)."""
     rows, configs = [], []
-    for summary_file in sorted(Path(folder).rglob("summary.json")):
+    for summary_file in sorted(summaries(Path(folder))):
         run = summary_file.parent
         summary, config = read_json(summary_file), read_json(run / "config.json")
         rows.append({
@@ -74,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("folder", type=Path, help="a run folder, or a folder of run folders (e.g. runs/)")
     parser.add_argument("--markdown", type=Path, help="also write the table to this markdown file")
     args = parser.parse_args(argv)
+    if not args.folder.is_dir():
+        print(f"error: {args.folder} is no folder: pass a run folder or a folder of runs (e.g. runs/)", file=sys.stderr)
+        return 1
     rows = collect(args.folder)
     if not rows:
         print(f"error: no finished runs (summary.json) under {args.folder}", file=sys.stderr)
@@ -81,7 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown_table(rows, columns(rows))
     print(table, end="")
     if args.markdown:
-        args.markdown.write_text(f"Runs under `{args.folder}`:\n\n{table}")
+        try:
+            args.markdown.write_text(f"Runs under `{args.folder}`:\n\n{table}")
+        except OSError as error:
+            print(f"error: cannot write --markdown {args.markdown} ({error.strerror}): pass a file path in a "
+                  "writable folder", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -2,7 +2,6 @@
 every node; and the trackers that record into it."""
 
 import fcntl
-import json
 import os
 import shutil
 import time
@@ -13,7 +12,7 @@ from accelerate import PartialState
 from accelerate.utils import broadcast_object_list, gather_object
 
 from shared.errors import RecipeError, check_launch
-from shared.resume import find_checkpoint
+from shared.resume import find_checkpoint, read_json
 from shared.tracking.run_files import RunFiles
 from shared.tracking.trackers import TensorBoard, WandB
 
@@ -72,7 +71,7 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
     state.wait_for_everyone()
     # A resumed run keeps its run id (from config.json), so it continues the same wandb run.
     check_shared(run_dir)
-    run_id = json.loads((run_dir / "config.json").read_text())["run_id"] if cfg.resume and is_run(run_dir) else None
+    run_id = read_json(run_dir / "config.json")["run_id"] if cfg.resume and is_run(run_dir) else None
     run_id, labels = run_id or uuid.uuid4().hex[:8], {"synthetic": True} if cfg.synthetic else {}
     chosen = {"wandb": lambda: [WandB(recipe, run_dir, run_id, tags=list(labels))],
               "tensorboard": lambda: [TensorBoard("tensorboard", run_dir)], "none": lambda: []}[cfg.tracker]()
@@ -140,8 +139,5 @@ def check_shared(run_dir: Path) -> None:
 
 def is_run(folder: Path) -> bool:
     """Whether `folder` holds a run of these recipes: its config.json, with the run id every run records."""
-    try:
-        config = json.loads((Path(folder) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
+    config = read_json(Path(folder) / "config.json")
     return isinstance(config, dict) and isinstance(config.get("run_id"), str) and "recipe" in config

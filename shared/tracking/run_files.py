@@ -2,11 +2,15 @@
 
 import json
 import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from accelerate.tracking import GeneralTracker
 
 from shared.diagnostics import plot_curves
+from shared.errors import RecipeError
+
+MAX_ROW_BYTES = 2**20  # one line of metrics.jsonl: a few hundred bytes as a run writes them
 
 
 class RunFiles(GeneralTracker):
@@ -21,14 +25,14 @@ class RunFiles(GeneralTracker):
         self.metrics = self.run_dir / "metrics.jsonl"
 
     def store_init_configuration(self, values: dict):
-        write_json(self.run_dir / "config.json", {**values, "run_id": self.run_id})
         step = values.get("resumed_step")
-        if step is not None and self.metrics.exists():
+        if step is not None and self.metrics.exists():  # first: a damaged row stops the resume before any change
             # The points after the checkpoint will be logged again, and so will those of its own step logged after
             # it was written (an epoch's or the run's evaluation, the summary): keep the file up to its training point.
-            rows = [row for row in read_jsonl(self.metrics) if row["step"] < step or row["step"] == step
-                    and "train_loss" in row]
-            write_atomic(self.metrics, "".join(json.dumps(row) + "\n" for row in rows))  # a kill keeps one whole
+            rows = (row for row in read_rows(self.metrics) if row["step"] < step or row["step"] == step
+                    and "train_loss" in row)
+            write_atomic(self.metrics, (json.dumps(row) + "\n" for row in rows))  # one row in memory at a time
+        write_json(self.run_dir / "config.json", {**values, "run_id": self.run_id})
 
     def log(self, values: dict, step: int | None = None, **kwargs):
         with self.metrics.open("a") as f:
@@ -37,7 +41,7 @@ class RunFiles(GeneralTracker):
 
     def finish(self):
         write_json(self.run_dir / "summary.json", {**self.summary, **self.labels})
-        plot_curves(read_jsonl(self.metrics), self.run_dir / "curves.png",
+        plot_curves(read_rows(self.metrics), self.run_dir / "curves.png",
                     self.run_dir.name + (" (SYNTHETIC DATA)" if self.labels else ""))
         offline_runs = sorted((self.run_dir / "wandb").glob("offline-run-*"))
         if offline_runs:
@@ -45,16 +49,36 @@ class RunFiles(GeneralTracker):
 
 
 def write_json(path: Path, values: dict) -> None:
-    write_atomic(path, json.dumps(values, indent=2, default=str) + "\n")
+    write_atomic(path, [json.dumps(values, indent=2, default=str) + "\n"])
 
 
-def write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, pieces: Iterable[str]) -> None:
     """Readers, and a run killed while writing, see the old file or the new one, never half of one."""
     partial = path.with_suffix(".tmp")
     partial.unlink(missing_ok=True)  # a link left there (a run folder from anywhere) goes, and is never written through
-    partial.write_text(text)
+    try:
+        with partial.open("w") as f:
+            f.writelines(pieces)
+    except BaseException:
+        partial.unlink(missing_ok=True)  # pieces read from a file that turned out damaged, a full disk
+        raise
     os.replace(partial, path)
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+def read_rows(path: Path) -> Iterator[dict]:
+    """metrics.jsonl's rows, one at a time (memory: one row, whatever the file's size). A run folder may come from
+    anywhere: a line that is not a JSON object with an integer step, or is over MAX_ROW_BYTES, is one error line."""
+    if not path.exists():
+        return
+    with path.open("rb") as f:
+        for number, line in enumerate(iter(lambda: f.readline(MAX_ROW_BYTES + 1), b""), start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line) if len(line) <= MAX_ROW_BYTES else None
+            except (ValueError, RecursionError):
+                row = None
+            if not isinstance(row, dict) or type(row.get("step")) is not int:
+                raise RecipeError(f"{path} line {number} is not a metrics row (a JSON object with an integer step, "
+                                  f"under {MAX_ROW_BYTES // 2**20} MiB): remove the line, or start a new --output_dir")
+            yield row
