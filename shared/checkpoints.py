@@ -173,14 +173,19 @@ class Checkpoints:
         later = [p for p in list_checkpoints(self.run_dir) if int(p.name.split("_")[1]) > step]
         if self.accelerator.is_main_process and later:
             aside = self.run_dir / "abandoned" / f"after_step_{step}-{time.strftime('%Y%m%d-%H%M%S')}"
-            aside.mkdir(parents=True)
-            for path in later + [self.run_dir / name for name in ("model.safetensors", "summary.json", "curves.png",
-                                                                   "confusion_matrix.png")]:
-                if path.exists():
-                    os.replace(path, aside / path.name)
-            for name in ("metrics.jsonl", "config.json"):
-                if (self.run_dir / name).exists():
-                    shutil.copy2(self.run_dir / name, aside / name)
+            try:  # a read-only abandoned/ (a run folder from elsewhere) fails here, before anything moved
+                aside.mkdir(parents=True)
+                for path in later + [self.run_dir / name for name in ("model.safetensors", "summary.json",
+                                                                       "curves.png", "confusion_matrix.png")]:
+                    if path.exists():
+                        os.replace(path, aside / path.name)
+                for name in ("metrics.jsonl", "config.json"):
+                    if (self.run_dir / name).exists():
+                        shutil.copy2(self.run_dir / name, aside / name)
+            except OSError as error:
+                raise RecipeError(f"moving the run's later history aside into {aside} failed ({error.strerror}): "
+                                  f"{aside.parent} must be a folder you can write in (and the run's folders too), "
+                                  "then resume again; nothing was deleted") from None
             print(f"{checkpoint} is older than the run's newest checkpoint ({later[-1].name}): this is a new branch "
                   f"of the run; the later history ({', '.join(p.name for p in later)}) moved to {aside}")
         self.accelerator.wait_for_everyone()

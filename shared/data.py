@@ -108,6 +108,9 @@ def pick_splits(splits: datasets.DatasetDict, source: str):
         raise RecipeError(f"{source} has no 'train' split (splits: {', '.join(splits) or 'none'}): "
                           "name the training split 'train'")
     train, test = splits["train"], splits.get("test", splits.get("validation"))
+    if test is None and len(train) < 2:
+        raise RecipeError(f"{source} holds {len(train)} example(s) and no 'test' split: a run needs at least one "
+                          "example to train on and one to test on; add examples, or a 'test' split")
     if test is None:  # one split: hold out a fixed 10%, so the run still reports test accuracy
         print(f"{source} has no 'test' split: holding out 10% of 'train' (fixed seed) as the test split")
         train, test = train.train_test_split(test_size=0.1, seed=0).values()

@@ -141,3 +141,35 @@ def assert_bitwise_equal(a: dict, b: dict, context: str = "") -> None:
     different = [k for k in a if not torch.equal(a[k], b[k])]
     worst = max((a[k] - b[k]).abs().max().item() for k in different) if different else 0.0
     assert not different, f"{context}: differ: {different[:3]} (max {worst:.3g})"
+
+
+@pytest.fixture
+def deep_tree():
+    """deep_tree(root, depth): root/d/d/.../d, `depth` folders deep, made one at a time and removed bottom up at the
+    end (Path.mkdir(parents=True) and shutil.rmtree recurse, and pytest's clean-up of old temporary folders would
+    fail on it)."""
+    made = []
+
+    def make(root: Path, depth: int) -> Path:
+        root.mkdir(parents=True, exist_ok=True)
+        folder = root
+        for _ in range(depth):
+            folder = folder / "d"
+            folder.mkdir()
+        made.append(root)
+        return folder
+
+    yield make
+    for root in made:
+        found, folders = [], [root]
+        while folders:
+            with os.scandir(folders.pop()) as entries:
+                for entry in entries:
+                    found.append(entry.path)
+                    if entry.is_dir(follow_symlinks=False):
+                        folders.append(entry.path)
+        for path in sorted(found, key=len, reverse=True):  # a folder after everything in it
+            if os.path.isdir(path) and not os.path.islink(path):
+                os.rmdir(path)
+            else:
+                os.unlink(path)

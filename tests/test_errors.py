@@ -448,3 +448,13 @@ def test_a_broken_environment_is_one_line_within_seconds(env, data, tmp_path, va
                     "--output_dir", str(tmp_path / "out"), *SHORT, "--tracker", "wandb", timeout=120)
     one_line(result, needle)
     assert time.monotonic() - started < 60
+
+
+def test_a_dataset_of_one_example_and_no_test_split_is_one_line(env, tmp_path):
+    """datasets' train_test_split cannot split one row: its ValueError was a traceback."""
+    from tiny_data import image_splits
+
+    (tmp_path / "data").mkdir()
+    image_splits(sizes={"train": 1})["train"].to_parquet(str(tmp_path / "data" / "train.parquet"))
+    one_line(launch(env, "cifar_cnn", "--data", str(tmp_path / "data"), *SHORT, "--output_dir", str(tmp_path / "out")),
+             "holds 1 example(s) and no 'test' split: a run needs at least one example to train on and one to test on")

@@ -224,6 +224,19 @@ def test_an_older_checkpoint_starts_a_branch_and_the_later_history_is_moved_asid
     assert f"resuming from {out / 'checkpoints' / 'step_6'}: step 6" in resumed.stdout
 
 
+def test_a_branch_that_cannot_be_moved_aside_is_one_line_and_nothing_moves(env, data, run, tmp_path):
+    """abandoned/ that cannot hold the later history (read-only; here a file, since root writes in read-only
+    folders): a traceback before. Refused before anything moves."""
+    out = tmp_path / "out"
+    shutil.copytree(run, out)
+    (out / "abandoned").write_text("not a folder")
+    before = snapshot(out)
+    refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--max_steps", "6", "--output_dir", out, "--resume",
+            out / "checkpoints" / "step_2", needle="must be a folder you can write in (and the run's folders too), "
+            "then resume again; nothing was deleted")
+    assert snapshot(out) == before
+
+
 def test_the_resume_report_compares_with_the_configuration_that_wrote_the_checkpoint(env, data, run, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(run, out)
@@ -638,10 +651,8 @@ def test_predict_writes_around_a_planted_link(env, run, tmp_path):
     assert outside.read_text() == "mine" and len((tmp_path / "out" / "p.csv").read_text().splitlines()) == 3
 
 
-def test_predict_walks_a_tree_1500_folders_deep(env, run, tmp_path):
+def test_predict_walks_a_tree_1500_folders_deep(env, run, tmp_path, deep_tree):
     """rglob recursed, and its RecursionError was a traceback."""
-    from test_tracking import deep_tree
-
     bottom = deep_tree(tmp_path / "photos", 1500)
     shutil.copy(next((imagefolder_dataset(tmp_path / "one", sizes={"x": 1})).rglob("*.png")), bottom / "a.png")
     (tmp_path / "out").mkdir()

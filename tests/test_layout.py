@@ -207,3 +207,14 @@ def test_a_recipe_imports_at_most_12_names_from_shared(recipe):
     names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
              and (node.module or "").split(".")[0] == "shared" for alias in node.names]
     assert 0 < len(names) <= 12, names
+
+
+@pytest.mark.parametrize("place", ["inside shared", "below a file"])
+def test_new_project_refuses_a_place_it_cannot_be(tmp_path, place):
+    """Inside shared/ it copied itself into itself (1,687 files); below a file it ended in a traceback."""
+    (tmp_path / "a_file").write_text("mine")
+    target = ROOT / "shared" / "my_project" if place == "inside shared" else tmp_path / "a_file" / "my_project"
+    result = subprocess.run([sys.executable, "-m", "tools.new_project", str(target), "--from", "cifar_cnn"], cwd=ROOT,
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1 and "Traceback" not in result.stderr
+    assert not target.exists() and (tmp_path / "a_file").read_text() == "mine"

@@ -183,17 +183,7 @@ def test_runs_table_shows_the_flags_that_differ_and_every_metric(tmp_path):
     assert columns(rows)[-3:] == ["--lr", "--seed", "eval_top5"] and "--run_id" not in columns(rows)
 
 
-def deep_tree(root: Path, depth: int) -> Path:
-    """root/d/d/.../d, `depth` folders deep, made one at a time (Path.mkdir(parents=True) recurses)."""
-    root.mkdir(parents=True, exist_ok=True)
-    folder = root
-    for _ in range(depth):
-        folder = folder / "d"
-        folder.mkdir()
-    return folder
-
-
-def test_runs_table_of_folders_from_anywhere_is_rows_or_one_line(tmp_path):
+def test_runs_table_of_folders_from_anywhere_is_rows_or_one_line(tmp_path, deep_tree):
     """Summaries nested past the recursion limit, over 16 MiB (a 3 GiB one took 6.2 GB), 1,500 folders deep, and a
     --markdown that is a folder: rows or one line, no traceback."""
     deep = tmp_path / "runs"

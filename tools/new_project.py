@@ -85,7 +85,17 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.folder.exists() and (not args.folder.is_dir() or any(args.folder.iterdir())):
         parser.exit(2, f"error: {args.folder} already exists and is not empty: pick a new folder\n")
-    folder = make_project(args.folder, args.recipe, args.data)
+    target = args.folder.resolve()
+    if target.is_relative_to(ROOT / "shared") or target.is_relative_to(ROOT / "accelerate_configs"):
+        parser.exit(2, f"error: {args.folder} is inside the folders a project copies (it would copy itself into "
+                       "itself): pick a folder outside them\n")
+    if any(parent.exists() and not parent.is_dir() for parent in target.parents):
+        parser.exit(2, f"error: {args.folder} lies below a file, not a folder: pick another place\n")
+    try:
+        folder = make_project(args.folder, args.recipe, args.data)
+    except OSError as error:  # a read-only place, a full disk
+        parser.exit(1, f"error: cannot write the project into {args.folder} ({error.strerror}): pick a writable "
+                       "place with room\n")
     readme = (folder / "README.md").read_text().splitlines()
     first = next(line for line in readme if line.startswith("accelerate launch"))  # the smoke run
     print(f"{folder}: train.py (from {args.recipe}), predict.py, shared/, accelerate_configs/, requirements.txt, "
