@@ -31,6 +31,7 @@ import re
 import sys
 import types
 import typing
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,8 +89,13 @@ def describe_weights(cfg: Config) -> dict:
         try:
             with safe_open(path, "pt") as f:
                 about = f.metadata() or {}
+        except Exception as error:  # empty, truncated, not safetensors: what it is matters more than its classes
+            raise RecipeError(f"--weights {path} cannot be read ({type(error).__name__}: {first_line(error)[:120]}): "
+                              "it may be truncated or not a weights file; pass a model.safetensors written by a run"
+                              ) from None
+        try:
             return {k: json.loads(about[k]) if k in ("flags", "classes") else about[k] for k in about}
-        except Exception:  # unreadable, or not the recipes' metadata: --recipe and --classes, or load_weights' line
+        except (ValueError, RecursionError):  # not the recipes' metadata: --recipe and --classes say what it is
             return {}
     run_config = path.resolve().parent.parent / "config.json"  # runs/<run>/checkpoints/step_<N>
     if path.is_dir() and path.resolve().parent.name == "checkpoints" and run_config.is_file():
@@ -164,13 +170,15 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
     """Load a .safetensors file, a torch.save'd state dict (plain or under 'model'/'state_dict'/'model_state_dict',
     keys prefixed 'module.' or '_orig_mod.') or an accelerate checkpoint folder into `model`, on any device."""
     path = Path(path) / "model.safetensors" if Path(path).is_dir() else Path(path)
-    if not path.exists():
+    if not path.is_file():  # missing, or a FIFO that would block the read
         raise RecipeError(f"--weights {path}: no such file: pass a model.safetensors, a .pt/.pth file "
                           "or a checkpoint folder")
     if path.suffix != ".safetensors":
         Checkpoints.check_archive(path)  # no compressed entry: bounded by the file's size
     try:  # weights_only: tensors and plain containers only; a pickle that would run code is refused
-        state = load_file(path) if path.suffix == ".safetensors" else torch.load(path, "cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's note on a protocol-4 pickle, before the refusal below
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            state = load_file(path) if path.suffix == ".safetensors" else torch.load(path, "cpu", weights_only=True)
     except pickle.UnpicklingError as error:
         found = re.search(r"GLOBAL (\S+)", str(error))
         raise RecipeError(

@@ -7,6 +7,7 @@ the flags work without help. Booleans become `--flag / --no-flag`, `Literal[...]
 import argparse
 import dataclasses
 import inspect
+import math
 import re
 import sys
 import types
@@ -48,8 +49,12 @@ def parse_config(cls: type, argv: list[str] | None = None):
         else:
             kwargs.update(type=kind, metavar=kind.__name__.upper())
         parser.add_argument(f"--{field.name}", **kwargs)
+    args = vars(parser.parse_args(argv))
+    for name, value in args.items():  # NaN passes every `< 0` check, and ended as a NaN loss ("lower --lr")
+        if isinstance(value, float) and not (math.isfinite(value) or name == "max_grad_norm" and value == math.inf):
+            parser.error(f"--{name} must be a finite number, got {value}")
     try:
-        return cls(**vars(parser.parse_args(argv)))
+        return cls(**args)
     except ValueError as error:
         parser.error(str(error))
 

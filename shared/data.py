@@ -135,8 +135,10 @@ def find_columns(split: datasets.Dataset, source: str) -> tuple[str, str, list[s
         label_column = next((n for n in ("label", "labels", "target")
                              if n in features and getattr(features[n], "dtype", "").startswith("int")), None)
     if label_column is None:
-        raise RecipeError(f"{source} has no label column (columns: {columns}): add a ClassLabel column, "
-                          "or an integer column named 'label'")
+        raise RecipeError(f"{source} has no label column (columns: {columns}): in a folder of images, each class's "
+                          "images go directly in a folder named after it (train/<class>/<image>), two classes or "
+                          "more (one class, or a folder below the classes, gives no labels); otherwise add a "
+                          "ClassLabel column, or an integer column named 'label'")
     feature = features[label_column]
     count = feature.num_classes if isinstance(feature, datasets.ClassLabel) else max(split.unique(label_column)) + 1
     if count > MAX_CLASSES:  # before a name is made for each: one label of 2^40 asked for a 4 GB list

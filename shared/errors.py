@@ -7,6 +7,7 @@ rank 0 alone prints. Programming errors keep their traceback: those are for whoe
 
 import errno
 import os
+import re
 import sys
 import traceback
 from contextlib import contextmanager
@@ -53,8 +54,9 @@ def one_line_errors():
                        "died, start every node again with --resume latest")
         else:
             raise
-        if is_main_process():
-            print(f"error: {message}", file=sys.stderr, flush=True)
+        if is_main_process():  # a file name may hold a newline: the line stays one, its author cannot add another
+            print("error: " + re.sub(r"[\x00-\x1f\x7f]", lambda m: repr(m.group())[1:-1], message), file=sys.stderr,
+                  flush=True)
         sys.exit(1)
 
 

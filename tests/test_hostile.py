@@ -685,10 +685,47 @@ def test_nan_weights_are_refused(env, data, run, tmp_path, evaluate):
             *(rest if evaluate else (*args[4:], *rest)), needle="holds NaN or infinite weights (a run that diverged)")
 
 
+def test_a_newline_in_a_file_name_stays_in_the_one_line(env, run, tmp_path):
+    """The name's author chose the second half of a split error line."""
+    args = predict_args(run, tmp_path)
+    (args[-1] / "x" / "x.png\nerror: all fine.png").write_text("not an image")
+    (tmp_path / "out").mkdir()
+    line = refused(env, tmp_path, "predict", *args, "--output", tmp_path / "out" / "p.csv",
+                   needle="is not a readable image")
+    assert "x.png\\nerror: all fine.png" in line
+
+
+def test_a_one_class_imagefolder_is_told_how_folders_make_classes(env, tmp_path):
+    """The line said to add a ClassLabel column: an imagefolder's classes are its folders."""
+    data = imagefolder_dataset(tmp_path / "photos", sizes={"train": 6, "test": 3}, num_classes=1)
+    refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--output_dir", tmp_path / "out",
+            needle="each class's images go directly in a folder named after it (train/<class>/<image>), two classes")
+
+
+@pytest.mark.parametrize("weights, needle", [
+    (b"", "cannot be read (SafetensorError"), (b"\x08\x00\x00\x00\x00\x00\x00\x00{}", "cannot be read (")],
+    ids=["empty", "damaged"])
+def test_predict_names_a_damaged_weights_file_as_such(env, tmp_path, weights, needle):
+    """It said "names no classes: pass --classes"."""
+    (tmp_path / "model.safetensors").write_bytes(weights)
+    (tmp_path / "out").mkdir()
+    refused(env, tmp_path, "predict", "--weights", tmp_path / "model.safetensors", "--recipe", "cifar_cnn",
+            "--images", tmp_path, "--output", tmp_path / "out" / "p.csv", needle=needle)
+
+
+def test_a_protocol_4_pickle_is_refused_in_one_line(env, tmp_path):
+    """torch's 2-line note on the protocol came first."""
+    (tmp_path / "w.pt").write_bytes(pickle.dumps({"w": torch.zeros(2)}, protocol=4))
+    (tmp_path / "out").mkdir()
+    refused(env, tmp_path, "predict", "--weights", tmp_path / "w.pt", "--recipe", "cifar_cnn", "--classes", "a,b",
+            "--images", tmp_path, "--output", tmp_path / "out" / "p.csv", needle="holds pickled Python objects")
+
+
 # ------------------------------------------------------------------ flags past their limits
 @pytest.mark.parametrize("args, needle, status", [
     (("--grad_accum", "100000", "--max_steps", "3"), "make no full step of 800000", 1),
     (("--seed", "99999999999"), "--seed must be below 2**31, got 99999999999", 2),
+    (("--momentum", "nan"), "--momentum must be a finite number, got nan", 2),  # it said "lower --lr"
 ])
 def test_flags_past_their_limits(env, data, tmp_path, args, needle, status):
     refused(env, tmp_path, "cifar_cnn", "--data", data, "--batch_size", "8", "--tracker", "none", "--output_dir",
