@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # for the annotations only
     import datasets
 
 WIDE_MODES = {"I", "I;16", "I;16B", "I;16L", "I;16N", "F"}  # 16/32-bit and float pixels
+MAX_PARQUET_RATIO = 100  # what a parquet file may inflate to, times its size (a bomb: 70,000 times)
 MAX_CLASSES = 100_000  # a label column's classes: ImageNet-21k's 21,841 fit, a label of 2^40 does not
 # Beside datasets' own cache (its config.HF_DATASETS_CACHE, found as datasets finds it: datasets is imported only
 # where a dataset needs it, not for IDX or CIFAR files and --synthetic; it is 0.6 s of a start).
@@ -86,7 +87,10 @@ def open_dataset(source: str) -> datasets.DatasetDict:
             if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
                 loaded = datasets.load_from_disk(str(path))  # written by save_to_disk
             else:
+                check_parquet_files(path)
                 loaded = datasets.load_dataset(str(path))  # parquet files or an imagefolder
+        except RecipeError:
+            raise
         except Exception as error:
             raise RecipeError(f"could not read a dataset from {path} ({type(error).__name__}: {first_line(error)}): "
                               "expected a save_to_disk folder, parquet files, an imagefolder (one subfolder per "
@@ -101,6 +105,27 @@ def open_dataset(source: str) -> datasets.DatasetDict:
                           f"({type(error).__name__}: {first_line(error)}): pass --data PATH of a local copy "
                           "(save_to_disk, parquet, imagefolder, IDX or CIFAR binary), or --synthetic for an offline "
                           "run") from None
+
+
+def check_parquet_files(folder: Path) -> None:
+    """A parquet file's footer says how large its columns are once decompressed: a 52 KB file of compressed zeros
+    reached 3.6 GB. Refuse a file that claims more than MAX_PARQUET_RATIO times its size (images inside are compressed
+    already; raw pixel columns shrink a few times) or than the free memory, before a page is read."""
+    import pyarrow.parquet as pq
+
+    for file in sorted(folder.rglob("*.parquet")):
+        try:
+            meta = pq.read_metadata(file)
+            claimed = sum(meta.row_group(i).column(j).total_uncompressed_size
+                          for i in range(meta.num_row_groups) for j in range(meta.num_columns))
+        except Exception as error:
+            raise RecipeError(f"{file} is not a readable parquet file ({type(error).__name__}: "
+                              f"{first_line(error)[:100]}): write it again") from None
+        size, free = file.stat().st_size, free_memory()
+        if claimed > min(MAX_PARQUET_RATIO * size + 2**26, free):
+            raise RecipeError(f"{file} claims {claimed:,} bytes once decompressed, from {size:,} on disk (over "
+                              f"{MAX_PARQUET_RATIO} times its size plus 64 MiB, or the {free / 2**30:.1f} GiB of free "
+                              "memory): a damaged or hostile file; write it again")
 
 
 def pick_splits(splits: datasets.DatasetDict, source: str):

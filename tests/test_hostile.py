@@ -564,6 +564,17 @@ def test_a_run_of_100000_classes_draws_no_confusion_matrix(env, tmp_path):
     assert json.loads((out / "config.json").read_text())["classes"][-1] == "99999"
 
 
+def test_a_parquet_file_that_inflates_is_refused_before_a_page_is_read(env, tmp_path):
+    """A 52 KB parquet file reached 3.6 GB before a vague line. This one: 3 KB on disk, 100 MB decompressed."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "data").mkdir()
+    pq.write_table(pa.table({"x": [bytes(100_000_000)]}), tmp_path / "data" / "train.parquet", compression="zstd")
+    refused(env, tmp_path, "cifar_cnn", "--data", tmp_path / "data", *SHORT, "--output_dir", tmp_path / "out",
+            needle="train.parquet claims 100,000,052 bytes once decompressed, from")
+
+
 # ------------------------------------------------------------------ images
 def png(path: Path, width: int, height: int, rows: int | None = None) -> Path:
     """A grayscale PNG of zeros, `rows` of its rows present (all by default): 30000x30000 is about 1 MB."""
