@@ -430,31 +430,3 @@ def test_a_batch_whose_activations_do_not_fit_in_memory_is_one_line(env, tmp_pat
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, preexec_fn=limit)
     one_line(result, "out of memory: lower --batch_size")
     assert not (tmp_path / "out" / "model.safetensors").exists()
-
-
-@pytest.mark.parametrize("variables, needle", [
-    ({"WORLD_SIZE": "2"}, "the environment sets WORLD_SIZE=2, but no launcher started this process"),
-    ({"WORLD_SIZE": "2", "RANK": "1"}, "the environment sets WORLD_SIZE=2, but no launcher started this process"),
-    ({"LOCAL_WORLD_SIZE": "abc"}, "the environment sets LOCAL_WORLD_SIZE='abc', not a count of processes"),
-    ({"WANDB_MODE": "bogus"}, "the environment sets WANDB_MODE='bogus': wandb takes online, offline or disabled"),
-    ({"HF_HOME": "FILE", "HF_DATASETS_CACHE": ""}, "/datasets/decoded (Not a directory): set HF_HOME"),
-], ids=["stale WORLD_SIZE", "stale WORLD_SIZE and RANK", "LOCAL_WORLD_SIZE", "WANDB_MODE", "HF_HOME a file"])
-def test_a_broken_environment_is_one_line_within_seconds(env, data, tmp_path, variables, needle):
-    """A WORLD_SIZE left in the shell made a single process wait forever for a second one."""
-    (tmp_path / "FILE").write_text("not a folder")
-    changed = {k: str(tmp_path / v) if v == "FILE" else v for k, v in variables.items()}
-    started = time.monotonic()
-    result = launch({k: v for k, v in {**env, **changed}.items() if v}, "cifar_cnn", "--data", str(data),
-                    "--output_dir", str(tmp_path / "out"), *SHORT, "--tracker", "wandb", timeout=120)
-    one_line(result, needle)
-    assert time.monotonic() - started < 60
-
-
-def test_a_dataset_of_one_example_and_no_test_split_is_one_line(env, tmp_path):
-    """datasets' train_test_split cannot split one row: its ValueError was a traceback."""
-    from tiny_data import image_splits
-
-    (tmp_path / "data").mkdir()
-    image_splits(sizes={"train": 1})["train"].to_parquet(str(tmp_path / "data" / "train.parquet"))
-    one_line(launch(env, "cifar_cnn", "--data", str(tmp_path / "data"), *SHORT, "--output_dir", str(tmp_path / "out")),
-             "holds 1 example(s) and no 'test' split: a run needs at least one example to train on and one to test on")

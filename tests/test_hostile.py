@@ -732,6 +732,31 @@ def test_a_protocol_4_pickle_is_refused_in_one_line(env, tmp_path):
             "--images", tmp_path, "--output", tmp_path / "out" / "p.csv", needle="holds pickled Python objects")
 
 
+@pytest.mark.parametrize("variables, needle", [
+    ({"WORLD_SIZE": "2"}, "the environment sets WORLD_SIZE=2, but no launcher started this process"),
+    ({"WORLD_SIZE": "2", "RANK": "1"}, "the environment sets WORLD_SIZE=2, but no launcher started this process"),
+    ({"LOCAL_WORLD_SIZE": "abc"}, "the environment sets LOCAL_WORLD_SIZE='abc', not a count of processes"),
+    ({"WANDB_MODE": "bogus"}, "the environment sets WANDB_MODE='bogus': wandb takes online, offline or disabled"),
+    ({"HF_HOME": "FILE", "HF_DATASETS_CACHE": ""}, "/datasets/decoded (Not a directory): set HF_HOME"),
+], ids=["stale WORLD_SIZE", "stale WORLD_SIZE and RANK", "LOCAL_WORLD_SIZE", "WANDB_MODE", "HF_HOME a file"])
+def test_a_broken_environment_is_one_line_within_seconds(env, data, tmp_path, variables, needle):
+    """A WORLD_SIZE left in the shell made a single process wait forever for a second one (refused() times out at
+    120 s); the others ended in tracebacks."""
+    (tmp_path / "FILE").write_text("not a folder")
+    changed = {k: str(tmp_path / v) if v == "FILE" else v for k, v in variables.items()}
+    refused({k: v for k, v in {**env, **changed}.items() if v}, tmp_path, "cifar_cnn", "--data", data, *SHORT,
+            "--tracker", "wandb", "--output_dir", tmp_path / "out", needle=needle, decoded=True)
+
+
+def test_a_dataset_of_one_example_and_no_test_split_is_one_line(env, tmp_path):
+    """datasets' train_test_split cannot split one row: its ValueError was a traceback."""
+    (tmp_path / "data").mkdir()
+    image_splits(sizes={"train": 1})["train"].to_parquet(str(tmp_path / "data" / "train.parquet"))
+    refused(env, tmp_path, "cifar_cnn", "--data", tmp_path / "data", *SHORT, "--output_dir", tmp_path / "out",
+            needle="holds 1 example(s) and no 'test' split: a run needs at least one example to train on and one to "
+            "test on")
+
+
 # ------------------------------------------------------------------ flags past their limits
 @pytest.mark.parametrize("args, needle, status", [
     (("--grad_accum", "100000", "--max_steps", "3"), "make no full step of 800000", 1),
