@@ -355,18 +355,18 @@ def two_processes(name: str, data_flags: list[str], env: dict | None = None) -> 
 
 def worker(name: str, flags: list[str], out: Path) -> None:
     """One process of several: the recipe, then the plain loop in DDP. The processes agree on a stop at their own
-    cadence (shared/checkpoints.py: a gather and two reads about once a second); here, after the first two steps
+    cadence (shared/stopping.py: a gather and two reads about once a second); here, after the first two steps
     only, since these slow counted steps would otherwise agree at every one, and the steps after an agreement are
     left out (an agreement falls between two optimizer steps)."""
-    from shared import checkpoints
+    from shared import stopping
 
-    agreements, agree = [], checkpoints.Checkpoints._agree_to_stop
+    agreements, agree = [], stopping.StopOnSignals._agree_to_stop
 
     def counted_agreement(self, step):
         agreements.append(step)
         return agree(self, step)
 
-    checkpoints.Checkpoints._agree_to_stop, checkpoints.STOP_CHECK_S = counted_agreement, 1e9
+    stopping.StopOnSignals._agree_to_stop, stopping.STOP_CHECK_S = counted_agreement, 1e9
     main_process = PartialState().is_main_process  # starts the process group: the plain loop's DDP needs it
     plain = steady(count_plain_loop(name, flags, ddp=True))  # first: the recipe's end_training ends the group
     counts = steady(count_recipe(name, flags), leave_out={step + 1 for step in agreements})

@@ -46,8 +46,8 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it
 from shared.checkpoints import Checkpoints
 from shared.config import parse_config
-from shared.data import read_image
 from shared.errors import RecipeError, check_launch, first_line, one_line_errors
+from shared.images import read_image
 from shared.resume import read_json
 
 RECIPES = Path(__file__).resolve().parent  # where a recipe named by its name is looked for

@@ -11,29 +11,26 @@ import inspect
 import io
 import json
 import logging
-import math
 import os
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from huggingface_hub.constants import HF_HOME
-from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
+from PIL import Image
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from shared.batches import ImageTensors
-from shared.dataset_files import DatasetFiles, find_dataset_files, free_memory
-from shared.errors import RecipeError, first_line, is_main_process
+from shared.dataset_files import DatasetFiles, find_dataset_files
+from shared.errors import RecipeError, first_line
+from shared.images import check_conversion, fit, read_image, to_channels
+from shared.limits import check_decoded_size, check_parquet_files
 
 if TYPE_CHECKING:  # for the annotations only
     import datasets
 
-WIDE_MODES = {"I", "I;16", "I;16B", "I;16L", "I;16N", "F"}  # 16/32-bit and float pixels
-MAX_PARQUET_RATIO = 100  # what a parquet file may inflate to, times its size (a bomb: 70,000 times)
 MAX_CLASSES = 100_000  # a label column's classes: ImageNet-21k's 21,841 fit, a label of 2^40 does not
 # Beside datasets' own cache (its config.HF_DATASETS_CACHE, found as datasets finds it: datasets is imported only
 # where a dataset needs it, not for IDX or CIFAR files and --synthetic; it is 0.6 s of a start).
@@ -61,16 +58,6 @@ def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: b
         check_conversion(source, image_shape, 1 if first.mode in ("1", "L", "LA") else 3, (first.height, first.width))
     return tuple(decode_split(split, name, source, image_column, label_column, classes, image_shape)
                  for name, split in (("train", train), ("test", test)))
-
-
-def check_decoded_size(source: str, count: int, image_shape: tuple[int, int, int]) -> None:
-    """Every pixel of both splits is held at once, converted to `image_shape` (150 KB a 224-px photo: 15 GB for
-    100,000): refuse more than the free memory before a byte is decoded or converted."""
-    need, free = count * math.prod(image_shape), free_memory()
-    if need > free:
-        raise RecipeError(f"{source}: {count:,} images of {'x'.join(map(str, image_shape))} take "
-                          f"{need / 2**30:.1f} GiB decoded, more than the {free / 2**30:.1f} GiB of free memory: use "
-                          "smaller images (finetune.py: --image_size) or fewer, or a machine with more memory")
 
 
 def open_dataset(source: str) -> datasets.DatasetDict:
@@ -105,27 +92,6 @@ def open_dataset(source: str) -> datasets.DatasetDict:
                           f"({type(error).__name__}: {first_line(error)}): pass --data PATH of a local copy "
                           "(save_to_disk, parquet, imagefolder, IDX or CIFAR binary), or --synthetic for an offline "
                           "run") from None
-
-
-def check_parquet_files(folder: Path) -> None:
-    """A parquet file's footer says how large its columns are once decompressed: a 52 KB file of compressed zeros
-    reached 3.6 GB. Refuse a file that claims more than MAX_PARQUET_RATIO times its size (images inside are compressed
-    already; raw pixel columns shrink a few times) or than the free memory, before a page is read."""
-    import pyarrow.parquet as pq
-
-    for file in sorted(folder.rglob("*.parquet")):
-        try:
-            meta = pq.read_metadata(file)
-            claimed = sum(meta.row_group(i).column(j).total_uncompressed_size
-                          for i in range(meta.num_row_groups) for j in range(meta.num_columns))
-        except Exception as error:
-            raise RecipeError(f"{file} is not a readable parquet file ({type(error).__name__}: "
-                              f"{first_line(error)[:100]}): write it again") from None
-        size, free = file.stat().st_size, free_memory()
-        if claimed > min(MAX_PARQUET_RATIO * size + 2**26, free):
-            raise RecipeError(f"{file} claims {claimed:,} bytes once decompressed, from {size:,} on disk (over "
-                              f"{MAX_PARQUET_RATIO} times its size plus 64 MiB, or the {free / 2**30:.1f} GiB of free "
-                              "memory): a damaged or hostile file; write it again")
 
 
 def pick_splits(splits: datasets.DatasetDict, source: str):
@@ -211,34 +177,6 @@ def image_file(stored: dict, source: str, split: str, index: int) -> tuple[bytes
     return stored["bytes"] if stored.get("bytes") is not None else stored.get("path") or "", where
 
 
-def read_image(file: bytes | str | Path, image_shape: tuple[int, int, int], where: str) -> torch.Tensor:
-    """One image file (its bytes or a local path) -> uint8 (C, H, W) of `image_shape`, converted as datasets'
-    Image(mode=...) converts (EXIF orientation, then L or RGB) and fitted at once: memory for one image. A damaged
-    file, one over PIL's pixel limit (read from its header, before decoding), 16-bit pixels: one line naming `where`."""
-    channels, height, width = image_shape
-    if not isinstance(file, bytes) and not Path(file).is_file():
-        raise RecipeError(f"{where}: no such image file on this machine (datasets' paths are read, never fetched)")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)  # over PIL's limit: refused, not warned
-            image = Image.open(io.BytesIO(file) if isinstance(file, bytes) else file)
-        with image:
-            if image.mode in WIDE_MODES:
-                raise RecipeError(f"{where} has {image.mode} pixels (16-bit, 32-bit or float), which 8 bits cannot "
-                                  "hold without clipping or guessing a range: scale the images to 8-bit L or RGB")
-            image.load()
-            if image.getexif().get(ExifTags.Base.Orientation) is not None:
-                image = ImageOps.exif_transpose(image)
-            pixels = np.array(image.convert("L" if channels == 1 else "RGB"))
-    except (Image.DecompressionBombWarning, Image.DecompressionBombError):
-        raise RecipeError(f"{where} has more than {Image.MAX_IMAGE_PIXELS:,} pixels, PIL's limit against "
-                          "decompression bombs: remove it, or shrink it first") from None
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, MemoryError) as error:
-        raise RecipeError(f"{where} is not a readable image ({type(error).__name__}: {first_line(error)[:120]}): "
-                          "remove it or replace it") from None
-    return fit(torch.from_numpy(pixels).reshape(*pixels.shape[:2], channels).permute(2, 0, 1), height, width, where)
-
-
 def decoder_hash() -> str:
     """Changes whenever the code that turns images into tensors does (the decoders, fit(), torch's resize): a cache
     keyed only by the data would hand back tensors made by the old code."""
@@ -266,48 +204,6 @@ def load_dataset_files(files: DatasetFiles, source: str, image_shape) -> tuple[I
                          labels) for name, (images, labels) in splits.items()}
         _write_cache(cache, fitted, classes, source)
     return tuple(ImageTensors(*_read_cache(cache, name), name=name) for name in ("train", "test"))
-
-
-def to_channels(images: torch.Tensor, channels: int) -> torch.Tensor:
-    """uint8 (N, C, H, W) with 1 or 3 channels -> `channels`, as PIL converts L <-> RGB."""
-    if images.shape[1] == channels:
-        return images
-    if channels == 3:
-        return images.expand(-1, 3, -1, -1)
-    r, g, b = images.to(torch.int32).unbind(1)  # ITU-R 601-2 luma in PIL's 16-bit fixed point
-    return ((r * 19595 + g * 38470 + b * 7471 + 0x8000) >> 16).to(torch.uint8)[:, None]
-
-
-def check_conversion(source: str, image_shape: tuple[int, int, int], channels: int, size: tuple[int, int]) -> None:
-    """Say how images unlike the recipe's are converted, from the first one."""
-    changes = ["grayscale -> colour" if image_shape[0] == 3 else "colour -> grayscale"] * (channels != image_shape[0])
-    if size != tuple(image_shape[1:]):
-        changes.append(f"{size[1]}x{size[0]} -> {image_shape[2]}x{image_shape[1]} (shorter side resized with "
-                       "antialiasing, then centre-cropped)")
-    if changes and is_main_process():
-        print(f"{source}: converting the images to this recipe's {'x'.join(map(str, image_shape))} input: "
-              + "; ".join(changes), flush=True)
-
-
-def fit(image: torch.Tensor, height: int, width: int, where: str = "images") -> torch.Tensor:
-    """uint8 (C, h, w), or a batch (N, C, h, w) -> (..., C, height, width): shorter side resized with antialiasing,
-    centre crop. The same pixels as torchvision's v2 resize + center_crop (tested), without its import: 1.3 s of
-    every start of every process."""
-    h, w = image.shape[-2:]
-    if (h, w) == (height, width):
-        return image
-    size = max(height, width)  # the shorter side's new length; the longer keeps the aspect ratio
-    new_h, new_w = (int(size * h / w), size) if w <= h else (size, int(size * w / h))
-    need = image.numel() // (h * w) * new_h * new_w  # the resized images before the crop: a 1 x 10^8 image, 10 GB
-    if need > 2**28 and need > free_memory():
-        raise RecipeError(f"{where}: images of {w}x{h} pixels, resized to {new_w}x{new_h} before the centre crop, take "
-                          f"{need / 2**30:.1f} GiB, more than the free memory: crop them nearer to a square first")
-    if (new_h, new_w) != (h, w):  # bilinear with antialiasing, computed on the uint8 pixels as torchvision does
-        batch = F.interpolate(image if image.ndim == 4 else image[None], size=(new_h, new_w), mode="bilinear",
-                              align_corners=False, antialias=True)
-        image = batch if image.ndim == 4 else batch[0]
-    top, left = int(round((new_h - height) / 2.0)), int(round((new_w - width) / 2.0))
-    return image[..., top:top + height, left:left + width]
 
 
 def _read_cache(path: Path, split: str) -> tuple[torch.Tensor, torch.Tensor, list[str]]:

@@ -14,15 +14,12 @@ allocates. `.read()` returns {"train": (images, labels), "test": ...}, uint8 (N,
 class names.
 """
 
-import contextlib
 import gzip
 import hashlib
 import io
 import math
-import os
 import pickle
 import pickletools
-import resource
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +28,7 @@ import numpy as np
 import torch
 
 from shared.errors import RecipeError, first_line
+from shared.limits import MAX_FILE_BYTES, check_size
 
 FASHION_MNIST = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
                  "Ankle boot"]
@@ -38,7 +36,6 @@ FASHION_MNIST = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal"
 # folder's name, say that the files are Fashion-MNIST's.
 FASHION_MNIST_TEST_LABELS = "3d0e6c6ea990b53b"
 # Limits for files from anywhere (docs/troubleshooting.md): what a file or its header may claim.
-MAX_FILE_BYTES = 4 * 2**30  # one dataset file: 4 GiB (the real MNIST family's largest is under 1 GiB)
 MAX_NAMES_BYTES = 2**20  # a file of class names: CIFAR-100's is under 1 KiB
 IDX_SPLITS = {"train": ("train",), "test": ("t10k", "test")}
 CIFAR_BINARY = {  # folder -> the files of each split, the class names' file, the label bytes before each image
@@ -143,38 +140,6 @@ def read_idx(path: Path) -> np.ndarray:
         raise RecipeError(f"{path} is {size} bytes, not what its header says ({shape}): the file is truncated "
                           "or damaged; download it again")
     return np.frombuffer(raw, np.uint8).reshape(shape)
-
-
-def free_memory(cgroups: Path = Path("/sys/fs/cgroup")) -> float:
-    """Bytes this process may still allocate: the memory the system has available (page cache counts as free, as in
-    `free`), within the limit of its cgroup and of every cgroup above it (cgroup v2: a container's or a SLURM job's
-    memory limit), and within its address-space limit (`ulimit -v`). Infinity where the system does not say (macOS)."""
-    room = [math.inf]
-    with contextlib.suppress(OSError, ValueError, KeyError):
-        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-        room.append(int(meminfo["MemAvailable"].split()[0]) * 1024)
-    with contextlib.suppress(OSError, ValueError, StopIteration):
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-        group = cgroups / next(line[3:] for line in lines if line.startswith("0::")).strip("/")
-        for folder in [group, *group.parents[:len(group.relative_to(cgroups).parts)]]:
-            with contextlib.suppress(OSError, ValueError, KeyError):  # "max": no limit in this cgroup
-                stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines())
-                used = int((folder / "memory.current").read_text()) - int(stat["inactive_file"])
-                room.append(int((folder / "memory.max").read_text()) - used)
-    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
-    with contextlib.suppress(OSError, ValueError):
-        if limit != resource.RLIM_INFINITY:
-            room.append(limit - int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE"))
-    return max(min(room), 0)
-
-
-def check_size(path: Path, size: int) -> None:
-    """Refuse a file whose header claims more bytes than MAX_FILE_BYTES or this machine's free memory."""
-    free = free_memory()
-    if size > min(MAX_FILE_BYTES, free):
-        raise RecipeError(f"{path} claims {size:,} bytes of data, over the {MAX_FILE_BYTES / 2**30:.0f} GiB a dataset "
-                          f"file may hold here (or the {free / 2**30:.1f} GiB of free memory): a damaged or hostile "
-                          "file; download it again")
 
 
 def read_idx_splits(files: dict[str, list[Path]]):

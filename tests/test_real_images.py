@@ -122,7 +122,7 @@ def test_fit_gives_torchvisions_pixels_for_any_size():
     """shared/data.py resizes without torchvision (its import cost 1.3 s a start): the same pixels, bit for bit."""
     import torchvision.transforms.v2.functional as TF
 
-    from shared.data import fit
+    from shared.images import fit
 
     generator = torch.Generator().manual_seed(0)
     for channels, h, w, height, width in [(3, 40, 40, 32, 32), (3, 30, 50, 32, 32), (1, 90, 17, 28, 28),

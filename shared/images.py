@@ -1,0 +1,87 @@
+"""Images into the recipes' tensors: one file decoded (`read_image`, bounded by PIL's pixel limit), and an image or a
+batch converted to the recipe's channels and size (`to_channels`, `fit`: the pixels of torchvision's resize and
+centre crop, without its import)."""
+
+import io
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
+
+from shared.errors import RecipeError, first_line, is_main_process
+from shared.limits import free_memory
+
+WIDE_MODES = {"I", "I;16", "I;16B", "I;16L", "I;16N", "F"}  # 16/32-bit and float pixels
+
+
+def read_image(file: bytes | str | Path, image_shape: tuple[int, int, int], where: str) -> torch.Tensor:
+    """One image file (its bytes or a local path) -> uint8 (C, H, W) of `image_shape`, converted as datasets'
+    Image(mode=...) converts (EXIF orientation, then L or RGB) and fitted at once: memory for one image. A damaged
+    file, one over PIL's pixel limit (read from its header, before decoding), 16-bit pixels: one line naming `where`."""
+    channels, height, width = image_shape
+    if not isinstance(file, bytes) and not Path(file).is_file():
+        raise RecipeError(f"{where}: no such image file on this machine (datasets' paths are read, never fetched)")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)  # over PIL's limit: refused, not warned
+            image = Image.open(io.BytesIO(file) if isinstance(file, bytes) else file)
+        with image:
+            if image.mode in WIDE_MODES:
+                raise RecipeError(f"{where} has {image.mode} pixels (16-bit, 32-bit or float), which 8 bits cannot "
+                                  "hold without clipping or guessing a range: scale the images to 8-bit L or RGB")
+            image.load()
+            if image.getexif().get(ExifTags.Base.Orientation) is not None:
+                image = ImageOps.exif_transpose(image)
+            pixels = np.array(image.convert("L" if channels == 1 else "RGB"))
+    except (Image.DecompressionBombWarning, Image.DecompressionBombError):
+        raise RecipeError(f"{where} has more than {Image.MAX_IMAGE_PIXELS:,} pixels, PIL's limit against "
+                          "decompression bombs: remove it, or shrink it first") from None
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, MemoryError) as error:
+        raise RecipeError(f"{where} is not a readable image ({type(error).__name__}: {first_line(error)[:120]}): "
+                          "remove it or replace it") from None
+    return fit(torch.from_numpy(pixels).reshape(*pixels.shape[:2], channels).permute(2, 0, 1), height, width, where)
+
+
+def to_channels(images: torch.Tensor, channels: int) -> torch.Tensor:
+    """uint8 (N, C, H, W) with 1 or 3 channels -> `channels`, as PIL converts L <-> RGB."""
+    if images.shape[1] == channels:
+        return images
+    if channels == 3:
+        return images.expand(-1, 3, -1, -1)
+    r, g, b = images.to(torch.int32).unbind(1)  # ITU-R 601-2 luma in PIL's 16-bit fixed point
+    return ((r * 19595 + g * 38470 + b * 7471 + 0x8000) >> 16).to(torch.uint8)[:, None]
+
+
+def check_conversion(source: str, image_shape: tuple[int, int, int], channels: int, size: tuple[int, int]) -> None:
+    """Say how images unlike the recipe's are converted, from the first one."""
+    changes = ["grayscale -> colour" if image_shape[0] == 3 else "colour -> grayscale"] * (channels != image_shape[0])
+    if size != tuple(image_shape[1:]):
+        changes.append(f"{size[1]}x{size[0]} -> {image_shape[2]}x{image_shape[1]} (shorter side resized with "
+                       "antialiasing, then centre-cropped)")
+    if changes and is_main_process():
+        print(f"{source}: converting the images to this recipe's {'x'.join(map(str, image_shape))} input: "
+              + "; ".join(changes), flush=True)
+
+
+def fit(image: torch.Tensor, height: int, width: int, where: str = "images") -> torch.Tensor:
+    """uint8 (C, h, w), or a batch (N, C, h, w) -> (..., C, height, width): shorter side resized with antialiasing,
+    centre crop. The same pixels as torchvision's v2 resize + center_crop (tested), without its import: 1.3 s of
+    every start of every process."""
+    h, w = image.shape[-2:]
+    if (h, w) == (height, width):
+        return image
+    size = max(height, width)  # the shorter side's new length; the longer keeps the aspect ratio
+    new_h, new_w = (int(size * h / w), size) if w <= h else (size, int(size * w / h))
+    need = image.numel() // (h * w) * new_h * new_w  # the resized images before the crop: a 1 x 10^8 image, 10 GB
+    if need > 2**28 and need > free_memory():
+        raise RecipeError(f"{where}: images of {w}x{h} pixels, resized to {new_w}x{new_h} before the centre crop, take "
+                          f"{need / 2**30:.1f} GiB, more than the free memory: crop them nearer to a square first")
+    if (new_h, new_w) != (h, w):  # bilinear with antialiasing, computed on the uint8 pixels as torchvision does
+        batch = F.interpolate(image if image.ndim == 4 else image[None], size=(new_h, new_w), mode="bilinear",
+                              align_corners=False, antialias=True)
+        image = batch if image.ndim == 4 else batch[0]
+    top, left = int(round((new_h - height) / 2.0)), int(round((new_w - width) / 2.0))
+    return image[..., top:top + height, left:left + width]
