@@ -125,10 +125,8 @@ def load_pretrained(model: nn.Module, cfg: Config) -> None:
                           "none)")
     weights = choices.DEFAULT if cfg.weights == "DEFAULT" else choices[cfg.weights]
     file = Path(torch.hub.get_dir()) / "checkpoints" / Path(urlparse(weights.url).path).name
-    if file.exists() and not file.is_file():  # a FIFO or a folder: reading it would block or fail later
-        raise RecipeError(f"--weights: {file} is not a regular file: delete it")
-    if file.is_file():
-        Checkpoints.check_archive(file)  # a cached file from anywhere: no compressed entry, bounded by its size
+    if file.exists():  # a cached file from anywhere: a regular file, no compressed entry, bounded by its size
+        Checkpoints.check_archive(file)
     try:
         state = weights.get_state_dict(progress=False, weights_only=True)
     except Exception as error:

@@ -201,6 +201,8 @@ class Checkpoints(StopOnSignals):
         """Before torch.load: torch.save writes a zip of stored (uncompressed) entries, so a compressed entry, or
         entries claiming more bytes than the file holds, could only inflate it, to any size: refused. A file that is
         no zip is torch's format before 1.6 (torchvision's oldest downloads), left to torch.load."""
+        if not path.is_file():  # a FIFO would block the first read
+            raise RecipeError(f"{str(path)!r} is not a regular file (a FIFO, socket, device or folder): delete it")
         if not zipfile.is_zipfile(path):
             return
         try:

@@ -5,6 +5,7 @@ offline without the file: one line."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -96,6 +97,10 @@ def test_a_cached_weights_file_with_compressed_entries_is_not_inflated(env, phot
     zip_bomb(home / "hub" / "checkpoints" / CACHED)
     one_line(launch(dict(env, TORCH_HOME=str(home)), "finetune", "--data", str(photos), *RUN, "--output_dir",
                     str(tmp_path / "out")), f"{CACHED}' holds compressed entries (", "which torch.save never writes")
+    (home / "hub" / "checkpoints" / CACHED).unlink()
+    os.mkfifo(home / "hub" / "checkpoints" / CACHED)  # would block the read forever
+    one_line(launch(dict(env, TORCH_HOME=str(home)), "finetune", "--data", str(photos), *RUN, "--output_dir",
+                    str(tmp_path / "out2")), f"{CACHED}' is not a regular file (a FIFO, socket, device or folder)")
 
 
 def test_photos_that_would_not_fit_in_memory_decoded_are_refused_first(env, photos, tmp_path):
