@@ -99,21 +99,22 @@ def test_conversion_keeps_the_content(tmp_path, monkeypatch):
 
 
 def test_a_change_to_the_conversion_code_is_not_served_from_the_old_cache(tmp_path, monkeypatch):
-    from shared import data
+    from shared import data, images
 
     monkeypatch.setattr(data, "CACHE_DIR", tmp_path / "cache")
     rng = np.random.default_rng(0)
     features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])})
-    images = [Image.fromarray(rng.integers(0, 256, (40, 40, 3), dtype=np.uint8)) for _ in range(2)]
-    split = datasets.Dataset.from_dict({"image": images, "label": [0, 1]}, features=features)
+    photos = [Image.fromarray(rng.integers(0, 256, (40, 40, 3), dtype=np.uint8)) for _ in range(2)]
+    split = datasets.Dataset.from_dict({"image": photos, "label": [0, 1]}, features=features)
     datasets.DatasetDict(train=split, test=split).save_to_disk(str(tmp_path / "d"))
     before, _ = data.load_image_data(str(tmp_path / "d"), (3, 32, 32))
     assert before.images.any()
 
-    def fit(image, height, width):  # an edited conversion: black images
+    def fit(image, height, width, where="images"):  # an edited conversion: black images
         return torch.zeros(image.shape[0], height, width, dtype=torch.uint8)
 
-    monkeypatch.setattr(data, "fit", fit)
+    monkeypatch.setattr(images, "fit", fit)  # as an edit of shared/images.py would change it: for read_image
+    monkeypatch.setattr(data, "fit", fit)  # and for the decoder's hash
     after, _ = data.load_image_data(str(tmp_path / "d"), (3, 32, 32))
     assert not after.images.any()  # decoded anew, not the first run's cached tensors
     assert len(list((tmp_path / "cache").glob("*-train-3x32x32-*.safetensors"))) == 2

@@ -162,6 +162,7 @@ def test_runs_table_lists_every_run(env, data, wandb_run, tmp_path):
     header = next(line for line in result.stdout.splitlines() if line.startswith("| run "))
     assert "| --lr |" in header and "--output_dir" not in header and "| eval_loss |" in header  # what differs
     assert "| train_loss |" in header and "--seed" not in header  # every metric; a flag both runs share is no column
+    (tmp_path / "nothing").mkdir()
     empty = subprocess.run([sys.executable, "-m", "tools.runs", str(tmp_path / "nothing")], cwd=ROOT,
                            capture_output=True, text=True)
     assert empty.returncode == 1 and "no finished runs" in empty.stderr

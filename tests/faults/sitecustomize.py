@@ -10,7 +10,7 @@ gloo's teardown race (pytorch#179291) does now and then.
 With FAULT_HANG_IN_EVALUATION=FILE, the first evaluation loss creates FILE and never returns: a hung evaluation.
 With FAULT_FAIL_SAVING_IMAGE=NAME, PIL fails to save an image named NAME (OSError), as on a full disk.
 With FAULT_KILL_WRITING=STEM, the process writes half of the first text it writes to a file named STEM.<anything>
-(pathlib's write_text), then kills itself (SIGKILL): a run killed in the middle of rewriting a file.
+opened for writing with pathlib (open or write_text), then kills itself (SIGKILL): a run killed while rewriting a file.
 With FAULT_HOLD_SAVE_AT_STEP=N, the save of step N's checkpoint stops for good after its first file: a save caught
 in the middle, whatever the machine's speed.
 """
@@ -106,12 +106,29 @@ if _kill_writing:
     import pathlib
     import signal
 
-    _write_text = pathlib.Path.write_text
+    _open = pathlib.Path.open
 
-    def _write_half_and_die(self, data, *args, **kwargs):
-        if self.stem == _kill_writing:
-            _write_text(self, data[:len(data) // 2], *args, **kwargs)
+    class _DyingFile:
+        def __init__(self, file):
+            self.file = file
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+        def write(self, text):
+            self.file.write(text[:len(text) // 2])
+            self.file.flush()
             os.kill(os.getpid(), signal.SIGKILL)
-        return _write_text(self, data, *args, **kwargs)
 
-    pathlib.Path.write_text = _write_half_and_die
+        def writelines(self, lines):
+            for line in lines:
+                self.write(line)
+
+    def _open_to_die(self, mode="r", *args, **kwargs):
+        file = _open(self, mode, *args, **kwargs)
+        return _DyingFile(file) if self.stem == _kill_writing and "w" in mode else file
+
+    pathlib.Path.open = _open_to_die
