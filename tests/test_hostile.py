@@ -268,11 +268,17 @@ def unfinished(run: Path, tmp_path: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("name, target", [
-    ("curves.png", "file"), ("confusion_matrix.png", "file"), ("metrics.jsonl", "file"), ("metrics.jsonl", "none"),
-    ("summary.tmp", "none"), (".write_test", "none"), ("abandoned", "folder"), ("checkpoints/step_4", "folder"),
-    ("checkpoints", "folder"), ("config.json", "file")])
-@pytest.mark.parametrize("how", ["resume", "overwrite"])
+LINKS = [("curves.png", "file"), ("confusion_matrix.png", "file"), ("metrics.jsonl", "file"), ("metrics.jsonl", "none"),
+         ("summary.tmp", "none"), (".write_test", "none"), ("abandoned", "folder"), ("checkpoints/step_4", "folder"),
+         ("checkpoints", "folder"), ("config.json", "file")]
+
+
+# --overwrite deletes what a run wrote: the links it met (checkpoints/ and step_4 ended in tracebacks)
+OVERWRITTEN_LINKS = [("checkpoints", "folder"), ("checkpoints/step_4", "folder"), ("curves.png", "file")]
+
+
+@pytest.mark.parametrize("name, target, how", [(*link, "resume") for link in LINKS]
+                         + [(*link, "overwrite") for link in OVERWRITTEN_LINKS])
 def test_a_link_in_a_run_folder_is_refused_before_anything_is_written(env, data, run, tmp_path, name, target, how):
     """A run folder from elsewhere with a symbolic link in it: written through, it changed files outside the run
     (curves.png, metrics.jsonl, a dangling link's target, abandoned/'s), and --overwrite or pruning ended in a
