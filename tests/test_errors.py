@@ -352,6 +352,29 @@ def test_a_full_disk_is_one_line_and_the_run_resumes_once_there_is_room(env, dat
     assert (run / "model.safetensors").is_file() and (run / "summary.json").is_file()
 
 
+def test_a_disk_full_before_the_run_files_are_written_loses_nothing(env, data, small_disk):
+    """A resume on a disk with no room left: its first write (the rewrite of metrics.jsonl) fails with ENOSPC, which is
+    one line; the run's files are as they were, and the resume goes on once there is room."""
+    subprocess.run(["mount", "-o", "remount,size=8m", str(small_disk)], check=True)
+    run = small_disk / "run"
+    args = ["cifar_cnn", "--data", str(data), "--output_dir", str(run), *SHORT, "--checkpoint_every", "2"]
+    ok(launch(env, *args))
+    (run / "model.safetensors").unlink()  # a run stopped after its last checkpoint: the resume has files to write
+    before = snapshot(run)
+    with open(small_disk / "filler", "wb", buffering=0) as f:  # the rest of the disk
+        while True:
+            try:
+                f.write(bytes(2**16))
+            except OSError:  # ENOSPC
+                break
+    one_line(launch(env, *args, "--resume", "latest"), "failed (No space left on device): free space, then "
+             "continue with --resume latest")
+    assert snapshot(run) == before
+    (small_disk / "filler").unlink()
+    ok(launch(env, *args, "--resume", "latest"))
+    assert (run / "model.safetensors").is_file()
+
+
 def test_wandb_unreachable_falls_back_to_offline(env, data, tmp_path):
     run = tmp_path / "run"
     online_but_unreachable = dict(env, WANDB_API_KEY="a" * 40, WANDB_BASE_URL="http://127.0.0.1:9",
