@@ -44,10 +44,11 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it
-from shared.checkpoints import Checkpoints
+from shared.checkpoints import Checkpoints, plain_name
 from shared.config import parse_config
 from shared.errors import RecipeError, check_launch, first_line, one_line_errors
 from shared.images import read_image
+from shared.limits import walk
 from shared.resume import read_json
 
 RECIPES = Path(__file__).resolve().parent  # where a recipe named by its name is looked for
@@ -193,7 +194,7 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
     for key in ("model_state_dict", "state_dict", "model"):
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]
-    state = {re.sub(r"^(module\.|_orig_mod\.)+", "", k): v for k, v in state.items()}
+    state = {plain_name(k): v for k, v in state.items()}
     expected = model.state_dict()
     missing = [k for k in expected if k not in state]
     mismatched = [k for k in expected if k in state and state[k].shape != expected[k].shape]
@@ -215,15 +216,7 @@ def find_images(root: Path) -> tuple[list[Path], list[Path]]:
         return [root], []
     if not root.is_dir():
         raise RecipeError(f"--images {root}: no such file or folder")
-    files, folders = [], [root]
-    while folders:  # not recursive (rglob is, in Python 3.11): a tree 1,500 folders deep is walked all the same
-        with os.scandir(folders.pop()) as entries:
-            for entry in entries:
-                if entry.is_dir(follow_symlinks=False):
-                    folders.append(Path(entry.path))
-                elif entry.is_file() and not entry.name.startswith("."):
-                    files.append(Path(entry.path))
-    files.sort()
+    files = sorted(Path(entry.path) for entry in walk(root) if entry.is_file() and not entry.name.startswith("."))
     images = [p for p in files if p.suffix.lower() in IMAGE_EXTENSIONS]
     if not images:
         raise RecipeError(f"--images {root} holds no images ({len(files)} other files): pass a folder of .png, "

@@ -24,7 +24,12 @@ from safetensors.torch import save_file
 
 from shared.errors import RecipeError, first_line
 from shared.resume import check_resume, find_checkpoint, list_checkpoints
-from shared.stopping import StopOnSignals, launcher_command
+from shared.stopping import StopOnSignals
+
+
+def plain_name(key: str) -> str:
+    """A state dict key without the prefixes DDP (`module.`) and torch.compile (`_orig_mod.`) add to it."""
+    return re.sub(r"^(module\.|_orig_mod\.)+", "", key)
 
 
 class Progress:
@@ -64,11 +69,10 @@ class Checkpoints(StopOnSignals):
     """The run's checkpoints/ folder and its final weights; stopping on a signal with a checkpoint: StopOnSignals."""
 
     def __init__(self, accelerator, run_dir: Path, cfg):
+        super().__init__()
         self.accelerator, self.run_dir, self.cfg = accelerator, Path(run_dir), cfg
-        self.resumed_from = self.signal = None
-        self.launcher = launcher_command()  # read now: a stop under one process may outlive its launcher
+        self.resumed_from = None
         self.saved = set()  # checkpoints this launch wrote: the only ones `save` may take as already saved
-        self.next_check, self.last_check = 0, None  # the step of the processes' next agreement on a stop; the last's
 
     def resume(self, progress: Progress) -> Path | None:
         """With --resume: accelerator.load_state (restoring `progress` too), after checking that no file in the
@@ -237,7 +241,7 @@ class Checkpoints(StopOnSignals):
         try:  # safetensors: a header of names, shapes and offsets, checked against the file; no code
             with safe_open(path, "pt") as f:
                 for key in [] if cfg.resume else f.keys():
-                    name = re.sub(r"^(module\.|_orig_mod\.)+", "", key)  # DDP's and torch.compile's prefixes
+                    name = plain_name(key)
                     if name in expected and f.get_slice(key).get_shape() == list(expected[name].shape):
                         loaded[name] = f.get_tensor(key)  # no larger than the model's own tensor
         except Exception as error:

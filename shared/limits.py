@@ -1,11 +1,12 @@
 """What a file from anywhere may claim, checked before anything is allocated: the free memory (what this process may
-still allocate), a dataset file's size, a dataset's decoded size, and a parquet file's decompressed size. Limits for
-files from anywhere are listed in docs/troubleshooting.md."""
+still allocate), a dataset file's size, a dataset's decoded size, and a parquet file's decompressed size; and a walk
+of a folder tree that no depth breaks. Limits for files from anywhere are listed in docs/troubleshooting.md."""
 
 import contextlib
 import math
 import os
 import resource
+from collections.abc import Iterator
 from pathlib import Path
 
 from shared.errors import RecipeError, first_line
@@ -37,6 +38,20 @@ def free_memory(cgroups: Path = Path("/sys/fs/cgroup")) -> float:
     return max(min(room), 0)
 
 
+def walk(folder: Path, skip: Path | None = None) -> Iterator[os.DirEntry]:
+    """Every entry below `folder` that is not a folder (files, links, FIFOs, ...), links not followed, and nothing below
+    `skip`. Not recursive: rglob and os.walk recurse in Python 3.11, and a tree 1,500 folders deep ended in a
+    RecursionError."""
+    folders = [Path(folder)]
+    while folders:
+        with os.scandir(folders.pop()) as entries:
+            for entry in entries:
+                if not entry.is_dir(follow_symlinks=False):
+                    yield entry
+                elif Path(entry.path) != skip:
+                    folders.append(Path(entry.path))
+
+
 def check_size(path: Path, size: int) -> None:
     """Refuse a file whose header claims more bytes than MAX_FILE_BYTES or this machine's free memory."""
     free = free_memory()
@@ -62,7 +77,7 @@ def check_parquet_files(folder: Path) -> None:
     already; raw pixel columns shrink a few times) or than the free memory, before a page is read."""
     import pyarrow.parquet as pq
 
-    for file in sorted(folder.rglob("*.parquet")):
+    for file in sorted(Path(entry.path) for entry in walk(folder) if entry.name.endswith(".parquet")):
         try:
             meta = pq.read_metadata(file)
             claimed = sum(meta.row_group(i).column(j).total_uncompressed_size

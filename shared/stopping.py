@@ -18,8 +18,7 @@ PR_SET_PDEATHSIG = 1  # prctl: the signal this process gets when its parent dies
 
 
 class StopOnSignals:
-    """Checkpoints' stop on a signal. `save`, and the attributes `accelerator`, `cfg`, `run_dir`, `launcher`,
-    `signal` (the first signal's name), `next_check` and `last_check`, are set by Checkpoints.
+    """Checkpoints' stop on a signal; `save`, `accelerator`, `cfg` and `run_dir` are Checkpoints'.
 
     After `stop_on_signals()`, SIGTERM or SIGINT asks the run to stop: it finishes the optimizer step, saves a
     checkpoint and exits 0. A second SIGINT more than SECOND_INTERRUPT_S after the first (Ctrl-C again, for a hung
@@ -31,6 +30,11 @@ class StopOnSignals:
     falls in between, plus the save. torchrun (what `accelerate launch` runs for several processes) kills its
     workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (default 30) after it forwards a SIGTERM: set it higher if
     your evaluation or save takes longer."""
+
+    def __init__(self):
+        self.signal = None  # the first signal's name, once one came
+        self.launcher = launcher_command()  # read now: a stop under one process may outlive its launcher
+        self.next_check, self.last_check = 0, None  # the step of the processes' next agreement on a stop; the last's
 
     def stop_on_signals(self) -> None:
         """From now on SIGTERM (what SLURM and most schedulers send before they kill a job) and SIGINT (Ctrl-C) ask

@@ -12,6 +12,7 @@ from accelerate import PartialState
 from accelerate.utils import broadcast_object_list, gather_object
 
 from shared.errors import RecipeError, check_launch
+from shared.limits import walk
 from shared.resume import find_checkpoint, read_json
 from shared.tracking.run_files import RunFiles
 from shared.tracking.trackers import TensorBoard, WandB
@@ -84,17 +85,11 @@ def check_entries(folder: Path) -> None:
     """Refuse a folder from elsewhere (a colleague's run, a download) that holds a symbolic link or a special file:
     written through, a link changes a file outside the run; read, a FIFO blocks forever. wandb/ must be a folder, and
     what is in it is wandb's: it links its logs there, and replaces its links (a rename) instead of writing through."""
-    folders, wandb = [Path(folder)], Path(folder) / "wandb"
-    while folders:  # not recursive: a tree thousands of folders deep is walked all the same
-        with os.scandir(folders.pop()) as entries:
-            for entry in entries:
-                if entry.is_dir(follow_symlinks=False):
-                    folders += [Path(entry.path)] if Path(entry.path) != wandb else []
-                elif not entry.is_file(follow_symlinks=False):
-                    kind = "a symbolic link" if entry.is_symlink() else "a FIFO, socket or device, not a regular file"
-                    raise RecipeError(f"{entry.path!r} is {kind}: nothing in a run folder is written or read through "
-                                      "one (it may lead outside the run, or block): replace it by a copy of the file, "
-                                      "or delete it")
+    for entry in walk(folder, skip=Path(folder) / "wandb"):
+        if not entry.is_file(follow_symlinks=False):
+            kind = "a symbolic link" if entry.is_symlink() else "a FIFO, socket or device, not a regular file"
+            raise RecipeError(f"{entry.path!r} is {kind}: nothing in a run folder is written or read through one (it "
+                              "may lead outside the run, or block): replace it by a copy of the file, or delete it")
 
 
 _LOCKS: dict[Path, int] = {}  # run folder -> its open descriptor, locked while this process runs in it
