@@ -18,11 +18,13 @@ NOT_SETTINGS = ("resume", "resumed_step", "resumed_from", "run_id", "overwrite",
 
 
 def read_json(path: Path):
-    """A run's JSON file (config.json), or None if missing, damaged, over MAX_JSON_BYTES or nested past Python's
-    recursion limit: a run folder may come from anywhere."""
+    """A run's JSON file (config.json), or None if missing, not a regular file (a FIFO would block the read), damaged,
+    over MAX_JSON_BYTES or nested past Python's recursion limit: a run folder may come from anywhere."""
     try:
-        if path.stat().st_size <= MAX_JSON_BYTES:
-            return json.loads(path.read_text())
+        if path.is_file():
+            with path.open("rb") as f:
+                raw = f.read(MAX_JSON_BYTES + 1)  # no more, whatever the file's size says
+            return json.loads(raw) if len(raw) <= MAX_JSON_BYTES else None
     except (OSError, ValueError, RecursionError):
         pass
     return None

@@ -357,6 +357,12 @@ def test_a_fifo_in_a_checkpoint_is_refused_instead_of_blocking(env, data, run, t
     for flags in (("--output_dir", out, "--resume", "latest"), ("--output_dir", tmp_path / "new", "--resume", copy)):
         refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, *flags, needle="random_states_0.pkl' is a FIFO, "
                 "socket or device, not a regular file")
+    # A FIFO as the config.json of the run a checkpoint folder sits in, read to find whether it is a run: no run
+    os.mkfifo(tmp_path / "elsewhere" / "config.json")
+    (tmp_path / "elsewhere" / "checkpoints").mkdir()
+    shutil.copytree(run / "checkpoints" / "step_2", tmp_path / "elsewhere" / "checkpoints" / "step_2")
+    refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--resume",
+            tmp_path / "elsewhere" / "checkpoints" / "step_2", needle="is not in a run's checkpoints/ folder")
 
 
 def test_a_second_run_in_a_folder_in_use_is_refused(env, data, run, tmp_path):

@@ -191,6 +191,7 @@ def test_runs_table_of_folders_from_anywhere_is_rows_or_one_line(tmp_path, deep_
     for name, text in (("nested", "[" * 100_000 + "]" * 100_000), ("big", '{"x": "' + "a" * 2**24 + '"}')):
         (deep / name).mkdir(parents=True)
         (deep / name / "summary.json").write_text(text)
+    os.mkfifo(deep / "nested" / "config.json")  # would block the read forever
     folder = deep_tree(deep, 1500) / "run"
     folder.mkdir()
     (folder / "summary.json").write_text(json.dumps({"steps": 3, "eval_acc": 0.5}))
@@ -360,3 +361,12 @@ def test_the_progress_bar_counts_the_batches_the_run_will_train(env, tmp_path):
     assert process.wait(timeout=300) == 0, drawn.decode(errors="replace")[-2000:]
     text = drawn.decode(errors="replace")
     assert "0/4 " in text and "/8 " not in text, text[-2000:]
+
+
+def test_runs_started_in_the_same_second_get_a_folder_each(tmp_path):
+    """The default folder is named by the second: the second run took the first's folder and found its lock."""
+    from shared.tracking.folder import new_folder
+
+    base = str(tmp_path / "runs" / "cifar_cnn-20261127-080000")
+    assert [new_folder(base) for _ in range(3)] == [base, f"{base}-2", f"{base}-3"]
+    assert all(Path(name).is_dir() for name in (base, f"{base}-2", f"{base}-3"))

@@ -27,10 +27,15 @@ NOT_METRICS = {"step", "steps", "epochs", "pieces", "wall_s", "train_s", "sample
 
 
 def read_json(path: Path) -> dict:
-    """A run's JSON file, or {} if it is missing, over MAX_JSON_BYTES, nested too deep or not a JSON object (a run
-    folder from anywhere)."""
+    """A run's JSON file, or {} if it is missing, not a regular file (a FIFO would block the read), over
+    MAX_JSON_BYTES, nested too deep or not a JSON object (a run folder from anywhere). shared/resume.py's read_json,
+    without importing torch into this small tool."""
+    if not path.is_file():
+        return {}
     try:
-        value = json.loads(path.read_text()) if path.stat().st_size <= MAX_JSON_BYTES else {}
+        with path.open("rb") as f:
+            raw = f.read(MAX_JSON_BYTES + 1)  # no more, whatever the file's size says
+        value = json.loads(raw) if len(raw) <= MAX_JSON_BYTES else {}
     except (OSError, ValueError, RecursionError):
         return {}
     return value if isinstance(value, dict) else {}

@@ -2,6 +2,7 @@
 every node; and the trackers that record into it."""
 
 import fcntl
+import itertools
 import os
 import shutil
 import time
@@ -42,9 +43,11 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
             raise RecipeError(f"--resume {cfg.resume} is not a checkpoint of {output_dir}, which holds another run: "
                               "pass a new --output_dir to continue the checkpoint there (two histories never mix)")
     if output_dir is None:
-        stamp = [time.strftime("%Y%m%d-%H%M%S")]
-        broadcast_object_list(stamp)  # processes start a second apart; they must share one folder
-        output_dir = f"runs/{recipe}{'-synthetic' if cfg.synthetic else ''}-{stamp[0]}"
+        name, stamp = [None], time.strftime("%Y%m%d-%H%M%S")
+        if state.is_main_process:
+            name = [new_folder(f"runs/{recipe}{'-synthetic' if cfg.synthetic else ''}-{stamp}")]
+        broadcast_object_list(name)  # processes start a second apart; they must share one folder
+        output_dir = name[0]
     run_dir = Path(output_dir)
     if run_dir.is_dir():
         check_entries(run_dir)
@@ -79,6 +82,21 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
     # RunFiles first: its config.json makes the folder a run before wandb or TensorBoard write into it, so a job
     # stopped between the two is still a run to its next start.
     return run_dir, [RunFiles(run_dir, run_id, labels)] + chosen
+
+
+def new_folder(base: str) -> str:
+    """`base`, or `base`-2, -3, ...: the first that did not exist, made here. mkdir is atomic, so two runs started in
+    the same second get a folder each (with the same name, the second found the first's lock). Where nothing can be
+    made, `base`: the write check after says why, in one line."""
+    for n in itertools.count(1):
+        name = base if n == 1 else f"{base}-{n}"
+        try:
+            Path(name).mkdir(parents=True)
+            return name
+        except FileExistsError:
+            continue
+        except OSError:
+            return base
 
 
 def check_entries(folder: Path) -> None:
