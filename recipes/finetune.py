@@ -1,21 +1,24 @@
-"""Fine-tune a pretrained torchvision classifier on your own photos: the new classifier alone first, then the whole
-network with a lower learning rate for the pretrained part.
+"""Fine-tune a pretrained torchvision classifier on your own photos: the new classifier alone first (no backward
+through the frozen layers), then the whole network with a lower learning rate for the pretrained part.
 
-`--model` is any torchvision classification builder (resnet18, resnet50, mobilenet_v3_large, efficientnet_b0,
-convnext_tiny, vit_b_16, ...) and `--weights` its pretrained weights (DEFAULT, a name such as IMAGENET1K_V1, or none),
-read by torchvision's own loader from its cache, $TORCH_HOME/hub/checkpoints/. Your photos: an imagefolder (one
-subfolder per class), parquet, a hub id or any format the recipes read, decoded once at --image_size.
+`--model` is any torchvision classification builder but googlenet and inception_v3 (resnet18, resnet50,
+efficientnet_b0, squeezenet1_1, convnext_tiny, vit_b_16, ...), `--weights` its pretrained weights (DEFAULT, a name
+such as IMAGENET1K_V1, or none), read by torchvision's own loader from its cache, $TORCH_HOME/hub/checkpoints/. Your
+photos (an imagefolder, parquet, a hub id or any format the recipes read) are preprocessed as the weights were.
 
-Result: ImageNet weights cannot be downloaded on this project's machines: accuracy with them, not measured. Speed
-on a 2-core CPU, resnet18: one epoch of 1,000 photos in 37 s at 224 px, 4.5 s at 64 px (cpu_bf16.yaml; float32:
-71 s, 7.6 s); benchmarks/BENCHMARKS.md, "Starting from trained weights".
+Result: accuracy with ImageNet weights, not measured (they cannot be downloaded here). Speed, resnet18 at 224 px: a
+frozen epoch of 1,000 photos in 6.9 s, an unfrozen one in 18.1 s on a 2-core CPU (cpu_bf16.yaml); of 10,000 photos,
+2.0 s and 4.2 s on one H200 (bf16.yaml); benchmarks/BENCHMARKS.md, "Starting from trained weights":
+  python benchmarks/finetune_speed.py --out DIR --config cpu_bf16 --sizes 224
 
 Run it from the repository root (outputs in runs/finetune-<time>/, as every recipe's):
   accelerate launch --config_file accelerate_configs/1gpu.yaml recipes/finetune.py --data my_photos/
   python recipes/finetune.py --synthetic --weights none --image_size 64 --max_steps 20   # offline smoke run
 """
 
+import contextlib
 import copy
+import functools
 import math
 import sys
 from collections import defaultdict
@@ -48,13 +51,13 @@ class Config(RunConfig):
     data: str = "AI-Lab-Makerere/beans"  # hub id, or a folder: imagefolder, parquet, save_to_disk, IDX, CIFAR
     model: str = "resnet18"  # a torchvision classification builder: resnet50, efficientnet_b0, convnext_tiny, ...
     weights: str = "DEFAULT"  # its pretrained weights: DEFAULT, a name (e.g. IMAGENET1K_V1), or none
-    image_size: int = 224  # images' side in pixels: the weights were trained at 224 (64: faster, less accurate)
+    image_size: int | None = None  # the model's input side in pixels; default: the weights' own (224 for most)
     epochs: int = 10  # passes over the training set
-    freeze_epochs: int = 1  # first epochs train the new classifier alone (the rest frozen, BatchNorm statistics too)
+    freeze_epochs: int | None = None  # first epochs train the new classifier alone; default 1 (0 without weights)
     batch_size: int = 32  # images per process per step; global batch = batch_size x processes x grad_accum
     grad_accum: int = 1  # batches whose gradients are summed into one optimizer step
     lr: float = 0.01  # peak learning rate of the one-cycle schedule, for the new classifier
-    backbone_lr: float = 0.1  # the pretrained layers' learning rate, as a share of --lr
+    backbone_lr_scale: float | None = None  # pretrained layers' rate as a fraction of --lr; default 0.1 (1 without)
     momentum: float = 0.9  # SGD Nesterov momentum
     weight_decay: float = 1e-4  # L2 penalty on conv and linear weights (not on biases)
     max_grad_norm: float = 1.0  # clip the gradient's global L2 norm to this before each step; inf: only measure it
@@ -67,51 +70,89 @@ class Config(RunConfig):
         if self.model not in torchvision.models.list_models(module=torchvision.models):
             raise ValueError(f"--model {self.model} is not a torchvision classification model: e.g. resnet18, "
                              "resnet50, mobilenet_v3_large, efficientnet_b0, convnext_tiny, vit_b_16")
-        if self.momentum < 0 or self.weight_decay < 0 or self.freeze_epochs < 0 or not 0 <= self.backbone_lr <= 1:
-            raise ValueError("--momentum, --weight_decay and --freeze_epochs must be >= 0, --backbone_lr in [0, 1]")
-        if self.image_size < 32 or self.model.startswith(("vit_", "maxvit")) and self.image_size != 224:
-            raise ValueError(f"--image_size must be at least 32 (224 for the fixed-size vit_* and maxvit models), got "
-                             f"{self.image_size}")
         if self.model in ("googlenet", "inception_v3"):  # in training they return auxiliary classifiers' outputs too
             raise ValueError(f"--model {self.model} is not supported here: its training outputs are several")
+        choices = torchvision.models.get_model_weights(self.model).__members__
+        if self.weights not in ("DEFAULT", "none", *choices):
+            raise ValueError(f"--weights {self.weights}: {self.model} has {', '.join(choices)} (or DEFAULT, none)")
+        # Without pretrained layers nothing is worth freezing or sparing: every layer is new and trains at --lr.
+        pretrained = self.weights != "none" or self.init_from is not None
+        if not pretrained and (self.freeze_epochs or self.backbone_lr_scale not in (None, 1)):
+            raise ValueError("--freeze_epochs and --backbone_lr_scale spare pretrained layers, and --weights none "
+                             "has none (every layer starts random): leave them out, or pass --weights")
+        if self.freeze_epochs is None:
+            self.freeze_epochs = 1 if pretrained else 0
+        if self.backbone_lr_scale is None:
+            self.backbone_lr_scale = 0.1 if pretrained else 1.0
+        if self.momentum < 0 or self.weight_decay < 0 or self.freeze_epochs < 0 or not 0 < self.backbone_lr_scale <= 1:
+            raise ValueError("--momentum, --weight_decay and --freeze_epochs must be >= 0, and --backbone_lr_scale, a "
+                             f"fraction of --lr, in (0, 1]; got {self.backbone_lr_scale}")
+        # The smallest input the architecture takes (its weights' min_size: 63 px for alexnet). A vision transformer
+        # (vit_*, swin_*, maxvit) learned its position embeddings or windows for one size: its weights' input size.
+        weights = chosen_weights(self.model, self.weights)
+        smallest, one_size = max(32, weights.meta["min_size"][0]), weights.meta["min_size"][0] == input_sizes(self)[1]
+        if self.image_size is not None and (self.image_size < smallest or one_size and self.image_size != smallest):
+            raise ValueError(f"--image_size must be {'' if one_size else 'at least '}{smallest} for {self.model} "
+                             f"({self.weights} weights), got {self.image_size}")
 
 
 # ----------------------------------------------------------------------------- data
-IMAGE_SHAPE = (3, 224, 224)  # channels, height, width at the default --image_size (image_shape(cfg): at another)
-MEAN = (0.485, 0.456, 0.406)  # the ImageNet statistics every torchvision classification weight was trained with
-STD = (0.229, 0.224, 0.225)
+IMAGE_SHAPE = (3, 256, 256)  # channels, height, width as decoded for resnet18's weights (image_shape(cfg): any model)
+
+
+@functools.cache  # preprocess asks for it every batch
+def chosen_weights(model: str, weights: str) -> torchvision.models.WeightsEnum:
+    """--weights as torchvision names them, with their preprocessing (`.transforms()`: resize, centre crop,
+    normalization) and sizes (`.meta`). With --weights none, the architecture's DEFAULT weights: what it is made for."""
+    choices = torchvision.models.get_model_weights(model)
+    return choices[weights] if weights not in ("DEFAULT", "none") else choices.DEFAULT
+
+
+def input_sizes(cfg: Config) -> tuple[int, int]:
+    """(decoded side, model input side) in pixels: the weights' resize and centre crop (256 and 224 for resnet18's,
+    232 and 224 for resnet50's V2, 384 and 380 for efficientnet_b4's), scaled to --image_size."""
+    transforms = chosen_weights(cfg.model, cfg.weights).transforms()
+    crop = cfg.image_size or transforms.crop_size[0]
+    return round(crop * transforms.resize_size[0] / transforms.crop_size[0]), crop
 
 
 def image_shape(cfg: Config) -> tuple[int, int, int]:
-    return (3, cfg.image_size, cfg.image_size)
+    """The images as decoded: the shorter side resized to the weights' resize size, centre-cropped to a square."""
+    return (3, input_sizes(cfg)[0], input_sizes(cfg)[0])
 
 
 def load_data(cfg: Config):
-    """(train, test) as uint8 image tensors at --image_size: the hub, a local folder, or --synthetic."""
+    """(train, test) as uint8 image tensors at image_shape(cfg): the hub, a local folder, or --synthetic."""
     return load_image_data(cfg.data, image_shape(cfg), cfg.synthetic)
 
 
-def preprocess(images: torch.Tensor, training: bool) -> torch.Tensor:
-    """uint8 batch on the device -> normalized float batch, augmented for training."""
+def preprocess(images: torch.Tensor, training: bool, cfg: Config) -> torch.Tensor:
+    """uint8 batch on the device, as decoded -> normalized float batch at the model's input size. Training: a random
+    resized crop of the whole decoded image, and a flip. Evaluation: the centre crop, as the weights were evaluated
+    (resize, then centre crop)."""
+    transforms, (_, size) = chosen_weights(cfg.model, cfg.weights).transforms(), input_sizes(cfg)
     if training:
-        images = augment.random_flip(augment.random_resized_crop(images))
-    return augment.normalize(images, MEAN, STD)
+        images = augment.random_flip(augment.random_resized_crop(images, size))
+    else:
+        top, left = round((images.shape[2] - size) / 2), round((images.shape[3] - size) / 2)
+        images = images[:, :, top:top + size, left:left + size]
+    return augment.normalize(images, tuple(transforms.mean), tuple(transforms.std))
 
 
 # ----------------------------------------------------------------------------- model
 def classifier_name(model: nn.Module) -> str:
-    """The name of the model's last Linear layer: the classifier of every torchvision classification model (fc,
-    classifier.3, heads.head, ...)."""
-    return [name for name, module in model.named_modules() if isinstance(module, nn.Linear)][-1]
+    """The name of the model's classifier: its last Linear layer (fc, classifier.3, heads.head, ...), or in SqueezeNet,
+    which has none, its last convolution (classifier.1, a 1x1 convolution to the classes)."""
+    layers = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    return (layers or [name for name, module in model.named_modules() if isinstance(module, nn.Conv2d)])[-1]
 
 
 def make_model(num_classes: int, cfg: Config | None = None) -> nn.Module:
-    """The architecture, its classifier replaced by one for your classes; the pretrained weights: load_pretrained."""
-    model = torchvision.models.get_model((cfg or Config()).model, weights=None)
-    parent, _, name = classifier_name(model).rpartition(".")
-    old = getattr(model.get_submodule(parent), name)
-    setattr(model.get_submodule(parent), name, nn.Linear(old.in_features, num_classes))
-    return model
+    """The architecture with a new classifier for your classes; the pretrained weights of the rest: load_pretrained."""
+    cfg = cfg or Config()
+    # A ViT's position embeddings are made for one input size (vit_h_14's weights: 518 px)
+    size = {"image_size": input_sizes(cfg)[1]} if cfg.model.startswith("vit_") else {}
+    return torchvision.models.get_model(cfg.model, weights=None, num_classes=num_classes, **size)
 
 
 def load_pretrained(model: nn.Module, cfg: Config) -> None:
@@ -119,11 +160,7 @@ def load_pretrained(model: nn.Module, cfg: Config) -> None:
     downloaded there; read with weights_only=True (tensors only: a file that would run code is refused)."""
     if cfg.weights == "none":
         return
-    choices = torchvision.models.get_model_weights(cfg.model)
-    if cfg.weights != "DEFAULT" and cfg.weights not in choices.__members__:
-        raise RecipeError(f"--weights {cfg.weights}: {cfg.model} has {', '.join(choices.__members__)} (or DEFAULT, "
-                          "none)")
-    weights = choices.DEFAULT if cfg.weights == "DEFAULT" else choices[cfg.weights]
+    weights = chosen_weights(cfg.model, cfg.weights)
     file = Path(torch.hub.get_dir()) / "checkpoints" / Path(urlparse(weights.url).path).name
     if file.exists():  # a cached file from anywhere: a regular file, no compressed entry, bounded by its size
         Checkpoints.check_archive(file)
@@ -144,7 +181,9 @@ def load_pretrained(model: nn.Module, cfg: Config) -> None:
 
 def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
     # Weight decay on weight matrices and kernels only. Each group keeps its share of the scheduled learning rate:
-    # the new classifier all of it, the pretrained layers --backbone_lr of it (none while frozen).
+    # the new classifier all of it, the pretrained layers --backbone_lr_scale of it. A frozen layer has no gradient,
+    # so SGD keeps no momentum for it: the pretrained layers' momentum starts from their first gradient, at the first
+    # step after the freeze, as a whole network's does at a run's first step.
     head = classifier_name(model)
     groups = []
     for backbone in (True, False):
@@ -153,6 +192,15 @@ def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
             groups.append({"params": [p for _, p in params if (p.ndim > 1) == decay], "backbone": backbone,
                            "weight_decay": cfg.weight_decay if decay else 0})
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=True, fused=True)
+
+
+def training_plan(cfg: Config) -> str:
+    """What is frozen and how fast each part learns, in a line."""
+    if cfg.weights == "none" and cfg.init_from is None:
+        return f"{cfg.model} from random weights (--weights none): nothing frozen, every layer trains at --lr"
+    start = f"--init_from {cfg.init_from}" if cfg.init_from else f"its {cfg.weights} weights"
+    return (f"{cfg.model} from {start}: the new classifier alone for {cfg.freeze_epochs} epoch(s), then every layer, "
+            f"the pretrained ones at {cfg.backbone_lr_scale:g} x --lr")
 
 
 LABEL_SMOOTHING = 0.1  # the targets 0.9 for the class and 0.1 spread over all: less overconfidence on small sets
@@ -176,7 +224,7 @@ def evaluate(model, loader, accelerator, cfg: Config) -> tuple[dict, torch.Tenso
     model.eval()
     sums, predictions = defaultdict(int), []
     for images, labels in loader:
-        inputs = preprocess(images, training=False)
+        inputs = preprocess(images, training=False, cfg=cfg)
         if cfg.channels_last:  # the layout the model was trained in
             inputs = inputs.contiguous(memory_format=torch.channels_last)
         outputs = {"": model(inputs)}
@@ -234,6 +282,7 @@ def train(cfg: Config) -> None:
         model.compile()  # in place: state_dict keys stay free of `_orig_mod.`
     optimizer = make_optimizer(model, cfg)
     backbone = [p for group in optimizer.param_groups if group["backbone"] for p in group["params"]]
+    head = [p for group in optimizer.param_groups if not group["backbone"] for p in group["params"]]
     model, optimizer, train_loader, test_loader = accelerator.prepare(model, optimizer, train_loader, test_loader)
 
     # After prepare, len(train_loader) counts this process's batches: its share of an epoch.
@@ -267,6 +316,7 @@ def train(cfg: Config) -> None:
                       f"{accelerator.num_processes} process(es) on {accelerator.device}, "
                       f"precision {accelerator.mixed_precision} | "
                       f"global batch {global_batch_size}, {total_steps} steps ({run_epochs:.3g} epochs) | {run_dir}")
+    accelerator.print(training_plan(cfg))
     config = tracking.run_config(cfg, accelerator, run_dir, recipe=RECIPE, script=__file__, data=data_name,
                                  global_batch_size=global_batch_size, total_steps=total_steps,
                                  train_size=len(train_set), test_size=len(test_set), classes=train_set.classes,
@@ -282,7 +332,11 @@ def train(cfg: Config) -> None:
     show_bar = accelerator.is_local_main_process and sys.stderr.isatty()
     while True:  # the rest of an epoch, then an evaluation; resumed at the run's last step, only the evaluation
         model.train()
-        frozen = progress.epoch < cfg.freeze_epochs  # the new classifier alone: BatchNorm's statistics kept too
+        # Frozen: the new classifier alone. The pretrained layers need no gradient, so autograd records no backward
+        # through them (a frozen step is their forward and the classifier's backward); BatchNorm's statistics stay.
+        frozen = progress.epoch < cfg.freeze_epochs
+        for param in backbone:
+            param.requires_grad_(not frozen)
         for module in model.modules() if frozen else []:
             if isinstance(module, nn.modules.batchnorm._BatchNorm):
                 module.eval()
@@ -295,17 +349,19 @@ def train(cfg: Config) -> None:
                 break
             lr = schedule.one_cycle_lr(progress.step, total_steps, cfg.lr)  # a function of the step, no state
             for group in optimizer.param_groups:  # the pretrained layers: a share of it
-                group["lr"] = lr * cfg.backbone_lr if group["backbone"] else lr
-            with accelerator.accumulate(model):  # DDP syncs gradients only on the last batch of each accumulation
-                inputs = preprocess(images, cfg.augment)
+                group["lr"] = lr * cfg.backbone_lr_scale if group["backbone"] else lr
+            # DDP syncs gradients only on the last batch of each accumulation, and never while frozen (no_sync): it
+            # would wait for the gradients of every layer it wrapped. The classifier's alone are averaged below.
+            with accelerator.accumulate(model), accelerator.no_sync(model) if frozen else contextlib.nullcontext():
+                inputs = preprocess(images, cfg.augment, cfg)
                 if cfg.channels_last:  # after preprocessing: the crop returns a plain NCHW tensor
                     inputs = inputs.contiguous(memory_format=torch.channels_last)
                 logits = model(inputs)
                 loss = loss_fn(logits, labels)
                 accelerator.backward(loss)  # scaled by 1/grad_accum, so accumulated gradients are a mean
-                if frozen and accelerator.sync_gradients:  # no gradient: SGD moves neither weight nor momentum
-                    for param in backbone:
-                        param.grad = None
+                if frozen and accelerator.sync_gradients:  # the mean over the processes, as DDP's
+                    for param in head:
+                        param.grad = accelerator.reduce(param.grad, "mean")
                 if accelerator.sync_gradients:  # the gradient is complete: accumulated, averaged over processes
                     # One bad batch can take a step large enough to kill every ReLU; the clip bounds it.
                     window.add_grad_norm(accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))

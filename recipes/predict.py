@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import inspect
 import json
 import os
 import pickle
@@ -264,8 +265,10 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
     model = recipe.make_model(len(classes), recipe_cfg)
     load_weights(model, cfg.weights)  # one line if the file is not this recipe's model
     model.to(state.device).eval()  # float32 and NCHW, whatever --channels_last or precision trained it: same weights
-    # The size the model was trained at: a recipe with an --image_size flag says it (finetune.py's image_shape)
+    # The size the model was trained at: a recipe with an --image_size flag says it (finetune.py's image_shape), and
+    # crops to it on the device from what its preprocess() is given (its crop is the weights' own: it takes cfg)
     shape = recipe.image_shape(recipe_cfg) if hasattr(recipe, "image_shape") else recipe.IMAGE_SHAPE
+    options = {"cfg": recipe_cfg} if "cfg" in inspect.signature(recipe.preprocess).parameters else {}
     root = Path(cfg.images)
     images, skipped = find_images(root)
     output = Path(cfg.output)
@@ -282,7 +285,7 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
     for start in range(0, len(images), cfg.batch_size):
         paths = images[start:start + cfg.batch_size]
         batch = torch.stack([read_image(p, shape, str(p)) for p in paths]).to(state.device)
-        probabilities = model(recipe.preprocess(batch, training=False)).float().softmax(dim=1)
+        probabilities = model(recipe.preprocess(batch, training=False, **options)).float().softmax(dim=1)
         top_p, top_i = probabilities.topk(k, dim=1)
         for path, p, i in zip(paths, top_p.tolist(), top_i.tolist()):
             name = path.relative_to(root) if root.is_dir() else path.name

@@ -67,9 +67,9 @@ def random_erase(images: torch.Tensor, p: float, fill: tuple[int, ...] = (0,), s
     return torch.where(inside.unsqueeze(1), _fill_colour(tuple(fill), c, images.device), images)
 
 
-def random_resized_crop(images: torch.Tensor, scale=(0.25, 1.0), ratio=(3 / 4, 4 / 3)) -> torch.Tensor:
-    """Each image: a random box of `scale` of its area and an aspect ratio in `ratio` (log-uniform), resized back to
-    the batch's size with bilinear sampling, one roi_align call for the whole batch. Floats out (0-255)."""
+def random_resized_crop(images: torch.Tensor, size: int, scale=(0.25, 1.0), ratio=(3 / 4, 4 / 3)) -> torch.Tensor:
+    """Each image: a random box of `scale` of its area and an aspect ratio in `ratio` (log-uniform), resized to `size`
+    x `size` with bilinear sampling, one roi_align call for the whole batch. Floats out (0-255)."""
     from torchvision.ops import roi_align  # here: torchvision's import is for the recipes that crop this way
 
     n, _, h, w = images.shape
@@ -80,4 +80,4 @@ def random_resized_crop(images: torch.Tensor, scale=(0.25, 1.0), ratio=(3 / 4, 4
     left, top = left_draw * (w - box_w), top_draw * (h - box_h)
     boxes = torch.stack([torch.arange(n, device=images.device, dtype=torch.float), left, top, left + box_w,
                          top + box_h], dim=1)
-    return roi_align(images.float(), boxes, output_size=(h, w), sampling_ratio=2, aligned=True)
+    return roi_align(images.float(), boxes, output_size=(size, size), sampling_ratio=2, aligned=True)

@@ -3,20 +3,31 @@ or `python recipes/<recipe>.py`, in a subprocess, from the repository root."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import warnings
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
+# Recipes trained in this process (train_here) decode into a cache of this process's own, never the user's:
+# huggingface_hub and datasets read HF_HOME once, when first imported, which is after this line.
+HF_HOME = Path(tempfile.mkdtemp(prefix="recipes-tests-")) / "hf"
+os.environ["HF_HOME"] = str(HF_HOME)
+for _name in [name for name in os.environ if name.startswith(("WANDB_", "ACCELERATE_", "HF_DATASETS_"))]:
+    del os.environ[_name]  # a setting of the shell this runs in must not reach an in-process run
 sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(ROOT / "benchmarks"))  # the measuring scripts some tests import (benchmarks/ is no package)
 # One thread per process: the suite's workers (README: 3 on CI's 2 cores) each run a recipe at a time, and with
@@ -35,6 +46,10 @@ LONGEST_FIRST = ("test_errors.py", "test_checkpoints.py", "test_multinode.py", "
                  "test_resume.py", "test_equivalence.py", "test_layout.py", "test_cpu_speed.py",
                  "test_deep_mlp_ckpt.py", "test_step_cost.py", "test_tracking.py", "test_features.py",
                  "test_gpu_speed.py")
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(HF_HOME.parent, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items):
@@ -70,6 +85,33 @@ def launch(env: dict, recipe: str, *args: str, config: str | None = None, use_cp
                    config_file, *launcher_args, script, *args]
     run_env = dict(env, ACCELERATE_USE_CPU="true") if use_cpu else env
     return subprocess.run(command, cwd=ROOT, env=run_env, capture_output=True, text=True, timeout=timeout)
+
+
+def train_here(recipe: str, *args: str, env: dict | None = None) -> Path | None:
+    """`python recipes/<recipe>.py args`, in this process: the recipe's own Config.parse and train(), accelerate's
+    state reset first (a singleton), `env` set for the run only. Returns --output_dir. A bad flag raises SystemExit
+    (status 2), a RecipeError propagates: `pytest.raises(RecipeError, match=...)`. What a process boundary is for
+    (a launch, a signal, the one-line exit) is tested by launching the script; here stop_on_signals is left out,
+    so that the signal handlers of pytest's process stay its own."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from shared.checkpoints import Checkpoints
+
+    module = importlib.import_module(f"recipes.{recipe}")
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    cfg = module.Config.parse(list(args))
+    with mock.patch.dict(os.environ, env or {}), mock.patch.object(Checkpoints, "stop_on_signals", lambda self: None):
+        module.train(cfg)
+    return Path(cfg.output_dir) if cfg.output_dir else None
+
+
+@contextlib.contextmanager
+def hooked(module, name: str, hook):
+    """While inside: `module.name` is `hook(original)`'s result, e.g. a make_model that also records the model."""
+    original = getattr(module, name)
+    with mock.patch.object(module, name, hook(original)):
+        yield
 
 
 # gloo (processes on the CPU) can abort one process at interpreter exit, after the run has finished and destroyed its

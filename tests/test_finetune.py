@@ -1,7 +1,8 @@
 """recipes/finetune.py: a torchvision model fine-tuned on a folder of photos, its pretrained weights read from
 torchvision's cache ($TORCH_HOME/hub/checkpoints/), where the test puts a file of torchvision's layout (ImageNet
-weights cannot be downloaded here). Frozen first, then the whole network; exact resume; predict.py on the result;
-offline without the file: one line."""
+weights cannot be downloaded here). Frozen first (no backward through the pretrained layers), then the whole network;
+exact resume at the boundary, on 1 and 2 processes; every torchvision classifier; the weights' own preprocessing;
+predict.py on the result; offline without the file: one line."""
 
 from __future__ import annotations
 
@@ -9,20 +10,33 @@ import os
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 import torchvision
+from PIL import Image
 from test_errors import one_line
 
-from conftest import ROOT, assert_bitwise_equal, launch, ok, weights
+from recipes import finetune
+from shared.errors import RecipeError
+from shared.images import read_image
+
+from conftest import ROOT, assert_bitwise_equal, hooked, launch, ok, train_here, weights
 from tiny_data import idx_folder, imagefolder_dataset, random_splits
 
 # 24 training photos in batches of 8: 3 steps an epoch, the first epoch frozen
 RUN = ("--image_size", "32", "--batch_size", "8", "--max_steps", "6", "--freeze_epochs", "1", "--log_every", "1",
        "--tracker", "none", "--checkpoint_every", "3")
 CACHED = "resnet18-f37072fd.pth"  # the name torchvision's ResNet18_Weights.IMAGENET1K_V1 downloads to
+# googlenet and inception_v3 return their auxiliary classifiers' outputs too in training: refused at flag time
+BUILDERS = [name for name in torchvision.models.list_models(module=torchvision.models)
+            if name not in ("googlenet", "inception_v3")]
+# One of each kind in the quick tier (a step in 0.1-1 s); the other 64 (up to 80 s each) in the full suite
+QUICK_BUILDERS = ("alexnet", "convnext_tiny", "densenet121", "efficientnet_b0", "efficientnet_v2_s", "maxvit_t",
+                  "mnasnet0_5", "mobilenet_v2", "mobilenet_v3_small", "regnet_x_400mf", "resnet18",
+                  "shufflenet_v2_x0_5", "squeezenet1_1", "swin_t", "vgg11", "vit_b_32")
 
 
 @pytest.fixture(scope="module")
@@ -42,38 +56,134 @@ def torch_home(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(env, photos, torch_home, tmp_path_factory) -> Path:
+def reference(photos, torch_home, tmp_path_factory) -> tuple[Path, Counter]:
+    """A run of 6 steps, the first 3 frozen, and how many gradients each parameter received."""
+    gradients = Counter()
+
+    def counting(make_model):
+        def make(*args, **kwargs):
+            model = make_model(*args, **kwargs)
+            for name, param in model.named_parameters():
+                param.register_post_accumulate_grad_hook(lambda _, name=name: gradients.update([name]))
+            return model
+        return make
+
     out = tmp_path_factory.mktemp("ft") / "run"
-    ok(launch(dict(env, TORCH_HOME=str(torch_home)), "finetune", "--data", str(photos), *RUN, "--output_dir", str(out),
-              "--keep_checkpoints", "5"))
-    return out
+    with hooked(finetune, "make_model", counting):
+        train_here("finetune", "--data", str(photos), *RUN, "--output_dir", str(out), "--keep_checkpoints", "5",
+                   env={"TORCH_HOME": str(torch_home)})
+    return out, gradients
 
 
 def test_the_frozen_backbone_keeps_the_pretrained_weights_then_trains(reference, torch_home):
     pretrained = torch.load(torch_home / "hub" / "checkpoints" / CACHED, weights_only=True)
-    after_freeze = weights(reference / "checkpoints" / "step_3")
+    after_freeze = weights(reference[0] / "checkpoints" / "step_3")
     backbone = [k for k in pretrained if not k.startswith("fc.")]
     for name in backbone:  # weights and BatchNorm's running statistics, as in the file
         assert torch.equal(after_freeze[name], pretrained[name]), name
     assert after_freeze["fc.weight"].shape == (3, 512)  # the new classifier, trained
-    final = weights(reference)
+    final = weights(reference[0])
     assert not torch.equal(final["layer4.1.conv2.weight"], pretrained["layer4.1.conv2.weight"])  # then unfrozen
 
 
-def test_a_resume_at_the_end_of_the_frozen_epoch_is_exact(env, photos, torch_home, reference, tmp_path):
+def test_a_frozen_step_computes_no_gradient_for_the_pretrained_layers(reference):
+    """Setting their gradients to None after the backward kept the weights, but paid for the whole backward pass
+    (and, on several processes, its all-reduce): here they receive none at all."""
+    gradients = reference[1]
+    assert gradients["fc.weight"] == gradients["fc.bias"] == 6  # the new classifier: every step
+    assert {gradients[name] for name in gradients if not name.startswith("fc.")} == {3}  # the unfrozen steps only
+
+
+def test_a_resume_at_the_end_of_the_frozen_epoch_is_exact(photos, torch_home, reference, tmp_path):
     out = tmp_path / "run"
-    shutil.copytree(reference, out)
+    shutil.copytree(reference[0], out)
     shutil.rmtree(out / "checkpoints" / "step_6")
     (out / "model.safetensors").unlink()
-    ok(launch(dict(env, TORCH_HOME=str(torch_home)), "finetune", "--data", str(photos), *RUN, "--output_dir", str(out),
-              "--keep_checkpoints", "5", "--resume", "latest"))
-    assert_bitwise_equal(weights(out), weights(reference))
+    train_here("finetune", "--data", str(photos), *RUN, "--output_dir", str(out), "--keep_checkpoints", "5",
+               "--resume", "latest", env={"TORCH_HOME": str(torch_home)})
+    assert_bitwise_equal(weights(out), weights(reference[0]))
+
+
+@pytest.mark.slow
+def test_two_processes_cross_the_boundary_and_resume_exactly_at_it(env, photos, torch_home, tmp_path):
+    """DDP all-reduces no gradient of a frozen layer (no_sync, the classifier's averaged by hand), then all of them:
+    2 processes over gloo train through the boundary, and a run resumed at it ends on the same weights."""
+    env = dict(env, TORCH_HOME=str(torch_home))
+    flags = ("--data", str(photos), *RUN, "--batch_size", "4", "--keep_checkpoints", "5")  # 3 steps an epoch
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    ok(launch(env, "finetune", *flags, "--output_dir", str(full), config="2gpu", use_cpu=True))
+    pretrained = torch.load(torch_home / "hub" / "checkpoints" / CACHED, weights_only=True)
+    assert torch.equal(weights(full / "checkpoints" / "step_3")["layer1.0.conv1.weight"],
+                       pretrained["layer1.0.conv1.weight"])
+    assert not torch.equal(weights(full)["layer1.0.conv1.weight"], pretrained["layer1.0.conv1.weight"])
+    shutil.copytree(full, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_6")
+    (resumed / "model.safetensors").unlink()
+    ok(launch(env, "finetune", *flags, "--output_dir", str(resumed), "--resume", "latest", config="2gpu",
+              use_cpu=True))
+    assert_bitwise_equal(weights(resumed), weights(full))
+
+
+@pytest.mark.parametrize("model", [name if name in QUICK_BUILDERS else pytest.param(name, marks=pytest.mark.slow)
+                                   for name in BUILDERS])
+def test_every_torchvision_classifier_trains_a_step(model):
+    """Its classifier (a Linear, or SqueezeNet's 1x1 convolution) replaced for 3 classes, at its smallest input."""
+    cfg = finetune.Config(model=model, weights="none")
+    net = finetune.make_model(3, cfg)
+    size = max(32, finetune.chosen_weights(model, "none").meta["min_size"][0])  # its smallest input
+    head = net.get_submodule(finetune.classifier_name(net))
+    before = head.weight.detach().clone()
+    optimizer = finetune.make_optimizer(net, cfg)
+    logits = net(torch.randn(2, 3, size, size))
+    finetune.loss_fn(logits, torch.tensor([0, 2])).backward()
+    optimizer.step()
+    assert logits.shape == (2, 3) and not torch.equal(head.weight, before)
+
+
+@pytest.mark.parametrize("model", ["googlenet", "inception_v3"])
+def test_a_classifier_with_several_training_outputs_is_refused_by_its_flag(capsys, model):
+    with pytest.raises(SystemExit) as stopped:
+        finetune.Config.parse(["--model", model])
+    assert stopped.value.code == 2 and "its training outputs are several" in capsys.readouterr().err
+
+
+def test_evaluation_sees_the_images_as_the_weights_were_evaluated(tmp_path):
+    """Decoded at the weights' resize size, centre-cropped on the device: torchvision's weights.transforms() (resize
+    256, centre crop 224 for resnet18's), not a straight resize to 224."""
+    photo = tmp_path / "photo.png"
+    pixels = torch.randint(0, 256, (300, 420, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    Image.fromarray(pixels.numpy()).save(photo)
+    cfg = finetune.Config()
+    decoded = read_image(photo, finetune.image_shape(cfg), "photo")
+    assert decoded.shape == (3, 256, 256)
+    ours = finetune.preprocess(decoded[None], training=False, cfg=cfg)
+    theirs = torchvision.models.ResNet18_Weights.DEFAULT.transforms()(Image.open(photo))
+    # The same pixels, but for rounding: transforms() resizes through torchvision's v1 functional, 1 level of 255
+    # apart from its v2 (which shared/images.py's fit reproduces) in 0.5% of them here.
+    one_level = 1 / 255 / min(finetune.chosen_weights("resnet18", "DEFAULT").transforms().std) + 1e-6
+    torch.testing.assert_close(ours[0], theirs, atol=one_level, rtol=0)
+    assert (ours[0] - theirs).abs().gt(1e-6).float().mean() < 0.01
+    assert finetune.preprocess(decoded[None], training=True, cfg=cfg).shape == (1, 3, 224, 224)  # the crop too
+
+
+def test_without_pretrained_weights_nothing_is_frozen(capsys):
+    cfg = finetune.Config.parse(["--weights", "none"])
+    assert cfg.freeze_epochs == 0 and cfg.backbone_lr_scale == 1
+    assert finetune.training_plan(cfg) == ("resnet18 from random weights (--weights none): nothing frozen, every "
+                                           "layer trains at --lr")
+    pretrained = finetune.Config.parse([])
+    assert pretrained.freeze_epochs == 1 and pretrained.backbone_lr_scale == 0.1
+    for flag in (["--freeze_epochs", "1"], ["--backbone_lr_scale", "0.5"]):
+        with pytest.raises(SystemExit):
+            finetune.Config.parse(["--weights", "none", *flag])
+        assert "--weights none has none (every layer starts random)" in capsys.readouterr().err
 
 
 def test_predict_uses_the_fine_tuned_model(env, photos, reference, tmp_path):
-    result = ok(subprocess.run([sys.executable, "recipes/predict.py", "--weights", str(reference / "model.safetensors"),
-                                "--recipe", "finetune", "--images", str(photos / "test"), "--output",
-                                str(tmp_path / "predictions.csv")], cwd=ROOT, env=env, capture_output=True, text=True))
+    result = ok(subprocess.run([sys.executable, "recipes/predict.py", "--weights",
+                                str(reference[0] / "model.safetensors"), "--recipe", "finetune", "--images",
+                                str(photos / "test"), "--output", str(tmp_path / "predictions.csv")],
+                               cwd=ROOT, env=env, capture_output=True, text=True))
     rows = (tmp_path / "predictions.csv").read_text().splitlines()
     assert len(rows) == 1 + 9 and "finetune" in result.stdout
 
@@ -88,35 +198,35 @@ def test_offline_without_the_weights_file_is_one_line(env, photos, tmp_path):
     assert "ResNet18_Weights.IMAGENET1K_V1" in line
 
 
-def test_a_cached_weights_file_with_compressed_entries_is_not_inflated(env, photos, torch_home, tmp_path):
+def test_a_cached_weights_file_with_compressed_entries_is_not_inflated(torch_home, tmp_path, monkeypatch):
     """The cache may hold a file from anywhere: deflated entries could inflate to any size in torch.load."""
     from test_hostile import zip_bomb
 
     home = tmp_path / "home"
     shutil.copytree(torch_home, home)
+    monkeypatch.setenv("TORCH_HOME", str(home))
+    cfg = finetune.Config()
     zip_bomb(home / "hub" / "checkpoints" / CACHED)
-    one_line(launch(dict(env, TORCH_HOME=str(home)), "finetune", "--data", str(photos), *RUN, "--output_dir",
-                    str(tmp_path / "out")), f"{CACHED}' holds compressed entries (", "which torch.save never writes")
+    with pytest.raises(RecipeError, match=f"{CACHED}' holds compressed entries .* which torch.save never writes"):
+        finetune.load_pretrained(finetune.make_model(3, cfg), cfg)
     (home / "hub" / "checkpoints" / CACHED).unlink()
     os.mkfifo(home / "hub" / "checkpoints" / CACHED)  # would block the read forever
-    one_line(launch(dict(env, TORCH_HOME=str(home)), "finetune", "--data", str(photos), *RUN, "--output_dir",
-                    str(tmp_path / "out2")), f"{CACHED}' is not a regular file (a FIFO, socket, device or folder)")
+    with pytest.raises(RecipeError, match=rf"{CACHED}' is not a regular file \(a FIFO, socket, device or folder\)"):
+        finetune.load_pretrained(finetune.make_model(3, cfg), cfg)
 
 
-def test_photos_that_would_not_fit_in_memory_decoded_are_refused_first(env, photos, tmp_path):
-    """33 photos at 200,000 px take 3.6 TiB decoded (the decode holds both splits at once), on any machine: one line,
-    before any photo is decoded."""
-    line = one_line(launch(env, "finetune", "--data", str(photos), "--weights", "none", "--image_size", "200000",
-                           "--tracker", "none", "--output_dir", str(tmp_path / "out")),
-                    "33 images of 3x200000x200000 take 3688.0 GiB decoded, more than the",
-                    "use smaller images (finetune.py: --image_size) or fewer")
-    assert "GiB of free memory" in line
+def test_photos_that_would_not_fit_in_memory_decoded_are_refused_first(photos):
+    """33 photos decoded at 228,571 px (--image_size 200,000 at resnet18's resize) take 4.7 TiB, on any machine: one
+    line, before any photo is decoded."""
+    cfg = finetune.Config.parse(["--data", str(photos), "--weights", "none", "--image_size", "200000"])
+    with pytest.raises(RecipeError, match=r"33 images of 3x228571x228571 take 4817.0 GiB decoded, more than the .* "
+                                          r"GiB of free memory: use smaller images \(finetune.py: --image_size\)"):
+        finetune.load_data(cfg)
 
 
-def test_published_files_that_would_not_fit_in_memory_converted_are_refused_first(env, tmp_path):
+def test_published_files_that_would_not_fit_in_memory_converted_are_refused_first(tmp_path):
     """IDX files are read, then converted to --image_size all at once: the same bound, before the conversion."""
     digits = idx_folder(tmp_path / "digits", random_splits((28, 28), sizes=(24, 9), classes=3))
-    line = one_line(launch(env, "finetune", "--data", str(digits), "--weights", "none", "--image_size", "200000",
-                           "--tracker", "none", "--output_dir", str(tmp_path / "out")),
-                    "33 images of 3x200000x200000 take 3688.0 GiB decoded, more than the")
-    assert "GiB of free memory" in line
+    cfg = finetune.Config.parse(["--data", str(digits), "--weights", "none", "--image_size", "200000"])
+    with pytest.raises(RecipeError, match="33 images of 3x228571x228571 take 4817.0 GiB decoded, more than the"):
+        finetune.load_data(cfg)

@@ -94,24 +94,40 @@ def test_a_recipe_copied_beside_shared_runs_outside_the_repository(env, tmp_path
 # keeps its feature examples in step with the complete one the same way: by diffing them.) After a deliberate
 # change, paste the diff the failure prints.
 INTENDED = {
+    ("finetune", "evaluate"): """
+    - inputs = preprocess(images, training=False)
+    + inputs = preprocess(images, training=False, cfg=cfg)
+""",
     ("finetune", "train"): """
     + if not (cfg.resume or cfg.init_from):  # else the checkpoint, or the --init_from file, holds the weights
     + with accelerator.local_main_process_first():  # one download per machine, into torchvision's cache
     + load_pretrained(model, cfg)
     + backbone = [p for group in optimizer.param_groups if group["backbone"] for p in group["params"]]
-    + frozen = progress.epoch < cfg.freeze_epochs  # the new classifier alone: BatchNorm's statistics kept too
+    + head = [p for group in optimizer.param_groups if not group["backbone"] for p in group["params"]]
+    + accelerator.print(training_plan(cfg))
+    + # Frozen: the new classifier alone. The pretrained layers need no gradient, so autograd records no backward
+    + # through them (a frozen step is their forward and the classifier's backward); BatchNorm's statistics stay.
+    + frozen = progress.epoch < cfg.freeze_epochs
+    + for param in backbone:
+    + param.requires_grad_(not frozen)
     + for module in model.modules() if frozen else []:
     + if isinstance(module, nn.modules.batchnorm._BatchNorm):
     + module.eval()
     - for group in optimizer.param_groups:
     - group["lr"] = lr
-    + for group in optimizer.param_groups:  # the pretrained layers: a share of it
-    + group["lr"] = lr * cfg.backbone_lr if group["backbone"] else lr
+    - with accelerator.accumulate(model):  # DDP syncs gradients only on the last batch of each accumulation
+    - inputs = preprocess(images, cfg.augment)
     - if cfg.channels_last:  # after preprocessing: the crop's gather returns a plain NCHW tensor
+    + for group in optimizer.param_groups:  # the pretrained layers: a share of it
+    + group["lr"] = lr * cfg.backbone_lr_scale if group["backbone"] else lr
+    + # DDP syncs gradients only on the last batch of each accumulation, and never while frozen (no_sync): it
+    + # would wait for the gradients of every layer it wrapped. The classifier's alone are averaged below.
+    + with accelerator.accumulate(model), accelerator.no_sync(model) if frozen else contextlib.nullcontext():
+    + inputs = preprocess(images, cfg.augment, cfg)
     + if cfg.channels_last:  # after preprocessing: the crop returns a plain NCHW tensor
-    + if frozen and accelerator.sync_gradients:  # no gradient: SGD moves neither weight nor momentum
-    + for param in backbone:
-    + param.grad = None
+    + if frozen and accelerator.sync_gradients:  # the mean over the processes, as DDP's
+    + for param in head:
+    + param.grad = accelerator.reduce(param.grad, "mean")
 """,
     ("resnet18_fmnist", "train"): """
     + peak_lr = scaled_lr(cfg, global_batch_size)
