@@ -26,7 +26,6 @@ import csv
 import importlib.util
 import inspect
 import json
-import os
 import pickle
 import re
 import sys
@@ -49,7 +48,7 @@ from shared.checkpoints import Checkpoints, plain_name
 from shared.config import parse_config
 from shared.errors import RecipeError, check_launch, first_line, one_line_errors
 from shared.images import read_image
-from shared.limits import walk
+from shared.limits import replacing, walk
 from shared.resume import read_json
 
 RECIPES = Path(__file__).resolve().parent  # where a recipe named by its name is looked for
@@ -293,14 +292,11 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
                          "; ".join(f"{classes[c]} {q:.4f}" for c, q in zip(i, p))])
             counts[classes[i[0]]] += 1
 
-    partial = output.with_name(output.name + ".tmp")
-    try:
-        partial.unlink(missing_ok=True)  # a link left there is removed, never written through
-        with partial.open("x", newline="") as f:
+    try:  # under a temporary name, renamed when complete: see shared/limits.py
+        with replacing(output) as partial, partial.open("x", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(["path", "class", "confidence", f"top_{k}"])
             writer.writerows(rows)
-        os.replace(partial, output)  # a reader never sees half a file
     except OSError as error:
         raise RecipeError(f"cannot write {output} ({error.strerror}): pass --output in a writable folder with room"
                           ) from None

@@ -1,6 +1,19 @@
-"""What every recipe repeats, one job per module: config (flags from the Config dataclass), data and dataset_files
-(datasets and published files -> uint8 tensors), batches (a split in memory; the resumable epoch order), augment
-(whole-batch augmentation on the device), schedule (the learning rate and the EMA's decay as functions of the step),
-tracking (run folder, wandb/TensorBoard, readable run files), diagnostics (pictures), checkpoints and resume (save,
-resume, preemption, weights files), memory (the CPU allocator setting), errors (one-line errors, launch checks).
-What only sweeps, benchmarks, the runs table and new projects use is in tools/, outside the recipes' path."""
+"""What every recipe repeats, one job per module (what only sweeps, benchmarks, the runs table and new projects use is
+in tools/, outside the recipes' path):
+
+- config: flags from the Config dataclass, a field's comment its --help
+- data: datasets and published files -> uint8 tensors, decoded once and cached
+- dataset_files: IDX files and CIFAR's binary and Python versions, read as published (pickles run nothing)
+- images: one image file decoded, images converted to the recipe's channels and size
+- limits: what a file from anywhere may claim (free memory, file, decoded and decompressed sizes), a folder's walk
+- batches: a split held as one tensor, served a batch at a time; the resumable epoch order
+- augment: whole-batch augmentation on the device
+- schedule: the learning rate and the EMA's decay as functions of the step
+- tracking: the run folder, wandb and TensorBoard, readable run files, the training window
+- diagnostics: pictures (curves, confusion matrix)
+- checkpoints: full-state checkpoints, the run's progress, model.safetensors, --init_from
+- stopping: a stop on SIGTERM or Ctrl-C with a checkpoint, and the command that continues the run
+- resume: which checkpoint --resume names, and what a resume changes
+- speed: the device's settings (the CPU allocator; TF32, cuDNN, the data on the GPU)
+- errors: one-line errors and the launch checks
+"""

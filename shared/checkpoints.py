@@ -23,8 +23,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from shared.errors import RecipeError, first_line
+from shared.limits import replacing
 from shared.resume import check_resume, find_checkpoint, list_checkpoints
 from shared.stopping import StopOnSignals
+from shared.tracking.folder import new_folder
 
 
 def plain_name(key: str) -> str:
@@ -120,9 +122,10 @@ class Checkpoints(StopOnSignals):
         nor ever continued by --resume latest or mixed into this history's files."""
         later = [p for p in list_checkpoints(self.run_dir) if int(p.name.split("_")[1]) > step]
         if self.accelerator.is_main_process and later:
-            aside = self.run_dir / "abandoned" / f"after_step_{step}-{time.strftime('%Y%m%d-%H%M%S')}"
-            try:  # a read-only abandoned/ (a run folder from elsewhere) fails here, before anything moved
-                aside.mkdir(parents=True)
+            # -2, -3 after the name for branches from one step in one second; a read-only abandoned/ (a run folder
+            # from elsewhere) makes nothing, and the first move fails, before anything moved
+            aside = Path(new_folder(f"{self.run_dir}/abandoned/after_step_{step}-{time.strftime('%Y%m%d-%H%M%S')}"))
+            try:
                 for path in later + [self.run_dir / name for name in ("model.safetensors", "summary.json",
                                                                        "curves.png", "confusion_matrix.png")]:
                     if path.exists():
@@ -182,13 +185,11 @@ class Checkpoints(StopOnSignals):
         """model.safetensors: a plain state dict, no `module.` or `_orig_mod.` prefixes; `metadata` as JSON text."""
         state = self.accelerator.get_state_dict(model)  # unwraps DDP; model.compile() adds no prefix
         if self.accelerator.is_main_process:
-            partial = self.run_dir / "model.safetensors.tmp"
             try:
-                save_file({k: v.contiguous() for k, v in state.items()}, partial,
-                          metadata={k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()})
-                os.replace(partial, self.run_dir / "model.safetensors")
+                with replacing(self.run_dir / "model.safetensors") as partial:
+                    save_file({k: v.contiguous() for k, v in state.items()}, partial,
+                              metadata={k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()})
             except (OSError, SafetensorError) as error:
-                partial.unlink(missing_ok=True)
                 self.write_failed("writing model.safetensors", error)
 
     def write_failed(self, what: str, error: Exception) -> None:

@@ -1,32 +1,39 @@
-"""Image-classification data as uint8 tensors (shared/batches.py's ImageTensors): from a hub id, a save_to_disk,
-parquet or imagefolder folder, IDX files or CIFAR binary files (shared/dataset_files.py), or generated (synthetic=True,
-never a fallback). Images are decoded once into one uint8 (N, C, H, W) tensor, converted to the recipe's channels
-and size (one printed line says so), and cached on disk by the dataset's fingerprint (or the files' paths, sizes
-and times)."""
+"""Image-classification data as uint8 tensors (shared/batches.py's ImageTensors). load_image_data runs four stages in
+order, each in its own file:
+
+1. the source (here; published files in shared/dataset_files.py): a hub id, a save_to_disk, parquet or imagefolder
+   folder, IDX files or CIFAR's files; its splits, their sizes and the class names;
+2. the bounds (shared/limits.py): both splits' images, converted, must fit in the free memory;
+3. the decoding (shared/images.py): each image into the recipe's channels and size, once (one line says what was
+   converted, with the sizes found);
+4. the cache (here): the tensors saved by what they came from (datasets' fingerprints, or the files' paths, sizes and
+   times) and the code that made them, so that the next run reads them back in seconds.
+
+--synthetic generates a stand-in instead (never a fallback).
+"""
 
 from __future__ import annotations
 
 import hashlib
 import inspect
-import io
 import json
 import logging
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from huggingface_hub.constants import HF_HOME
-from PIL import Image
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from shared import images
 from shared.batches import ImageTensors
 from shared.dataset_files import DatasetFiles, find_dataset_files
-from shared.errors import RecipeError, first_line
-from shared.images import check_conversion, fit, read_image, to_channels
-from shared.limits import check_decoded_size, check_parquet_files
+from shared.errors import RecipeError, first_line, is_main_process
+from shared.limits import check_decoded_size, check_parquet_files, replacing
 
 if TYPE_CHECKING:  # for the annotations only
     import datasets
@@ -37,27 +44,58 @@ MAX_CLASSES = 100_000  # a label column's classes: ImageNet-21k's 21,841 fit, a 
 CACHE_DIR = Path(os.environ.get("HF_DATASETS_CACHE", Path(HF_HOME) / "datasets")) / "decoded"
 
 
+@dataclass
+class Source:
+    """What --data names, found (stage 1): `key` what its tensors come from, for the cache's name, and either its
+    published `files` or its datasets `splits` with their image and label columns."""
+    name: str
+    key: str
+    files: DatasetFiles | None = None
+    splits: dict = field(default_factory=dict)  # "train", "test" -> datasets.Dataset
+    columns: tuple[str, str] = ("", "")
+    classes: list[str] = field(default_factory=list)
+
+
 def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: bool = False,
                     synthetic_sizes: tuple[int, int] = (50_000, 10_000),
                     synthetic_classes: int = 10) -> tuple[ImageTensors, ImageTensors]:
     """(train, test) with images of `image_shape` (C, H, W); the synthetic stand-in has the real set's sizes."""
     if synthetic:
         return make_synthetic(image_shape, *synthetic_sizes, num_classes=synthetic_classes)
+    found = find_source(source)  # 1
+    cache = CACHE_DIR / f"{found.key}-{'x'.join(map(str, image_shape))}-{decoder_hash()}.safetensors"
+    if not cache.exists():
+        stored = {}
+        if found.files:  # their arrays as stored (each file bounded by its header), and the class names
+            stored, found.classes = found.files.read()
+        count = sum(len(labels) for _, labels in stored.values()) + sum(map(len, found.splits.values()))
+        check_decoded_size(source, count, image_shape)  # 2
+        stored, seen = decode(found, stored, image_shape)  # 3
+        if is_main_process() and (line := images.conversion(image_shape, seen)):
+            print(f"{source}: converted the images to this recipe's {'x'.join(map(str, image_shape))} input: {line}",
+                  flush=True)
+        write_cache(cache, stored, found.classes, source)  # 4
+    return tuple(ImageTensors(*read_cache(cache, name), name=name) for name in ("train", "test"))
+
+
+def find_source(source: str) -> Source:
+    """Published files in a folder, else a dataset: checked as far as can be without decoding an image (a bad first
+    image is one line at once)."""
     path = Path(source).expanduser()
     if path.is_dir() and (files := find_dataset_files(path)):
-        return load_dataset_files(files, source, image_shape)
-    train, test = pick_splits(open_dataset(source), source)
+        stamps = [(str(file.resolve()), file.stat().st_size, file.stat().st_mtime_ns) for file in files.all_files()]
+        readers = inspect.getsource(inspect.getmodule(DatasetFiles))  # they name the classes kept in the cache too
+        return Source(source, "files-" + hashlib.sha256(json.dumps([stamps, readers]).encode()).hexdigest()[:16],
+                      files=files)
     import datasets
 
+    train, test = pick_splits(open_dataset(source), source)
     image_column, label_column, classes = find_columns(train, source)
-    check_decoded_size(source, len(train) + len(test), image_shape)
-    file, where = image_file(train.cast_column(image_column, datasets.Image(decode=False))[0][image_column], source,
-                             "train", 0)
-    read_image(file, image_shape, where)  # a bad first image: one line, at once
-    with Image.open(io.BytesIO(file) if isinstance(file, bytes) else file) as first:  # its header: mode and size
-        check_conversion(source, image_shape, 1 if first.mode in ("1", "L", "LA") else 3, (first.height, first.width))
-    return tuple(decode_split(split, name, source, image_column, label_column, classes, image_shape)
-                 for name, split in (("train", train), ("test", test)))
+    splits = {name: split.cast_column(image_column, datasets.Image(decode=False))  # decoded here, one at a time
+              for name, split in (("train", train), ("test", test))}
+    # datasets' own hash of each split's data (it has no public name)
+    return Source(source, f"{train._fingerprint}-{test._fingerprint}", splits=splits,
+                  columns=(image_column, label_column), classes=classes)
 
 
 def open_dataset(source: str) -> datasets.DatasetDict:
@@ -139,36 +177,42 @@ def find_columns(split: datasets.Dataset, source: str) -> tuple[str, str, list[s
     return image_column, label_column, list(names)
 
 
-def decode_split(split, name, source, image_column, label_column, classes, image_shape) -> ImageTensors:
-    """Decode every image once into uint8 (N, C, H, W); cached on disk by what the tensors come from: the split's
-    fingerprint (datasets' own hash of its data; it has no public name), the shape, and the decoding code."""
-    import datasets
-
+def decode(found: Source, stored: dict, image_shape) -> tuple[dict, dict]:
+    """Stage 3: every image of both splits in `image_shape` (uint8 (N, C, H, W)) with its label, and what the images
+    were (`seen`: channel counts and sizes). Published files are converted as a whole; a dataset's images one at a
+    time, decoded here, not by datasets (memory for one image at a time, whatever the files hold; never a file
+    fetched because a dataset names its path)."""
+    seen, (image_column, label_column) = {"channels": set(), "sizes": set()}, found.columns
     channels, height, width = image_shape
-    cache = CACHE_DIR / f"{split._fingerprint}-{name}-{channels}x{height}x{width}-{decoder_hash()}.safetensors"
-    if cache.exists():
-        return ImageTensors(*_read_cache(cache, name), name=name)
-    # Decoded here, not by datasets: one image at a time, fitted at once (memory for one image, whatever the files
-    # hold), and never a file fetched because a dataset names its path.
-    split = split.cast_column(image_column, datasets.Image(decode=False))
-    images = torch.empty(len(split), channels, height, width, dtype=torch.uint8)
-    labels = torch.empty(len(split), dtype=torch.int64)
-    for start in range(0, len(split), 1000):
-        batch = split[start:start + 1000]
-        for i, stored in enumerate(batch[image_column], start):
-            file, where = image_file(stored, source, name, i)
-            images[i] = read_image(file, image_shape, where)
-        if None in batch[label_column]:
-            raise RecipeError(f"{source} '{name}' image {start + batch[label_column].index(None)} has no label: an "
-                              "imagefolder needs a subfolder per class (<split>/<class>/<image>); a dataset, a label "
-                              "for every image")
-        labels[start:start + len(batch[label_column])] = torch.tensor(batch[label_column], dtype=torch.int64)
-    bad = labels[(labels < 0) | (labels >= len(classes))]
-    if len(bad):
-        raise RecipeError(f"{source} '{name}' has labels outside 0..{len(classes) - 1} (e.g. {bad[0].item()}) for its "
-                          f"{len(classes)} classes: fix the '{label_column}' column or its ClassLabel names")
-    _write_cache(cache, {name: (images, labels)}, classes, source)
-    return ImageTensors(images, labels, classes, name)
+    for name, split in found.splits.items():
+        pixels = torch.empty(len(split), *image_shape, dtype=torch.uint8)
+        labels = torch.empty(len(split), dtype=torch.int64)
+        for start in range(0, len(split), 1000):
+            batch = split[start:start + 1000]
+            for i, file in enumerate(batch[image_column], start):
+                file, where = image_file(file, found.name, name, i)
+                image, own_channels = images.decode(file, channels, where)
+                seen["channels"].add(own_channels)
+                seen["sizes"].add(tuple(image.shape[1:]))
+                pixels[i] = images.fit(image, height, width, where)
+            if None in batch[label_column]:
+                raise RecipeError(f"{found.name} '{name}' image {start + batch[label_column].index(None)} has no "
+                                  "label: an imagefolder needs a subfolder per class (<split>/<class>/<image>); a "
+                                  "dataset, a label for every image")
+            labels[start:start + len(batch[label_column])] = torch.tensor(batch[label_column], dtype=torch.int64)
+        stored[name] = (pixels, labels)
+    for name, (pixels, labels) in stored.items():
+        bad = labels[(labels < 0) | (labels >= len(found.classes))]
+        if len(bad):
+            fix = "download the files again" if found.files else f"fix the '{label_column}' column or its names"
+            raise RecipeError(f"{found.name} '{name}' has labels outside 0..{len(found.classes) - 1} (e.g. "
+                              f"{bad[0].item()}) for its {len(found.classes)} classes: {fix}")
+        if found.files:  # the published arrays, all of one size
+            seen["channels"].add(pixels.shape[1])
+            seen["sizes"].add(tuple(pixels.shape[2:]))
+            stored[name] = (images.fit(images.to_channels(pixels, channels), height, width,
+                                       f"{found.name} '{name}'").contiguous(), labels)
+    return stored, seen
 
 
 def image_file(stored: dict, source: str, split: str, index: int) -> tuple[bytes | str, str]:
@@ -180,47 +224,22 @@ def image_file(stored: dict, source: str, split: str, index: int) -> tuple[bytes
 def decoder_hash() -> str:
     """Changes whenever the code that turns images into tensors does (the decoders, fit(), torch's resize): a cache
     keyed only by the data would hand back tensors made by the old code."""
-    code = "".join(inspect.getsource(f) for f in (decode_split, read_image, load_dataset_files, to_channels, fit))
-    code += torch.__version__
-    return hashlib.sha256(code.encode()).hexdigest()[:12]
+    code = "".join(inspect.getsource(f) for f in (decode, images.decode, images.to_channels, images.fit))
+    return hashlib.sha256((code + torch.__version__).encode()).hexdigest()[:12]
 
 
-def load_dataset_files(files: DatasetFiles, source: str, image_shape) -> tuple[ImageTensors, ImageTensors]:
-    """IDX files or CIFAR binary files, converted to `image_shape` as a dataset's images would be (tested); cached by
-    the files' paths, sizes and modification times."""
-    stamps = [(str(file.resolve()), file.stat().st_size, file.stat().st_mtime_ns) for file in files.all_files()]
-    readers = inspect.getsource(inspect.getmodule(DatasetFiles))  # they name the classes kept in the cache too
-    key = hashlib.sha256(json.dumps([stamps, image_shape, decoder_hash(), readers]).encode()).hexdigest()[:16]
-    cache = CACHE_DIR / f"files-{key}-{'x'.join(map(str, image_shape))}.safetensors"
-    if not cache.exists():
-        splits, classes = files.read()
-        check_decoded_size(source, sum(len(labels) for _, labels in splits.values()), image_shape)
-        images = splits["train"][0]
-        check_conversion(source, image_shape, images.shape[1], tuple(images.shape[2:]))
-        for name, (_, labels) in splits.items():
-            if labels.min() < 0 or labels.max() >= len(classes):
-                raise RecipeError(f"{source} '{name}' has labels outside 0..{len(classes) - 1}: download it again")
-        fitted = {name: (fit(to_channels(images, image_shape[0]), *image_shape[1:], f"{source} '{name}'").contiguous(),
-                         labels) for name, (images, labels) in splits.items()}
-        _write_cache(cache, fitted, classes, source)
-    return tuple(ImageTensors(*_read_cache(cache, name), name=name) for name in ("train", "test"))
-
-
-def _read_cache(path: Path, split: str) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+def read_cache(path: Path, split: str) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     with safe_open(path, "pt") as f:
         return f.get_tensor(f"{split}.images"), f.get_tensor(f"{split}.labels"), json.loads(f.metadata()["classes"])
 
 
-def _write_cache(path: Path, splits: dict, classes: list[str], source: str) -> None:
+def write_cache(path: Path, splits: dict, classes: list[str], source: str) -> None:
     tensors = {f"{split}.{kind}": t for split, pair in splits.items() for kind, t in zip(("images", "labels"), pair)}
-    partial = path.with_suffix(f".tmp{os.getpid()}")
-    try:
+    try:  # a half-written cache file must never look complete
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, partial, metadata={"source": source, "classes": json.dumps(classes)})
-        os.replace(partial, path)  # a half-written cache file must never look complete
-    except (OSError, SafetensorError) as error:
-        if partial.parent.is_dir():  # HF_HOME may be a file
-            partial.unlink(missing_ok=True)
+        with replacing(path) as partial:
+            save_file(tensors, partial, metadata={"source": source, "classes": json.dumps(classes)})
+    except (OSError, SafetensorError) as error:  # HF_HOME a file, a full disk
         reason = error.strerror if isinstance(error, OSError) else first_line(error)[:100]
         raise RecipeError(f"cannot write the decoded images to {path.parent} ({reason}): set HF_HOME (or "
                           "HF_DATASETS_CACHE) to a writable folder with room") from None
@@ -234,7 +253,7 @@ def make_synthetic(image_shape, train_size: int, test_size: int,
     channels, height, width = image_shape
     cache = CACHE_DIR / f"synthetic-v1-{channels}x{height}x{width}-{train_size}-{test_size}-{num_classes}.safetensors"
     if cache.exists():
-        return tuple(ImageTensors(*_read_cache(cache, split), name=f"synthetic {split}") for split in ("train", "test"))
+        return tuple(ImageTensors(*read_cache(cache, split), name=f"synthetic {split}") for split in ("train", "test"))
     generator = torch.Generator().manual_seed(1234)
 
     def smooth_patterns(count):  # random 4x4 fields upsampled: blobs, in -128..127
@@ -256,5 +275,5 @@ def make_synthetic(image_shape, train_size: int, test_size: int,
             images[start:start + len(chunk)] = pixels.clamp_(0, 255).to(torch.uint8)
         tensors[split] = (images, labels)
     classes = [f"synthetic_{i}" for i in range(num_classes)]
-    _write_cache(cache, tensors, classes, source="synthetic")
+    write_cache(cache, tensors, classes, source="synthetic")
     return tuple(ImageTensors(*tensors[split], classes, f"synthetic {split}") for split in ("train", "test"))

@@ -8,6 +8,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from shared.limits import replacing
+
 MAX_MATRIX_CLASSES = 1_000  # above, a confusion matrix is no picture to read, and 10^5 classes take 80 GB
 
 
@@ -50,7 +52,8 @@ def plot_curves(rows: Iterable[dict], path: Path, title: str) -> None:
             ax.legend()
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with replacing(path) as partial:
+        fig.savefig(partial, dpi=100, format="png")
     plt.close(fig)
 
 
@@ -78,7 +81,8 @@ def save_pictures(accelerator, run_dir: Path, test_set, predictions: torch.Tenso
     figure.canvas.draw()  # drawn once: the PNG and the trackers' image are these pixels (savefig would draw again)
     pixels = np.asarray(figure.canvas.buffer_rgba())[..., :3].copy()  # (H, W, 3) uint8
     plt.close(figure)
-    Image.fromarray(pixels).save(Path(run_dir) / "confusion_matrix.png")
+    with replacing(Path(run_dir) / "confusion_matrix.png") as partial:
+        Image.fromarray(pixels).save(partial, format="PNG")
     for tracker in accelerator.trackers:
         if tracker.name == "wandb":
             tracker.log_images({"confusion_matrix": [pixels]}, step=step)

@@ -1,6 +1,6 @@
-"""Images into the recipes' tensors: one file decoded (`read_image`, bounded by PIL's pixel limit), and an image or a
-batch converted to the recipe's channels and size (`to_channels`, `fit`: the pixels of torchvision's resize and
-centre crop, without its import)."""
+"""Images into the recipes' tensors: one file decoded (`decode`, bounded by PIL's pixel limit), and an image or a batch
+converted to the recipe's channels and size (`to_channels`, `fit`: the pixels of torchvision's resize and centre crop,
+without its import); `conversion` says what was converted."""
 
 import io
 import warnings
@@ -11,17 +11,16 @@ import torch
 import torch.nn.functional as F
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
-from shared.errors import RecipeError, first_line, is_main_process
+from shared.errors import RecipeError, first_line
 from shared.limits import free_memory
 
 WIDE_MODES = {"I", "I;16", "I;16B", "I;16L", "I;16N", "F"}  # 16/32-bit and float pixels
 
 
-def read_image(file: bytes | str | Path, image_shape: tuple[int, int, int], where: str) -> torch.Tensor:
-    """One image file (its bytes or a local path) -> uint8 (C, H, W) of `image_shape`, converted as datasets'
-    Image(mode=...) converts (EXIF orientation, then L or RGB) and fitted at once: memory for one image. A damaged
+def decode(file: bytes | str | Path, channels: int, where: str) -> tuple[torch.Tensor, int]:
+    """One image file (its bytes or a local path) -> uint8 (channels, h, w) at its own size, converted as datasets'
+    Image(mode=...) converts (EXIF orientation, then L or RGB), and its own channel count (1 for grayscale). A damaged
     file, one over PIL's pixel limit (read from its header, before decoding), 16-bit pixels: one line naming `where`."""
-    channels, height, width = image_shape
     if not isinstance(file, bytes) and not Path(file).is_file():
         raise RecipeError(f"{where}: no such image file on this machine (datasets' paths are read, never fetched)")
     try:
@@ -32,6 +31,7 @@ def read_image(file: bytes | str | Path, image_shape: tuple[int, int, int], wher
             if image.mode in WIDE_MODES:
                 raise RecipeError(f"{where} has {image.mode} pixels (16-bit, 32-bit or float), which 8 bits cannot "
                                   "hold without clipping or guessing a range: scale the images to 8-bit L or RGB")
+            own = 1 if image.mode in ("1", "L", "LA") else 3
             image.load()
             if image.getexif().get(ExifTags.Base.Orientation) is not None:
                 image = ImageOps.exif_transpose(image)
@@ -42,7 +42,12 @@ def read_image(file: bytes | str | Path, image_shape: tuple[int, int, int], wher
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError, MemoryError) as error:
         raise RecipeError(f"{where} is not a readable image ({type(error).__name__}: {first_line(error)[:120]}): "
                           "remove it or replace it") from None
-    return fit(torch.from_numpy(pixels).reshape(*pixels.shape[:2], channels).permute(2, 0, 1), height, width, where)
+    return torch.from_numpy(pixels).reshape(*pixels.shape[:2], channels).permute(2, 0, 1), own
+
+
+def read_image(file: bytes | str | Path, image_shape: tuple[int, int, int], where: str) -> torch.Tensor:
+    """One image file -> uint8 (C, H, W) of `image_shape`: decoded, then fitted (memory for one image)."""
+    return fit(decode(file, image_shape[0], where)[0], *image_shape[1:], where)
 
 
 def to_channels(images: torch.Tensor, channels: int) -> torch.Tensor:
@@ -55,15 +60,19 @@ def to_channels(images: torch.Tensor, channels: int) -> torch.Tensor:
     return ((r * 19595 + g * 38470 + b * 7471 + 0x8000) >> 16).to(torch.uint8)[:, None]
 
 
-def check_conversion(source: str, image_shape: tuple[int, int, int], channels: int, size: tuple[int, int]) -> None:
-    """Say how images unlike the recipe's are converted, from the first one."""
-    changes = ["grayscale -> colour" if image_shape[0] == 3 else "colour -> grayscale"] * (channels != image_shape[0])
-    if size != tuple(image_shape[1:]):
-        changes.append(f"{size[1]}x{size[0]} -> {image_shape[2]}x{image_shape[1]} (shorter side resized with "
-                       "antialiasing, then centre-cropped)")
-    if changes and is_main_process():
-        print(f"{source}: converting the images to this recipe's {'x'.join(map(str, image_shape))} input: "
-              + "; ".join(changes), flush=True)
+def conversion(image_shape: tuple[int, int, int], seen: dict) -> str:
+    """What was converted, from what the images were (`seen`: their channel counts and sizes), in a line; empty if
+    nothing."""
+    changes = []
+    if seen["channels"] - {image_shape[0]}:
+        changes.append("grayscale -> colour" if image_shape[0] == 3 else "colour -> grayscale")
+    if seen["sizes"] - {tuple(image_shape[1:])}:
+        heights, widths = {h for h, _ in seen["sizes"]}, {w for _, w in seen["sizes"]}
+        found = (f"{max(widths)}x{max(heights)}" if len(seen["sizes"]) == 1 else f"{len(seen['sizes'])} sizes, "
+                 f"{min(widths)}-{max(widths)} px wide and {min(heights)}-{max(heights)} px high")
+        changes.append(f"{found} -> {image_shape[2]}x{image_shape[1]} (shorter side resized with antialiasing, then "
+                       "centre-cropped)")
+    return "; ".join(changes)
 
 
 def fit(image: torch.Tensor, height: int, width: int, where: str = "images") -> torch.Tensor:

@@ -1,6 +1,7 @@
-"""What a file from anywhere may claim, checked before anything is allocated: the free memory (what this process may
-still allocate), a dataset file's size, a dataset's decoded size, and a parquet file's decompressed size; and a walk
-of a folder tree that no depth breaks. Limits for files from anywhere are listed in docs/troubleshooting.md."""
+"""Files from anywhere: what one may claim, checked before anything is allocated (the free memory, what this process
+may still allocate; a dataset file's size, a dataset's decoded size, a parquet file's decompressed size), a walk of a
+folder tree that no depth breaks, and a write that neither a crash nor a link breaks (`replacing`). The limits are
+listed in docs/troubleshooting.md."""
 
 import contextlib
 import math
@@ -50,6 +51,21 @@ def walk(folder: Path, skip: Path | None = None) -> Iterator[os.DirEntry]:
                     yield entry
                 elif Path(entry.path) != skip:
                     folders.append(Path(entry.path))
+
+
+@contextlib.contextmanager
+def replacing(path: Path) -> Iterator[Path]:
+    """Write `path` under a temporary name beside it (what this yields), renamed over it when complete: a reader, a
+    run killed while writing, and another name of the file (a hard link from elsewhere) see the old file or the new
+    one, never half of one, and the file is never changed in place. A link left at the temporary name is removed,
+    never written through."""
+    partial = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    partial.unlink(missing_ok=True)
+    try:
+        yield partial
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)  # after a failed write: a full disk, pieces read from a damaged file
 
 
 def check_size(path: Path, size: int) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import io
 import json
 import os
 import re
@@ -22,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
-# Recipes trained in this process (train_here) decode into a cache of this process's own, never the user's:
+# Recipes run in this process (run_here) decode into a cache of this process's own, never the user's:
 # huggingface_hub and datasets read HF_HOME once, when first imported, which is after this line.
 HF_HOME = Path(tempfile.mkdtemp(prefix="recipes-tests-")) / "hf"
 os.environ["HF_HOME"] = str(HF_HOME)
@@ -36,16 +37,30 @@ sys.path.insert(1, str(ROOT / "benchmarks"))  # the measuring scripts some tests
 # already gives each of several processes one.
 THREADS = "1"
 torch.set_num_threads(int(THREADS))
-# The longest files first, the rest in their own order: with `--dist loadfile --no-loadscope-reorder`, xdist hands
-# files to its workers in this order, so that the suite ends on short files and no worker is left alone with a long
-# one (by default it sorts files by their number of tests, and the one-test GPU check came last). Longest first, by
-# their seconds in one full run with 3 workers here (758 s in all, in a slow hour of this machine): 313, 279, 228,
-# 220, 137, 118, 92, 89, 88, 86, 82, 81, 81, 76, 66, 53, 37 and 35 s.
-LONGEST_FIRST = ("test_errors.py", "test_checkpoints.py", "test_multinode.py", "test_hostile.py", "test_gpu_check.py",
-                 "test_cifar_cnn.py", "test_dataset_files.py", "test_real_images.py", "test_resnet18_fmnist.py",
-                 "test_resume.py", "test_equivalence.py", "test_layout.py", "test_cpu_speed.py",
-                 "test_deep_mlp_ckpt.py", "test_step_cost.py", "test_tracking.py", "test_features.py",
-                 "test_gpu_speed.py")
+# The longest files first: with `--dist loadfile --no-loadscope-reorder`, xdist hands files to its workers in this
+# order, so that the suite ends on short files and no worker is left alone with a long one (by default it sorts files
+# by their number of tests, and the one-test GPU check came last). The seconds are each file's in the last full run
+# that stored them (`--store-durations`); a file not there yet goes first.
+DURATIONS = Path(__file__).with_name("durations.json")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--store-durations", action="store_true",
+                     help=f"write each test file's seconds in this run to {DURATIONS.name}: the order of the next runs")
+
+
+FILE_SECONDS: dict[str, float] = {}  # this run's, on the main process (xdist's workers report to it)
+
+
+def pytest_runtest_logreport(report):
+    file = report.nodeid.split("::")[0].rsplit("/", 1)[-1]
+    FILE_SECONDS[file] = FILE_SECONDS.get(file, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    if session.config.getoption("--store-durations") and not hasattr(session.config, "workerinput") and FILE_SECONDS:
+        DURATIONS.write_text(json.dumps({file: round(total, 1) for file, total in sorted(FILE_SECONDS.items())},
+                                        indent=1) + "\n")
 
 
 def pytest_unconfigure(config):
@@ -53,8 +68,8 @@ def pytest_unconfigure(config):
 
 
 def pytest_collection_modifyitems(items):
-    items.sort(key=lambda item: LONGEST_FIRST.index(item.path.name) if item.path.name in LONGEST_FIRST
-               else len(LONGEST_FIRST))
+    stored = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    items.sort(key=lambda item: -stored.get(item.path.name, float("inf")))  # stable: a file's tests stay in order
 
 
 @pytest.fixture(scope="session")
@@ -87,23 +102,45 @@ def launch(env: dict, recipe: str, *args: str, config: str | None = None, use_cp
     return subprocess.run(command, cwd=ROOT, env=run_env, capture_output=True, text=True, timeout=timeout)
 
 
-def train_here(recipe: str, *args: str, env: dict | None = None) -> Path | None:
-    """`python recipes/<recipe>.py args`, in this process: the recipe's own Config.parse and train(), accelerate's
-    state reset first (a singleton), `env` set for the run only. Returns --output_dir. A bad flag raises SystemExit
-    (status 2), a RecipeError propagates: `pytest.raises(RecipeError, match=...)`. What a process boundary is for
-    (a launch, a signal, the one-line exit) is tested by launching the script; here stop_on_signals is left out,
-    so that the signal handlers of pytest's process stay its own."""
+def run_here(script: str, *args, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python recipes/<script>.py args` in this process: its main() with these arguments, after accelerate's state
+    is reset (a singleton), with `env` and `cwd` for the run only; what it printed and its exit status (a SystemExit's
+    code, else 0), as `launch` returns them. An exception main() does not turn into a line propagates: the test fails
+    with its traceback. Left out, since they belong to a process: stop_on_signals (the signal handlers of pytest's
+    process stay its own; tests of a stop launch the script), a memory limit, a timeout. The run folder's lock is
+    released at the end, as a process's exit releases it."""
     from accelerate.state import AcceleratorState, GradientState
 
     from shared.checkpoints import Checkpoints
+    from shared.tracking import folder
 
-    module = importlib.import_module(f"recipes.{recipe}")
+    module = importlib.import_module(f"recipes.{script}")
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    cfg = module.Config.parse(list(args))
-    with mock.patch.dict(os.environ, env or {}), mock.patch.object(Checkpoints, "stop_on_signals", lambda self: None):
-        module.train(cfg)
-    return Path(cfg.output_dir) if cfg.output_dir else None
+    stdout, stderr, status = io.StringIO(), io.StringIO(), 0
+    argv = [str(ROOT / "recipes" / f"{script}.py"), *map(str, args)]
+    try:
+        with (mock.patch.dict(os.environ, env or {}), mock.patch.object(sys, "argv", argv),
+              mock.patch.object(Checkpoints, "stop_on_signals", lambda self: None), working_directory(cwd),
+              contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr)):
+            module.main()
+    except SystemExit as stop:
+        status = stop.code if isinstance(stop.code, int) else 1
+    finally:
+        for descriptor in folder._LOCKS.values():
+            os.close(descriptor)
+        folder._LOCKS.clear()
+    return subprocess.CompletedProcess(argv, status, stdout.getvalue(), stderr.getvalue())
+
+
+@contextlib.contextmanager
+def working_directory(path: Path | None):
+    before = Path.cwd()
+    os.chdir(path or ROOT)
+    try:
+        yield
+    finally:
+        os.chdir(before)
 
 
 @contextlib.contextmanager

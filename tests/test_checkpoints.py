@@ -8,7 +8,6 @@ also keep an EMA of the weights (--ema), which must come back bitwise as well.
 from __future__ import annotations
 
 import os
-import random
 import shlex
 import shutil
 import signal
@@ -29,7 +28,7 @@ from recipes.predict import load_weights
 from shared.errors import RecipeError
 from tools.runs import collect
 
-from conftest import ROOT, assert_bitwise_equal, ema_state, launch, ok, read_json, read_jsonl, weights
+from conftest import ROOT, assert_bitwise_equal, ema_state, launch, ok, read_json, read_jsonl, run_here, weights
 from tiny_data import cifar_binary_dataset
 
 RUN = ("--batch_size", "8", "--max_steps", "20", "--checkpoint_every", "2", "--keep_checkpoints", "20",
@@ -48,13 +47,21 @@ def ema_weights(run: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(env, data, tmp_path_factory):
-    """The uninterrupted runs, 1 and 2 processes, that every interrupted run must reproduce."""
-    out = tmp_path_factory.mktemp("reference")
-    ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out / "one"), *RUN))
-    ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out / "two"), *RUN, *EMA, config="2gpu",
+def reference(data, tmp_path_factory) -> Path:
+    """The uninterrupted run of 1 process that every interrupted one must reproduce (`python recipes/cifar_cnn.py`
+    trains the same as `accelerate launch` of cpu.yaml, which the stop tests launch)."""
+    out = tmp_path_factory.mktemp("reference") / "one"
+    ok(run_here("cifar_cnn", "--data", data, "--output_dir", out, *RUN))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference_of_two(env, data, tmp_path_factory) -> Path:
+    """The uninterrupted run of 2 processes (gloo), with --ema."""
+    out = tmp_path_factory.mktemp("reference") / "two"
+    ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out), *RUN, *EMA, config="2gpu",
               use_cpu=True))
-    return {1: out / "one", 2: out / "two"}
+    return out
 
 
 # Resumes from early steps (in epoch 1 as a rule) are the tests below: kill -9 at a random step from 3 to 16, SIGTERM
@@ -62,10 +69,11 @@ def reference(env, data, tmp_path_factory):
 # resumes to its uninterrupted run's weights.
 @pytest.mark.parametrize("processes, step, where", [
     (1, 12, "middle of epoch 2, a checkpoint with the older names of its progress"),  # 64 images / 8: 8 steps an epoch
-    (2, 10, "middle of epoch 3"),  # 2 processes x 8: 4 steps per epoch
+    pytest.param(2, 10, "middle of epoch 3", marks=pytest.mark.slow),  # 2 processes x 8: 4 steps per epoch
 ])
-def test_resume_from_a_checkpoint_is_bitwise_exact(env, data, reference, tmp_path, processes, step, where):
-    checkpoint = reference[processes] / "checkpoints" / f"step_{step}"
+def test_resume_from_a_checkpoint_is_bitwise_exact(env, data, request, tmp_path, processes, step, where):
+    reference = request.getfixturevalue("reference" if processes == 1 else "reference_of_two")
+    checkpoint = reference / "checkpoints" / f"step_{step}"
     if "older names" in where:  # as the recipes wrote it before samples_into_epoch, max_eval_acc and the run's time
         checkpoint = Path(shutil.copytree(checkpoint, tmp_path / "older" / checkpoint.name))
         state = torch.load(checkpoint / "custom_checkpoint_0.pkl", weights_only=True)
@@ -73,13 +81,13 @@ def test_resume_from_a_checkpoint_is_bitwise_exact(env, data, reference, tmp_pat
                  "best_eval_acc": state["max_eval_acc"]}
         torch.save(state, checkpoint / "custom_checkpoint_0.pkl")
     out = tmp_path / "resumed"
-    kwargs, ema = ({"config": "2gpu", "use_cpu": True}, EMA) if processes == 2 else ({}, ())
-    result = ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out), *RUN, *ema,
-                       "--resume", str(checkpoint), **kwargs))
+    args = ("--data", data, "--output_dir", out, *RUN, "--resume", checkpoint)
+    result = ok(run_here("cifar_cnn", *args) if processes == 1 else
+                launch(env, "cifar_cnn", *map(str, args), *EMA, config="2gpu", use_cpu=True))
     assert "same configuration: the run continues exactly, to the same weights as a run never stopped" in result.stdout
-    assert_bitwise_equal(weights(out), weights(reference[processes]))
+    assert_bitwise_equal(weights(out), weights(reference))
     if processes == 2:
-        assert_bitwise_equal(ema_weights(out), ema_weights(reference[2]))
+        assert_bitwise_equal(ema_weights(out), ema_weights(reference))
     steps = [row["step"] for row in read_jsonl(out / "metrics.jsonl") if "train_loss" in row]
     assert steps == list(range(step + 1, 21))  # continued where the checkpoint stopped, each step once
 
@@ -118,15 +126,18 @@ def catches_sigterm(pid: int) -> bool:
     return bool(caught >> (signal.SIGTERM - 1) & 1)
 
 
-def test_kill_9_at_a_random_step_then_resume(env, data, reference, tmp_path):
+@pytest.mark.slow  # a kill
+def test_kill_9_mid_epoch_between_checkpoints_then_resume(env, data, reference, tmp_path):
     out = tmp_path / "run"
-    kill_after = random.Random(os.getpid()).randint(3, 16)  # any step; logged in the failure message
+    kill_after = 11  # after step 10's checkpoint, in the middle of the second epoch
     process = start(env, "--data", str(data), "--output_dir", str(out), *RUN)
     wait_for(lambda: any(r.get("step", 0) >= kill_after for r in safe_rows(out)), process)
+    trainers = psutil.Process(process.pid).children(recursive=True)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
-    ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out), *RUN, "--resume", "latest"))
-    assert_bitwise_equal(weights(out), weights(reference[1]), f"killed after step {kill_after}")
+    psutil.wait_procs(trainers, timeout=60)  # gone, and with them the run folder's lock
+    ok(run_here("cifar_cnn", "--data", data, "--output_dir", out, *RUN, "--resume", "latest"))
+    assert_bitwise_equal(weights(out), weights(reference), f"killed after step {kill_after}")
     assert not list((out / "checkpoints").glob("partial_*"))
 
 
@@ -137,6 +148,7 @@ def safe_rows(run: Path) -> list[dict]:
         return []
 
 
+@pytest.mark.slow  # a kill
 def test_kill_9_during_a_checkpoint_save_keeps_the_previous_one(env, tmp_path):
     # The save of step 2 stops after its first file (a fault), and is killed there. The 72-layer MLP, with
     # checkpointed segments and dropout: the resumed run must also replay dropout's masks exactly when it recomputes
@@ -146,7 +158,7 @@ def test_kill_9_during_a_checkpoint_save_keeps_the_previous_one(env, tmp_path):
             "--keep_checkpoints", "1", "--log_every", "1", "--tracker", "none", "--ckpt", "sequential",
             "--segments", "8", "--dropout", "0.1")
     reference = tmp_path / "reference"
-    ok(launch(env, "deep_mlp_ckpt", *args, "--output_dir", str(reference)))
+    ok(run_here("deep_mlp_ckpt", *args, "--output_dir", reference))
     out = tmp_path / "run"
     command = [sys.executable, "recipes/deep_mlp_ckpt.py", *args, "--output_dir", str(out)]
     held = dict(env, PYTHONPATH=str(ROOT / "tests" / "faults"), FAULT_HOLD_SAVE_AT_STEP="2")
@@ -155,11 +167,12 @@ def test_kill_9_during_a_checkpoint_save_keeps_the_previous_one(env, tmp_path):
     process.kill()
     process.wait()
     assert [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_")] == ["step_1"]
-    ok(launch(env, "deep_mlp_ckpt", *args, "--output_dir", str(out), "--resume", "latest"))
+    ok(run_here("deep_mlp_ckpt", *args, "--output_dir", out, "--resume", "latest"))
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2"]  # no half-written folder left
     assert_bitwise_equal(weights(out), weights(reference))
 
 
+@pytest.mark.slow  # a signal
 def test_sigterm_saves_the_current_step_exits_0_and_prints_a_working_resume_command(env, data, reference, tmp_path):
     out = tmp_path / "run"
     command = [sys.executable, "recipes/cifar_cnn.py", "--data", str(data), "--output_dir", str(out), *RUN]
@@ -177,7 +190,7 @@ def test_sigterm_saves_the_current_step_exits_0_and_prints_a_working_resume_comm
     resume = stdout.split("continue with:\n")[1].strip().splitlines()[0]
     assert "--resume latest" in resume and f"--output_dir {out}" in resume
     ok(subprocess.run([sys.executable, *shlex.split(resume)[1:]], cwd=ROOT, env=env, capture_output=True, text=True))
-    assert_bitwise_equal(weights(out), weights(reference[1]))
+    assert_bitwise_equal(weights(out), weights(reference))
     # The summary is the whole run's, both pieces: every sample trained on once, the first piece's time included.
     summary, row = read_json(out / "summary.json"), collect(out)[0]
     assert summary["pieces"] == 2 and summary["wall_s"] > first["wall_s"] and summary["train_s"] > first["train_s"]
@@ -185,6 +198,7 @@ def test_sigterm_saves_the_current_step_exits_0_and_prints_a_working_resume_comm
     assert row["state"] == "finished" and row["pieces"] == 2 and row["wall_s"] == summary["wall_s"]
 
 
+@pytest.mark.slow  # signals
 def test_a_second_ctrl_c_stops_a_hung_evaluation_at_once(env, data, tmp_path):
     """The first Ctrl-C asks for a stop after the step, which a hung evaluation never reaches; the second, a second
     later, stops at once (exit 130) and leaves the checkpoints as they were."""
@@ -207,6 +221,7 @@ def test_a_second_ctrl_c_stops_a_hung_evaluation_at_once(env, data, tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == saved and saved[-1] == "step_8"
 
 
+@pytest.mark.slow  # signals
 @pytest.mark.parametrize("ctrl_c", [False, True])
 def test_a_stop_under_the_launcher_of_1_process(env, data, reference, tmp_path, ctrl_c):
     """`accelerate launch` of one process starts the script and waits, forwarding no signal (accelerate #929): a
@@ -237,11 +252,12 @@ def test_a_stop_under_the_launcher_of_1_process(env, data, reference, tmp_path, 
     resume = shlex.split(stdout.split("continue with:\n")[1].strip().splitlines()[0])
     assert resume[:5] == ["accelerate", "launch", "-q", "--config_file", "accelerate_configs/cpu.yaml"], resume
     ok(subprocess.run([*launcher, *resume[5:]], cwd=ROOT, env=env, capture_output=True, text=True))
-    assert_bitwise_equal(weights(out), weights(reference[1]))
+    assert_bitwise_equal(weights(out), weights(reference))
 
 
+@pytest.mark.slow  # signals, two processes
 @pytest.mark.parametrize("ctrl_c", [False, True])
-def test_a_stop_of_2_processes_between_log_points(env, data, reference, tmp_path, ctrl_c):
+def test_a_stop_of_2_processes_between_log_points(env, data, reference_of_two, tmp_path, ctrl_c):
     """`accelerate launch` of several processes runs torchrun, which forwards a SIGTERM to every worker and kills
     them TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds later (30 by default; 5 here). This run's only log point is its
     last step, and it saves no checkpoint before it: the processes must agree on a stop between log points, save a
@@ -277,15 +293,15 @@ def test_a_stop_of_2_processes_between_log_points(env, data, reference, tmp_path
     assert not torch.equal(states[0]["torch_manual_seed"], states[1]["torch_manual_seed"])
     ok(launch(env, "cifar_cnn", *args, "--output_dir", str(out), "--resume", "latest", config="2gpu", use_cpu=True))
     # model.safetensors holds the EMA (--ema), the last checkpoint the trained weights: both as if never stopped.
-    assert_bitwise_equal(weights(out), weights(reference[2]))
+    assert_bitwise_equal(weights(out), weights(reference_of_two))
     assert_bitwise_equal(load_file(out / "checkpoints" / "step_20" / "model.safetensors"),
-                         load_file(reference[2] / "checkpoints" / "step_20" / "model.safetensors"))
+                         load_file(reference_of_two / "checkpoints" / "step_20" / "model.safetensors"))
 
 
 # ------------------------------------------------------------------ weights files of every layout
 @pytest.fixture(scope="module")
 def trained(reference):
-    return reference[1]
+    return reference
 
 
 def layouts(run: Path, folder: Path) -> dict[str, Path]:
@@ -328,7 +344,7 @@ def test_every_weights_layout_loads_to_the_same_weights(trained, tmp_path):
 def test_evaluate_gives_the_same_accuracy_from_any_layout(env, data, trained, tmp_path, layout):
     path = layouts(trained, tmp_path)[layout]
     about = ("--recipe", "cifar_cnn") if path.is_dir() else BARE
-    result = ok(launch(env, "predict", "--data", str(data), "--evaluate", "--weights", str(path), *about, config=None))
+    result = ok(run_here("predict", "--data", data, "--evaluate", "--weights", path, *about))
     assert f'"eval_acc": {read_json(trained / "summary.json")["eval_acc"]}' in result.stdout
 
 
@@ -348,7 +364,7 @@ def test_a_malicious_pickle_is_refused_before_it_runs(env, data, tmp_path):
 
     evil = tmp_path / "evil.pt"
     torch.save({"0.weight": Payload()}, evil)
-    line = one_line(launch(env, "predict", "--evaluate", "--weights", str(evil), *BARE, config=None))
+    line = one_line(run_here("predict", "--evaluate", "--weights", evil, *BARE))
     assert "could run code: refused" in line and "io.open" in line  # open() pickles as io.open
     assert not marker.exists()
 
@@ -356,7 +372,7 @@ def test_a_malicious_pickle_is_refused_before_it_runs(env, data, tmp_path):
 def test_a_whole_model_pickle_is_refused_with_the_two_lines_that_convert_it(env, data, tmp_path):
     path = tmp_path / "whole_model.pt"
     torch.save(make_model(10), path)
-    line = one_line(launch(env, "predict", "--evaluate", "--weights", str(path), *BARE, config=None))
+    line = one_line(run_here("predict", "--evaluate", "--weights", path, *BARE))
     assert "torch.load(path, weights_only=False)" in line and "torch.save(model.state_dict()" in line
 
 
@@ -372,6 +388,6 @@ def test_weights_of_another_model_name_the_first_mismatch(tmp_path):
 def test_a_truncated_weights_file_is_one_clear_line(env, data, trained, tmp_path):
     path = tmp_path / "truncated.safetensors"
     path.write_bytes((trained / "model.safetensors").read_bytes()[:1000])
-    line = one_line(launch(env, "predict", "--evaluate", "--weights", str(path), *BARE, config=None))
+    line = one_line(run_here("predict", "--evaluate", "--weights", path, *BARE))
     assert "cannot be read" in line
 

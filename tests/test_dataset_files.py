@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 from test_errors import one_line
 
-from conftest import ROOT, launch, ok, read_json
+from conftest import ROOT, ok, read_json, run_here
 from tiny_data import (
     cifar_binary_dataset,
     cifar_folder,
@@ -136,7 +136,7 @@ def test_a_cifar_pickle_that_would_run_code_is_refused_in_one_line(env, tmp_path
     (folder / "data_batch_3").write_bytes(pickle.dumps({"data": bomb}, protocol=2))
     assert pickle.loads((folder / "data_batch_3").read_bytes()) == {"data": 0} and bomb.marker.exists()  # it works
     bomb.marker.unlink()
-    line = one_line(launch(env, "cifar_cnn", "--data", str(tmp_path / "root"), "--tracker", "none"),
+    line = one_line(run_here("cifar_cnn", "--data", tmp_path / "root", "--tracker", "none"),
                     "data_batch_3 is not a plain CIFAR pickle, refused (it would call", "system)",
                     "download the dataset again, or use its binary version")
     assert not bomb.marker.exists(), line
@@ -208,7 +208,8 @@ def test_damaged_cifar_folders_are_one_line_each(tmp_path, data_module):
         data_module.load_image_data(str(folder), (3, 32, 32))
     (folder / "test_batch.bin").write_bytes(raw[:3073] * 20)  # 20 records; one label 200 of the 10 classes
     (folder / "data_batch_2.bin").write_bytes(bytes([200]) + raw[1:3073])
-    with pytest.raises(RecipeError, match=r"'train' has labels outside 0..9: download it again"):
+    with pytest.raises(RecipeError, match=r"'train' has labels outside 0..9 \(e.g. 200\) for its 10 classes: download "
+                                          "the files again"):
         data_module.load_image_data(str(folder), (3, 32, 32))
     for i in range(1, 6):  # whole records, 1 GB each, within the limit; 5.4 GB together: refused before any is read
         with open(folder / f"data_batch_{i}.bin", "wb") as f:
@@ -223,7 +224,7 @@ def test_damaged_cifar_folders_are_one_line_each(tmp_path, data_module):
 def test_a_truncated_download_through_the_recipe(env, tmp_path):
     folder = idx_folder(tmp_path / "idx", random_splits((28, 28)))
     truncated_gz(folder)
-    one_line(launch(env, "resnet18_fmnist", "--data", str(folder), "--tracker", "none"),
+    one_line(run_here("resnet18_fmnist", "--data", folder, "--tracker", "none"),
              "train-images-idx3-ubyte.gz cannot be read", "download it again")
 
 
@@ -286,9 +287,8 @@ def test_the_real_test_labels_name_the_fashion_mnist_classes_in_any_folder(data_
 @needs_fashion_mnist
 def test_cifar_cnn_learns_the_real_fashion_mnist_from_the_debian_folder(env, tmp_path):
     out = tmp_path / "run"
-    result = ok(launch(env, "cifar_cnn", "--data", str(FASHION_MNIST), "--max_steps", "60", "--batch_size", "64",
-                       "--tracker", "none",
-                       "--output_dir", str(out)))
+    result = ok(run_here("cifar_cnn", "--data", FASHION_MNIST, "--max_steps", "60", "--batch_size", "64",
+                         "--tracker", "none", "--output_dir", out))
     assert "60000 train / 10000 test images" in result.stdout and "grayscale -> colour; 28x28 -> 32x32" in result.stdout
     summary = read_json(out / "summary.json")
     assert summary["eval_acc"] > 0.7, summary  # chance is 0.1
@@ -298,14 +298,15 @@ def test_cifar_cnn_learns_the_real_fashion_mnist_from_the_debian_folder(env, tmp
 def test_resnet_trains_on_real_fashion_mnist_idx_files(env, real_subset, tmp_path):
     # Learning is checked above with the faster CNN: the ResNet's BatchNorm statistics need ~40 steps to settle.
     out = tmp_path / "run"
-    ok(launch(env, "resnet18_fmnist", "--data", str(real_subset), "--max_steps", "4", "--batch_size", "16",
-              "--tracker", "none", "--output_dir", str(out)))
+    ok(run_here("resnet18_fmnist", "--data", real_subset, "--max_steps", "4", "--batch_size", "16", "--tracker",
+                "none", "--output_dir", out))
     config = read_json(out / "config.json")
     # A subset: its test labels are not the published file's, so the classes are the labels' numbers.
     assert (config["train_size"], config["test_size"], config["classes"][0]) == (2000, 500, "0")
     assert read_json(out / "summary.json")["eval_samples"] == 500
 
 
+@pytest.mark.slow  # what a new process imports
 def test_the_decode_cache_sits_beside_datasets_own_cache_without_importing_datasets():
     code = ("import sys; from shared import data; import datasets.config; "
             "assert data.CACHE_DIR.parent == datasets.config.HF_DATASETS_CACHE, data.CACHE_DIR")

@@ -16,7 +16,7 @@ import shared.data
 from recipes.deep_mlp_ckpt import Config, DeepMLP, make_model, make_optimizer, preprocess
 from recipes.deep_mlp_sweep import saved_bytes
 
-from conftest import launch, ok, read_json, read_jsonl
+from conftest import launch, ok, read_json, read_jsonl, run_here
 from tiny_data import cifar_binary_dataset
 
 
@@ -129,6 +129,7 @@ def data(tmp_path_factory):
     return cifar_binary_dataset(tmp_path_factory.mktemp("mlp") / "data", sizes={"train": 64, "test": 20})
 
 
+@pytest.mark.slow  # two processes
 def test_trains_on_two_processes_in_bf16(env, data, tmp_path):
     """One process with --ckpt sequential and dropout trains (and resumes bitwise) in test_checkpoints.py's kill -9
     test."""
@@ -145,8 +146,8 @@ def test_trains_on_two_processes_in_bf16(env, data, tmp_path):
 
 def test_sweep_writes_markdown_csv_and_png(env, tmp_path):
     out = tmp_path / "sweep"
-    result = ok(launch(env, "deep_mlp_sweep", "--batch", "32", "--repeats", "1", "--segments", "8,72",
-                       "--output_dir", str(out)))
+    result = ok(run_here("deep_mlp_sweep", "--batch", "32", "--repeats", "1", "--segments", "8,72", "--output_dir",
+                         out))
     assert "~ sqrt(72)" in result.stdout
     table = (out / "sweep.md").read_text()
     assert table.count("~ sqrt(72)") == 2  # at --batch and at the seed's 16

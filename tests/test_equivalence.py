@@ -14,7 +14,7 @@ import json
 import pytest
 from safetensors.torch import load_file
 
-from conftest import ema_state, launch, ok, read_json
+from conftest import ema_state, launch, ok, read_json, run_here
 from tiny_data import cifar_binary_dataset
 
 # Gradient norms here are 0.44-0.64: a clip at 0.3 acts on every step, so the comparisons also check that it
@@ -43,7 +43,9 @@ def max_abs_diff(run_a, run_b) -> float:
 
 
 def train(env, data, out, *args, **launch_kwargs):
-    ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out), *COMMON, *args, **launch_kwargs))
+    """In this process, or `accelerate launch` with `launch_kwargs` (a config)."""
+    args = ("--data", data, "--output_dir", out, *COMMON, *args)
+    ok(launch(env, "cifar_cnn", *map(str, args), **launch_kwargs) if launch_kwargs else run_here("cifar_cnn", *args))
     return out
 
 
@@ -53,6 +55,7 @@ def one(env, data, tmp_path_factory):
     return train(env, data, tmp_path_factory.mktemp("eq") / "one", "--batch_size", "16")
 
 
+@pytest.mark.slow  # two processes
 def test_two_processes_equal_one_process_with_twice_the_batch(env, data, one, tmp_path):
     two = train(env, data, tmp_path / "two", "--batch_size", "8", config="2gpu", use_cpu=True)
     assert read_json(two / "config.json")["world_size"] == 2
@@ -83,10 +86,11 @@ def test_the_comparison_detects_a_different_run(env, data, one, tmp_path):
     assert max_abs_diff(one, other) > 1e-3
 
 
+@pytest.mark.slow  # two processes
 def test_two_process_evaluation_counts_every_test_image_once(env, data, one):
     flags = ("--evaluate", "--weights", str(one / "model.safetensors"), "--recipe", "cifar_cnn", "--batch_size", "16",
              "--data", str(data))
-    one = json.loads(ok(launch(env, "predict", *flags)).stdout.splitlines()[-1])
+    one = json.loads(ok(run_here("predict", *flags)).stdout.splitlines()[-1])
     two = json.loads(ok(launch(env, "predict", *flags, config="2gpu", use_cpu=True)).stdout.splitlines()[-1])
     print(f"(c) gathered eval count with 2 processes: {two['eval_samples']} of 101")
     assert one["eval_samples"] == two["eval_samples"] == 101

@@ -23,7 +23,7 @@ from recipes import predict as predict_script
 from shared.data import load_image_data
 from shared.errors import RecipeError
 
-from conftest import ema_state, launch, ok, read_json, read_jsonl
+from conftest import ema_state, ok, read_json, read_jsonl, run_here
 from tiny_data import CLASSES, cifar_binary_dataset
 
 
@@ -34,18 +34,17 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def run(env, data, tmp_path_factory):
-    """12 steps on 2 processes with every feature on."""
+    """12 steps with every feature on (on 2 processes, --ema: test_checkpoints.py and test_deep_mlp_ckpt.py)."""
     out = tmp_path_factory.mktemp("features") / "run"
-    result = ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out), "--batch_size", "8",
-                       "--max_steps", "12", "--ema", "0.5", "--tta", "--tracker", "none",
-                       config="2gpu", use_cpu=True))
+    result = ok(run_here("cifar_cnn", "--data", data, "--output_dir", out, "--batch_size", "8", "--max_steps", "12",
+                         "--ema", "0.5", "--tta", "--tracker", "none"))
     return out, result.stdout
 
 
 def test_ema_and_tta_are_evaluated_beside_the_trained_weights(run):
     out, stdout = run
     evaluations = [row for row in read_jsonl(out / "metrics.jsonl") if "eval_acc" in row]
-    assert len(evaluations) == 3  # 4 steps an epoch on 2 processes x 8 images
+    assert len(evaluations) == 2  # 8 steps an epoch of 64 images in batches of 8: one, and the run's end
     for row in evaluations:
         assert {"eval_acc_tta", "eval_loss_tta", "eval_acc_ema", "eval_loss_ema", "eval_acc_tta_ema"} <= set(row)
     assert evaluations[-1]["eval_loss_ema"] != evaluations[-1]["eval_loss"]  # two sets of weights
@@ -74,8 +73,8 @@ def test_with_ema_model_safetensors_holds_the_average_whatever_the_test_set_says
 def test_tta_is_the_mean_of_the_logits_of_an_image_and_its_mirror(env, data, run):
     out, _ = run
     weights = out / "model.safetensors"
-    result = ok(launch(env, "predict", "--evaluate", "--weights", str(weights), "--recipe", "cifar_cnn", "--tta",
-                       "--data", str(data)))
+    result = ok(run_here("predict", "--evaluate", "--weights", weights, "--recipe", "cifar_cnn", "--tta", "--data",
+                         data))
     reported = json.loads(result.stdout.strip().splitlines()[-1])
     model = cifar_cnn.make_model(10).eval()
     predict_script.load_weights(model, weights)
@@ -94,7 +93,7 @@ def test_tta_is_the_mean_of_the_logits_of_an_image_and_its_mirror(env, data, run
 
 # ------------------------------------------------------------------ recipes/predict.py
 def predict(env, *args):
-    return launch(env, "predict", "--recipe", "cifar_cnn", *map(str, args))  # python recipes/predict.py args
+    return run_here("predict", "--recipe", "cifar_cnn", *args)  # python recipes/predict.py args
 
 
 @pytest.fixture(scope="module")

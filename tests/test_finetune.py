@@ -1,7 +1,7 @@
 """recipes/finetune.py: a torchvision model fine-tuned on a folder of photos, its pretrained weights read from
 torchvision's cache ($TORCH_HOME/hub/checkpoints/), where the test puts a file of torchvision's layout (ImageNet
 weights cannot be downloaded here). Frozen first (no backward through the pretrained layers), then the whole network;
-exact resume at the boundary, on 1 and 2 processes; every torchvision classifier; the weights' own preprocessing;
+exact resume at the boundary, on 1 and 2 processes; the weights' own preprocessing;
 predict.py on the result; offline without the file: one line."""
 
 from __future__ import annotations
@@ -23,22 +23,13 @@ from recipes import finetune
 from shared.errors import RecipeError
 from shared.images import read_image
 
-from conftest import ROOT, assert_bitwise_equal, hooked, launch, ok, train_here, weights
+from conftest import ROOT, assert_bitwise_equal, hooked, launch, ok, run_here, weights
 from tiny_data import idx_folder, imagefolder_dataset, random_splits
 
 # 24 training photos in batches of 8: 3 steps an epoch, the first epoch frozen
 RUN = ("--image_size", "32", "--batch_size", "8", "--max_steps", "6", "--freeze_epochs", "1", "--log_every", "1",
        "--tracker", "none", "--checkpoint_every", "3")
 CACHED = "resnet18-f37072fd.pth"  # the name torchvision's ResNet18_Weights.IMAGENET1K_V1 downloads to
-# googlenet and inception_v3 return their auxiliary classifiers' outputs too in training: refused at flag time
-BUILDERS = [name for name in torchvision.models.list_models(module=torchvision.models)
-            if name not in ("googlenet", "inception_v3")]
-# One of each kind in the quick tier (a step in 0.1-1 s); the other 64 (up to 80 s each) in the full suite
-QUICK_BUILDERS = ("alexnet", "convnext_tiny", "densenet121", "efficientnet_b0", "efficientnet_v2_s", "maxvit_t",
-                  "mnasnet0_5", "mobilenet_v2", "mobilenet_v3_small", "regnet_x_400mf", "resnet18",
-                  "shufflenet_v2_x0_5", "squeezenet1_1", "swin_t", "vgg11", "vit_b_32")
-
-
 @pytest.fixture(scope="module")
 def photos(tmp_path_factory) -> Path:
     return imagefolder_dataset(tmp_path_factory.mktemp("photos") / "shoes", sizes={"train": 24, "test": 9},
@@ -70,8 +61,8 @@ def reference(photos, torch_home, tmp_path_factory) -> tuple[Path, Counter]:
 
     out = tmp_path_factory.mktemp("ft") / "run"
     with hooked(finetune, "make_model", counting):
-        train_here("finetune", "--data", str(photos), *RUN, "--output_dir", str(out), "--keep_checkpoints", "5",
-                   env={"TORCH_HOME": str(torch_home)})
+        ok(run_here("finetune", "--data", photos, *RUN, "--output_dir", out, "--keep_checkpoints", "5",
+                    env={"TORCH_HOME": str(torch_home)}))
     return out, gradients
 
 
@@ -99,8 +90,8 @@ def test_a_resume_at_the_end_of_the_frozen_epoch_is_exact(photos, torch_home, re
     shutil.copytree(reference[0], out)
     shutil.rmtree(out / "checkpoints" / "step_6")
     (out / "model.safetensors").unlink()
-    train_here("finetune", "--data", str(photos), *RUN, "--output_dir", str(out), "--keep_checkpoints", "5",
-               "--resume", "latest", env={"TORCH_HOME": str(torch_home)})
+    ok(run_here("finetune", "--data", photos, *RUN, "--output_dir", out, "--keep_checkpoints", "5", "--resume",
+                "latest", env={"TORCH_HOME": str(torch_home)}))
     assert_bitwise_equal(weights(out), weights(reference[0]))
 
 
@@ -122,29 +113,6 @@ def test_two_processes_cross_the_boundary_and_resume_exactly_at_it(env, photos, 
     ok(launch(env, "finetune", *flags, "--output_dir", str(resumed), "--resume", "latest", config="2gpu",
               use_cpu=True))
     assert_bitwise_equal(weights(resumed), weights(full))
-
-
-@pytest.mark.parametrize("model", [name if name in QUICK_BUILDERS else pytest.param(name, marks=pytest.mark.slow)
-                                   for name in BUILDERS])
-def test_every_torchvision_classifier_trains_a_step(model):
-    """Its classifier (a Linear, or SqueezeNet's 1x1 convolution) replaced for 3 classes, at its smallest input."""
-    cfg = finetune.Config(model=model, weights="none")
-    net = finetune.make_model(3, cfg)
-    size = max(32, finetune.chosen_weights(model, "none").meta["min_size"][0])  # its smallest input
-    head = net.get_submodule(finetune.classifier_name(net))
-    before = head.weight.detach().clone()
-    optimizer = finetune.make_optimizer(net, cfg)
-    logits = net(torch.randn(2, 3, size, size))
-    finetune.loss_fn(logits, torch.tensor([0, 2])).backward()
-    optimizer.step()
-    assert logits.shape == (2, 3) and not torch.equal(head.weight, before)
-
-
-@pytest.mark.parametrize("model", ["googlenet", "inception_v3"])
-def test_a_classifier_with_several_training_outputs_is_refused_by_its_flag(capsys, model):
-    with pytest.raises(SystemExit) as stopped:
-        finetune.Config.parse(["--model", model])
-    assert stopped.value.code == 2 and "its training outputs are several" in capsys.readouterr().err
 
 
 def test_evaluation_sees_the_images_as_the_weights_were_evaluated(tmp_path):

@@ -9,8 +9,12 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
+
 from conftest import ROOT
 from tiny_data import idx_folder, random_splits
+
+pytestmark = pytest.mark.slow  # a benchmark's dry run
 
 
 def test_the_gpu_check_runs_every_step_on_the_cpu(env, tmp_path):

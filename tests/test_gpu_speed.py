@@ -10,8 +10,12 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from conftest import ROOT
 from tiny_data import idx_folder, random_splits
+
+pytestmark = pytest.mark.slow  # a benchmark's dry run
 
 ROW = {"recipe", "setting", "precision", "batch_size", "ema", "samples_per_s", "ms_per_step"}
 RUN = {"recipe", "data", "target", "reached", "seconds", "epochs", "seed"}

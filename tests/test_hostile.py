@@ -1,8 +1,10 @@
 """Files from anywhere, tried as an attacker would: weights whose metadata names code or data, checkpoints copied
 elsewhere, dataset files whose headers or sizes lie (gzip bombs, files that never end), decompression
-bombs among images, and flags past their limits. Each case runs the real script under a memory limit and a timeout
-and must end in one line on stderr, no traceback, a non-zero exit, no marker file (no code ran), no new decode cache,
-nothing changed outside its output folder, and a bounded peak of resident memory (docs/troubleshooting.md, Limits)."""
+bombs among images, and flags past their limits. Each case runs the script's main() and must end in one line on
+stderr, no traceback, a non-zero exit, no marker file (no code ran), no new decode cache and nothing changed outside
+its output folder. Where a memory limit, a FIFO, a kill or a hang is the point, the case launches the real script
+under a memory limit and a timeout, and its peak of resident memory is bounded too (docs/troubleshooting.md, Limits):
+those are in the slow tier."""
 
 from __future__ import annotations
 
@@ -24,7 +26,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import ROOT, assert_bitwise_equal, launch, ok, read_jsonl, weights
+from shared.data import CACHE_DIR
+
+from conftest import ROOT, assert_bitwise_equal, launch, ok, read_jsonl, run_here, weights
 from tiny_data import (
     cifar_binary_dataset,
     cifar_folder,
@@ -62,19 +66,26 @@ def digest(path: Path) -> str | tuple[int, int]:
 
 
 def refused(env, tmp_path: Path, script: str, *args, needle: str, status: int = 1, cwd: Path = ROOT,
-            decoded: bool = False) -> str:
-    """Run `python recipes/<script>.py args` under the limits; assert the refusal; return its line. `decoded`: the
-    refusal comes after the data decoded, so the cache may hold it (no test before it on this worker may have)."""
+            decoded: bool = False, launched: bool = False, variables: dict | None = None) -> str:
+    """`python recipes/<script>.py args`, with `variables` set, refused; returns its line. In this process (run_here),
+    or `launched`: a real process under the memory limit and the timeout, its peak resident memory bounded too.
+    `decoded`: the refusal comes after the data decoded, so the cache may hold it (no test before it on this worker
+    may have)."""
     marker, rss = tmp_path / "MARKER", tmp_path.parent / f"{tmp_path.name}.rss"
-    cache = Path(env["HF_HOME"]) / "datasets" / "decoded"
+    cache = Path(env["HF_HOME"]) / "datasets" / "decoded" if launched else CACHE_DIR
     before, cached = snapshot(tmp_path, skip=tmp_path / "out"), set(cache.glob("*")) if cache.exists() else set()
-    result = subprocess.run([sys.executable, "-c", WRAPPER, str(rss), sys.executable, ROOT / f"recipes/{script}.py",
-                             *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    if launched:
+        result = subprocess.run([sys.executable, "-c", WRAPPER, str(rss), sys.executable,
+                                 ROOT / f"recipes/{script}.py", *map(str, args)], cwd=cwd,
+                                env={k: v for k, v in {**env, **(variables or {})}.items() if v}, capture_output=True,
+                                text=True, timeout=TIMEOUT_S)
+        peak = int(rss.read_text())
+        assert peak < PEAK_RSS, f"peak resident memory {peak / 2**30:.2f} GiB"
+    else:
+        result = run_here(script, *args, cwd=cwd, env=variables)
     assert not marker.exists(), "the input ran code"
     assert snapshot(tmp_path, skip=tmp_path / "out") == before, "files outside the output folder changed"
     assert decoded or (set(cache.glob("*")) if cache.exists() else set()) == cached, "a failed decode left a cache file"
-    peak = int(rss.read_text())
-    assert peak < PEAK_RSS, f"peak resident memory {peak / 2**30:.2f} GiB"
     lines = result.stderr.strip().splitlines()
     assert result.returncode == status and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert needle in lines[0], lines[0]
@@ -90,8 +101,8 @@ def data(tmp_path_factory):
 def run(env, data, tmp_path_factory):
     """A finished cifar_cnn run with a checkpoint at every step (1-4)."""
     out = tmp_path_factory.mktemp("hostile_run") / "run"
-    ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out), *SHORT, "--checkpoint_every", "1",
-              "--keep_checkpoints", "10"))
+    ok(run_here("cifar_cnn", "--data", data, "--output_dir", out, *SHORT, "--checkpoint_every", "1",
+                "--keep_checkpoints", "10"))
     return out
 
 
@@ -166,6 +177,7 @@ def zip_bomb(path: Path, claim: bool = False) -> None:
         path.write_bytes(bytes(raw))
 
 
+@pytest.mark.slow  # launched: inflated, these would take gigabytes
 @pytest.mark.parametrize("claim", [False, True], ids=["deflated", "claims more than the file"])
 def test_compressed_weights_are_not_inflated(env, run, tmp_path, claim):
     """A 3.4 MB .pt of deflated entries reached 3.4 GB in predict.py and exited 0."""
@@ -174,15 +186,16 @@ def test_compressed_weights_are_not_inflated(env, run, tmp_path, claim):
     zip_bomb(pt, claim)
     refused(env, tmp_path, "predict", "--weights", pt, "--recipe", "cifar_cnn", "--classes", ",".join("abcdefghij"),
             "--images", tmp_path, "--output", tmp_path / "out" / "p.csv",
-            needle="which torch.save never writes: they could inflate to any size, so it is not loaded")
+            needle="which torch.save never writes: they could inflate to any size, so it is not loaded", launched=True)
 
 
+@pytest.mark.slow  # launched: inflated, it would take gigabytes
 def test_a_compressed_checkpoint_file_is_not_inflated(env, data, run, tmp_path):
     """A 2.9 MB custom_checkpoint_0.pkl reached 3.5 GB on resume."""
     out = unfinished(run, tmp_path)
     zip_bomb(out / "checkpoints" / "step_4" / "custom_checkpoint_0.pkl")
     refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--output_dir", out, "--resume", "latest",
-            needle="custom_checkpoint_0.pkl' holds compressed entries (")
+            needle="custom_checkpoint_0.pkl' holds compressed entries (", launched=True, decoded=True)
 
 
 # ------------------------------------------------------------------ resumes that would delete or mix histories
@@ -198,17 +211,15 @@ def test_a_checkpoint_outside_a_runs_checkpoints_folder_is_refused(env, data, ru
             needle="which holds another run")
     # Into a new folder it continues as a new run: the same weights as the run never stopped.
     out = tmp_path / "new"
-    ok(launch(env, "cifar_cnn", *map(str, args), "--resume", str(folder / "exports" / "step_3"), "--output_dir",
-              str(out)))
+    ok(run_here("cifar_cnn", *args, "--resume", folder / "exports" / "step_3", "--output_dir", out))
     assert_bitwise_equal(weights(out), weights(run))
 
 
 def test_an_older_checkpoint_starts_a_branch_and_the_later_history_is_moved_aside(env, data, run, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(run, out)
-    args = ("--data", str(data), *SHORT, "--checkpoint_every", "1", "--keep_checkpoints", "10",
-            "--output_dir", str(out))
-    result = ok(launch(env, "cifar_cnn", *args, "--max_steps", "6", "--resume", str(out / "checkpoints" / "step_2")))
+    args = ("--data", data, *SHORT, "--checkpoint_every", "1", "--keep_checkpoints", "10", "--output_dir", out)
+    result = ok(run_here("cifar_cnn", *args, "--max_steps", "6", "--resume", out / "checkpoints" / "step_2"))
     aside = next((out / "abandoned").glob("after_step_2-*"))
     assert f"the later history (step_3, step_4) moved to {aside}" in result.stdout
     assert sorted(p.name for p in aside.iterdir()) == ["config.json", "confusion_matrix.png", "curves.png",
@@ -220,7 +231,7 @@ def test_an_older_checkpoint_starts_a_branch_and_the_later_history_is_moved_asid
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step_{n}" for n in range(1, 7)]
     steps = [row["step"] for row in read_jsonl(out / "metrics.jsonl") if "train_loss" in row]
     assert steps == [1, 2, 3, 4, 5, 6]  # one history: the new branch after step 2
-    resumed = ok(launch(env, "cifar_cnn", *args, "--max_steps", "7", "--resume", "latest"))
+    resumed = ok(run_here("cifar_cnn", *args, "--max_steps", "7", "--resume", "latest"))
     assert f"resuming from {out / 'checkpoints' / 'step_6'}: step 6" in resumed.stdout
 
 
@@ -240,10 +251,9 @@ def test_a_branch_that_cannot_be_moved_aside_is_one_line_and_nothing_moves(env, 
 def test_the_resume_report_compares_with_the_configuration_that_wrote_the_checkpoint(env, data, run, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(run, out)
-    args = ("--data", str(data), *SHORT, "--output_dir", str(out), "--lr", "0.1", "--resume",
-            str(out / "checkpoints" / "step_2"))
-    for _ in range(2):  # the second launch finds the run's config.json written by the first, with --lr 0.1
-        result = ok(launch(env, "cifar_cnn", *args))
+    args = ("--data", data, *SHORT, "--output_dir", out, "--lr", "0.1", "--resume", out / "checkpoints" / "step_2")
+    for _ in range(2):  # the second run finds the run's config.json written by the first, with --lr 0.1
+        result = ok(run_here("cifar_cnn", *args))
         assert "changed since the checkpoint: lr 0.05 -> 0.1" in result.stdout, result.stdout
 
 
@@ -303,7 +313,7 @@ def test_wandbs_own_links_are_allowed(env, data, run, tmp_path):
     out = unfinished(run, tmp_path)
     (out / "wandb" / "offline-run-1").mkdir(parents=True)
     (out / "wandb" / "latest-run").symlink_to("offline-run-1")
-    ok(launch(env, "cifar_cnn", "--data", str(data), *SHORT, "--output_dir", str(out), "--resume", "latest"))
+    ok(run_here("cifar_cnn", "--data", data, *SHORT, "--output_dir", out, "--resume", "latest"))
     assert (out / "model.safetensors").is_file()
 
 
@@ -319,7 +329,7 @@ def test_a_metrics_row_that_is_no_row_is_one_line_and_nothing_is_lost(env, data,
     refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--output_dir", out, "--resume", "latest",
             needle=f"metrics.jsonl line {len(before and (run / 'metrics.jsonl').read_text().splitlines()) + 1} is "
             "not a metrics row (a JSON object with an integer step, under 1 MiB)")
-    assert snapshot(out) == before and not (out / "metrics.tmp").exists()
+    assert snapshot(out) == before and not list(out.glob("*.tmp*"))
 
 
 def test_text_in_a_metrics_row_is_not_drawn(env, data, run, tmp_path):
@@ -328,7 +338,7 @@ def test_text_in_a_metrics_row_is_not_drawn(env, data, run, tmp_path):
     rows = (out / "metrics.jsonl").read_text().splitlines()
     rows[0] = json.dumps({**json.loads(rows[0]), "train_loss": "abc", "train_acc": None, "grad_norm": [1]})
     (out / "metrics.jsonl").write_text("\n".join(rows) + "\n")
-    ok(launch(env, "cifar_cnn", "--data", str(data), *SHORT, "--output_dir", str(out), "--resume", "latest"))
+    ok(run_here("cifar_cnn", "--data", data, *SHORT, "--output_dir", out, "--resume", "latest"))
     assert (out / "curves.png").stat().st_size > 0 and (out / "model.safetensors").is_file()
 
 
@@ -337,14 +347,15 @@ def test_a_config_nested_past_the_recursion_limit(env, data, run, tmp_path):
     the folder is no run of these recipes."""
     out = unfinished(run, tmp_path)
     (out / "checkpoints" / "step_4" / "config.json").write_text("[" * 100_000 + "]" * 100_000)
-    result = ok(launch(env, "cifar_cnn", "--data", str(data), *SHORT, "--max_steps", "6", "--output_dir", str(out),
-                       "--resume", "latest"))  # two steps past the checkpoint: the report compares
+    result = ok(run_here("cifar_cnn", "--data", data, *SHORT, "--max_steps", "6", "--output_dir", out, "--resume",
+                         "latest"))  # two steps past the checkpoint: the report compares
     assert "no readable config.json in or beside" in result.stdout
     (out / "config.json").write_text("[" * 100_000 + "]" * 100_000)
     refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--output_dir", out, "--resume", "latest",
             needle="holds files but no run of these recipes")
 
 
+@pytest.mark.slow  # launched: a FIFO read would block the test forever
 def test_a_fifo_in_a_checkpoint_is_refused_instead_of_blocking(env, data, run, tmp_path):
     """A FIFO among a checkpoint's files blocked the resume forever (it survived SIGTERM and its launcher's death)."""
     out = unfinished(run, tmp_path)
@@ -356,13 +367,14 @@ def test_a_fifo_in_a_checkpoint_is_refused_instead_of_blocking(env, data, run, t
     os.mkfifo(copy / "random_states_0.pkl")
     for flags in (("--output_dir", out, "--resume", "latest"), ("--output_dir", tmp_path / "new", "--resume", copy)):
         refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, *flags, needle="random_states_0.pkl' is a FIFO, "
-                "socket or device, not a regular file")
+                "socket or device, not a regular file", launched=True)
     # A FIFO as the config.json of the run a checkpoint folder sits in, read to find whether it is a run: no run
     os.mkfifo(tmp_path / "elsewhere" / "config.json")
     (tmp_path / "elsewhere" / "checkpoints").mkdir()
     shutil.copytree(run / "checkpoints" / "step_2", tmp_path / "elsewhere" / "checkpoints" / "step_2")
     refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--resume",
-            tmp_path / "elsewhere" / "checkpoints" / "step_2", needle="is not in a run's checkpoints/ folder")
+            tmp_path / "elsewhere" / "checkpoints" / "step_2", needle="is not in a run's checkpoints/ folder",
+            launched=True)
 
 
 def test_a_second_run_in_a_folder_in_use_is_refused(env, data, run, tmp_path):
@@ -380,9 +392,10 @@ def test_a_second_run_in_a_folder_in_use_is_refused(env, data, run, tmp_path):
     finally:
         os.close(descriptor)
     assert snapshot(out) == before
-    ok(launch(env, "cifar_cnn", "--data", str(data), *SHORT, "--output_dir", str(out), "--resume", "latest"))
+    ok(run_here("cifar_cnn", "--data", data, *SHORT, "--output_dir", out, "--resume", "latest"))
 
 
+@pytest.mark.slow  # launched: the process kills itself
 def test_a_kill_while_metrics_are_rewritten_at_a_resume_loses_nothing(env, data, run, tmp_path):
     """A resume rewrites metrics.jsonl up to its checkpoint's step; a SIGKILL in the middle left a 363 MB file empty."""
     out = unfinished(run, tmp_path)
@@ -466,13 +479,18 @@ def idx_too_wide(folder: Path) -> str:  # 50 images of 1 x 1,000,000 (50 MB): 36
     return "images of 1000000x1 pixels, resized to 28000000x28 before the centre crop, take 36.5 GiB"
 
 
-@pytest.mark.parametrize("damage", [idx_gzip_bomb, idx_claims_too_much, idx_label_outside_the_named_classes, idx_fifo,
-                                    idx_zero_length, idx_too_wide])
+LAUNCHED = pytest.mark.slow  # under the memory limit, or where a read would block forever: launched
+
+
+@pytest.mark.parametrize("damage", [pytest.param(idx_gzip_bomb, marks=LAUNCHED), pytest.param(idx_claims_too_much,
+                                    marks=LAUNCHED), idx_label_outside_the_named_classes,
+                                    pytest.param(idx_fifo, marks=LAUNCHED), idx_zero_length,
+                                    pytest.param(idx_too_wide, marks=LAUNCHED)])
 def test_idx_files_that_lie(env, tmp_path, damage):
     folder = idx_folder(tmp_path / "fashion-mnist", random_splits((28, 28)))
     needle = damage(folder)
     refused(env, tmp_path, "resnet18_fmnist", "--data", folder, *SHORT, "--output_dir", tmp_path / "out",
-            needle=needle)
+            needle=needle, launched=damage in (idx_gzip_bomb, idx_claims_too_much, idx_fifo, idx_too_wide))
 
 
 def test_cifar_class_names_that_never_end(env, tmp_path):
@@ -515,8 +533,9 @@ def laughs(depth: int = 60):
 
 @pytest.mark.parametrize("key, value, needle", [
     (b"data", Call(os.system, "touch MARKER"), "refused (it would call posix.system)"),
-    (b"data", Call(np.ndarray, (2**40,)), "it would call numpy.ndarray"),  # 1 TiB, uninitialized, from ~100 bytes
-    (b"data", ShapedArray((2**20, 3072), b"\0" * 3072), "an array that is not uint8 bytes of its own shape"),  # 3 GiB
+    pytest.param(b"data", Call(np.ndarray, (2**40,)), "it would call numpy.ndarray", marks=LAUNCHED),  # 1 TiB
+    pytest.param(b"data", ShapedArray((2**20, 3072), b"\0" * 3072), "an array that is not uint8 bytes of its own shape",
+                 marks=LAUNCHED),  # 3 GiB
     (b"labels", laughs(), "its 'labels' are not"),
     (b"labels", [2**70] * 10, "its 'labels' are not"),
     (b"labels", list(range(2_100_000)), "more than 2,000,000 pickle operations"),
@@ -528,14 +547,15 @@ def test_cifar_pickles_that_lie(env, tmp_path, key, value, needle):
     batch[key] = value
     (folder / "data_batch_2").write_bytes(pickle.dumps(batch, protocol=4))
     refused(env, tmp_path, "cifar_cnn", "--data", folder, *SHORT, "--output_dir", tmp_path / "out", needle=needle,
-            cwd=tmp_path)
+            cwd=tmp_path, launched=isinstance(value, ShapedArray) or "numpy.ndarray" in needle)
 
 
 @pytest.mark.parametrize("names, needle", [
     (laughs(), "has no 'label_names' list of up to 256 names"),
     ([str(i) for i in range(9)] + [10**20000], "has no 'label_names' list of up to 256 names"),
     # Claims 2^40 bytes it lacks: the C unpickler would allocate them before reading; genops refuses first.
-    (None, "batches.meta is not a plain CIFAR pickle, refused (expected 1099511627776 bytes in a bytes8, but only 4"),
+    pytest.param(None, "batches.meta is not a plain CIFAR pickle, refused (expected 1099511627776 bytes in a bytes8, "
+                 "but only 4", marks=LAUNCHED),
 ])
 def test_cifar_pickled_class_names_that_lie(env, tmp_path, names, needle):
     folder = cifar_python_folder(tmp_path / "cifar-10-batches-py", random_splits((3, 32, 32)),
@@ -543,7 +563,8 @@ def test_cifar_pickled_class_names_that_lie(env, tmp_path, names, needle):
     meta = (pickle.dumps({"label_names": names}, protocol=4) if names is not None
             else b"\x80\x04\x8e" + struct.pack("<Q", 2**40) + b"abc.")
     (folder / "batches.meta").write_bytes(meta)
-    refused(env, tmp_path, "cifar_cnn", "--data", folder, *SHORT, "--output_dir", tmp_path / "out", needle=needle)
+    refused(env, tmp_path, "cifar_cnn", "--data", folder, *SHORT, "--output_dir", tmp_path / "out", needle=needle,
+            launched=names is None)
 
 
 def integer_labels(folder: Path, highest: int) -> Path:
@@ -559,13 +580,15 @@ def integer_labels(folder: Path, highest: int) -> Path:
     return folder
 
 
+@pytest.mark.slow  # launched: a 4 GB list of names before the fix
 def test_a_label_of_two_to_the_forty_is_refused(env, tmp_path):
     """One label of 2^40 in a 16-row parquet built a 4 GB list of class names, and the line said lower --batch_size."""
     refused(env, tmp_path, "cifar_cnn", "--data", integer_labels(tmp_path / "data", 2**40), *SHORT, "--output_dir",
             tmp_path / "out", needle="its 'label' column makes 1,099,511,627,777 classes, over the 100,000 a recipe "
-            "trains: fix the labels")
+            "trains: fix the labels", launched=True)
 
 
+@pytest.mark.slow  # launched: 80 GB asked for before the fix
 def test_a_run_of_100000_classes_draws_no_confusion_matrix(env, tmp_path):
     """Labels up to 99,999: the confusion matrix asked for 80 GB after training. Above 1,000 classes it is no
     picture to read, and is left out; the run ends as usual."""
@@ -576,6 +599,7 @@ def test_a_run_of_100000_classes_draws_no_confusion_matrix(env, tmp_path):
     assert json.loads((out / "config.json").read_text())["classes"][-1] == "99999"
 
 
+@pytest.mark.slow  # launched: it inflates
 def test_a_parquet_file_that_inflates_is_refused_before_a_page_is_read(env, tmp_path):
     """A 52 KB parquet file reached 3.6 GB before a vague line. This one: 3 KB on disk, 100 MB decompressed."""
     import pyarrow as pa
@@ -584,7 +608,7 @@ def test_a_parquet_file_that_inflates_is_refused_before_a_page_is_read(env, tmp_
     (tmp_path / "data").mkdir()
     pq.write_table(pa.table({"x": [bytes(100_000_000)]}), tmp_path / "data" / "train.parquet", compression="zstd")
     refused(env, tmp_path, "cifar_cnn", "--data", tmp_path / "data", *SHORT, "--output_dir", tmp_path / "out",
-            needle="train.parquet claims 100,000,052 bytes once decompressed, from")
+            needle="train.parquet claims 100,000,052 bytes once decompressed, from", launched=True)
 
 
 # ------------------------------------------------------------------ images
@@ -632,30 +656,36 @@ def a_thin_image(folder: Path) -> str:  # 1 x 40,000,000 (39 KB), under PIL's li
     return "thin.png): images of 40000000x1 pixels, resized to 1280000000x32 before the centre crop, take 114.4 GiB"
 
 
-@pytest.mark.parametrize("damage", [a_decompression_bomb, large_images, a_truncated_png, text_named_png,
-                                    a_thin_image])
+@pytest.mark.parametrize("damage", [pytest.param(a_decompression_bomb, marks=LAUNCHED),
+                                    pytest.param(large_images, marks=LAUNCHED), a_truncated_png, text_named_png,
+                                    pytest.param(a_thin_image, marks=LAUNCHED)])
 def test_images_that_lie(env, tmp_path, damage):
     data = imagefolder_dataset(tmp_path / "photos", sizes={"train": 20, "test": 10})
     needle = damage(data / "train" / "class_0")
-    refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--output_dir", tmp_path / "out", needle=needle)
+    refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--output_dir", tmp_path / "out", needle=needle,
+            launched=damage in (a_decompression_bomb, large_images, a_thin_image))
 
 
+@pytest.mark.slow  # launched: a bomb
 def test_predict_refuses_a_decompression_bomb(env, run, tmp_path):
     photos = tmp_path / "photos"
     photos.mkdir()
     png(photos / "bomb.png", 30000, 30000, rows=1)
     (tmp_path / "out").mkdir()
     refused(env, tmp_path, "predict", "--weights", run / "model.safetensors", "--recipe", "cifar_cnn", "--images",
-            photos, "--output", tmp_path / "out" / "p.csv", needle="bomb.png has more than 89,478,485 pixels")
+            photos, "--output", tmp_path / "out" / "p.csv", needle="bomb.png has more than 89,478,485 pixels",
+            launched=True)
 
 
+@pytest.mark.slow  # launched: the memory limit is the point
 def test_photos_that_would_not_fit_under_the_memory_limit_decoded_are_refused_first(env, tmp_path):
     """33 photos decoded at 8,000 px (--image_size 7,000 at resnet18's resize) take 5.9 GiB: less than this machine's
     free memory, more than the run's address space leaves (ulimit -v, as a cluster sets it). Refused before decoding,
     with the size and what to do."""
     data = imagefolder_dataset(tmp_path / "photos", sizes={"train": 24, "test": 9}, num_classes=3)
     line = refused(env, tmp_path, "finetune", "--data", data, "--weights", "none", "--image_size", "7000", *SHORT,
-                   "--output_dir", tmp_path / "out", needle="33 images of 3x8000x8000 take 5.9 GiB decoded, more than")
+                   "--output_dir", tmp_path / "out", needle="33 images of 3x8000x8000 take 5.9 GiB decoded, more than",
+                   launched=True)
     assert "use smaller images (finetune.py: --image_size) or fewer" in line
 
 
@@ -665,13 +695,13 @@ def predict_args(run: Path, tmp_path: Path) -> list:
 
 
 def test_predict_writes_around_a_planted_link(env, run, tmp_path):
-    """A predictions.csv.tmp link in the working folder had the CSV written into its target."""
+    """A predictions.csv.tmp link in the working folder had the CSV written into its target. (The temporary name
+    ends in the process id: predict.py runs in this process here.)"""
     (tmp_path / "out").mkdir()
     outside = tmp_path / "outside.txt"
     outside.write_text("mine")
-    (tmp_path / "out" / "p.csv.tmp").symlink_to(outside)
-    ok(subprocess.run([sys.executable, ROOT / "recipes/predict.py", *predict_args(run, tmp_path), "--output",
-                       tmp_path / "out" / "p.csv"], cwd=ROOT, env=env, capture_output=True, text=True))
+    (tmp_path / "out" / f"p.csv.tmp{os.getpid()}").symlink_to(outside)
+    ok(run_here("predict", *predict_args(run, tmp_path), "--output", tmp_path / "out" / "p.csv"))
     assert outside.read_text() == "mine" and len((tmp_path / "out" / "p.csv").read_text().splitlines()) == 3
 
 
@@ -681,9 +711,8 @@ def test_predict_walks_a_tree_1500_folders_deep(env, run, tmp_path, deep_tree):
     shutil.copy(next((imagefolder_dataset(tmp_path / "one", sizes={"x": 1})).rglob("*.png")), bottom / "a.png")
     (tmp_path / "out").mkdir()
     csv = tmp_path / "out" / "p.csv"
-    ok(subprocess.run([sys.executable, ROOT / "recipes/predict.py", "--weights", run / "model.safetensors",
-                       "--recipe", "cifar_cnn", "--images", tmp_path / "photos", "--output", csv],
-                      cwd=ROOT, env=env, capture_output=True, text=True))
+    ok(run_here("predict", "--weights", run / "model.safetensors", "--recipe", "cifar_cnn", "--images",
+                tmp_path / "photos", "--output", csv))
     assert len(csv.read_text().splitlines()) == 2
 
 
@@ -746,19 +775,22 @@ def test_a_protocol_4_pickle_is_refused_in_one_line(env, tmp_path):
 
 
 @pytest.mark.parametrize("variables, needle", [
-    ({"WORLD_SIZE": "2"}, "the environment sets WORLD_SIZE=2, but no launcher started this process"),
-    ({"WORLD_SIZE": "2", "RANK": "1"}, "the environment sets WORLD_SIZE=2, but no launcher started this process"),
+    pytest.param({"WORLD_SIZE": "2"}, "the environment sets WORLD_SIZE=2, but no launcher started this process",
+                 marks=LAUNCHED),
+    pytest.param({"WORLD_SIZE": "2", "RANK": "1"}, "the environment sets WORLD_SIZE=2, but no launcher started this "
+                 "process", marks=LAUNCHED),
     ({"LOCAL_WORLD_SIZE": "abc"}, "the environment sets LOCAL_WORLD_SIZE='abc', not a count of processes"),
     ({"WANDB_MODE": "bogus"}, "the environment sets WANDB_MODE='bogus': wandb takes online, offline or disabled"),
-    ({"HF_HOME": "FILE", "HF_DATASETS_CACHE": ""}, "/datasets/decoded (Not a directory): set HF_HOME"),
+    pytest.param({"HF_HOME": "FILE", "HF_DATASETS_CACHE": ""}, "/datasets/decoded (Not a directory): set HF_HOME",
+                 marks=LAUNCHED),
 ], ids=["stale WORLD_SIZE", "stale WORLD_SIZE and RANK", "LOCAL_WORLD_SIZE", "WANDB_MODE", "HF_HOME a file"])
 def test_a_broken_environment_is_one_line_within_seconds(env, data, tmp_path, variables, needle):
-    """A WORLD_SIZE left in the shell made a single process wait forever for a second one (refused() times out at
-    120 s); the others ended in tracebacks."""
+    """A WORLD_SIZE left in the shell made a single process wait forever for a second one (a launch: refused() times
+    out at 120 s); HF_HOME is read once, at the process's start (a launch); the others ended in tracebacks."""
     (tmp_path / "FILE").write_text("not a folder")
     changed = {k: str(tmp_path / v) if v == "FILE" else v for k, v in variables.items()}
-    refused({k: v for k, v in {**env, **changed}.items() if v}, tmp_path, "cifar_cnn", "--data", data, *SHORT,
-            "--tracker", "wandb", "--output_dir", tmp_path / "out", needle=needle, decoded=True)
+    refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--tracker", "wandb", "--output_dir", tmp_path / "out",
+            needle=needle, decoded=True, variables=changed, launched=bool({"WORLD_SIZE", "HF_HOME"} & set(variables)))
 
 
 def test_a_dataset_of_one_example_and_no_test_split_is_one_line(env, tmp_path):

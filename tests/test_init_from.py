@@ -7,8 +7,6 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from test_errors import one_line
 
-from conftest import ROOT, launch, ok, read_json
+from conftest import ok, read_json, run_here
 from tiny_data import cifar_binary_dataset, cifar_folder, random_splits
 
 SHORT = ("--batch_size", "8", "--log_every", "1", "--tracker", "none")
@@ -27,7 +25,7 @@ def source(env, tmp_path_factory) -> Path:
     """A finished cifar_cnn run on 10 classes: the weights to start from."""
     folder = tmp_path_factory.mktemp("init")
     data = cifar_binary_dataset(folder / "data", sizes={"train": 32, "test": 8})
-    ok(launch(env, "cifar_cnn", "--data", str(data), *SHORT, "--max_steps", "2", "--output_dir", str(folder / "run")))
+    ok(run_here("cifar_cnn", "--data", data, *SHORT, "--max_steps", "2", "--output_dir", folder / "run"))
     return folder / "run"
 
 
@@ -59,7 +57,7 @@ def test_a_run_started_from_another_runs_weights(env, source, three_classes, tmp
     out = tmp_path / "run"
     args = ("--data", str(three_classes), *SHORT, "--init_from", str(source), "--checkpoint_every", "1",
             "--output_dir", str(out))
-    result = ok(launch(env, "cifar_cnn", *args, "--max_steps", "2"))
+    result = ok(run_here("cifar_cnn", *args, "--max_steps", "2"))
     file = source / "model.safetensors"
     assert f"--init_from {file}: 23 of 25 tensors loaded; new: 15.weight, 15.bias" in result.stdout
     config = read_json(out / "config.json")
@@ -67,12 +65,10 @@ def test_a_run_started_from_another_runs_weights(env, source, three_classes, tmp
     assert config["init_from_sha256"] == hashlib.sha256(file.read_bytes()).hexdigest()
     assert read_json(out / "summary.json")["steps"] == 2  # its own schedule, from step 0
     # A resume takes the weights from its checkpoint; the file is only hashed, and nothing has changed.
-    resumed = ok(launch(env, "cifar_cnn", *args, "--max_steps", "3", "--resume", "latest"))
+    resumed = ok(run_here("cifar_cnn", *args, "--max_steps", "3", "--resume", "latest"))
     changed = next(line for line in resumed.stdout.splitlines() if line.startswith("changed since the checkpoint"))
     assert "tensors loaded" not in resumed.stdout and "init_from" not in changed and "total_steps 2 -> 3" in changed
-    evaluated = ok(subprocess.run([sys.executable, "recipes/predict.py", "--weights", str(out / "model.safetensors"),
-                                   "--recipe", "cifar_cnn", "--evaluate"], cwd=ROOT, env=env, capture_output=True,
-                                  text=True))
+    evaluated = ok(run_here("predict", "--weights", out / "model.safetensors", "--recipe", "cifar_cnn", "--evaluate"))
     assert json.loads(evaluated.stdout.strip().splitlines()[-1])["eval_samples"] == 9
 
 
@@ -105,6 +101,6 @@ def the_mlps_weights(source: Path, folder: Path) -> Path:
 ])
 def test_weights_that_do_not_fit_are_one_line(env, source, three_classes, tmp_path, make, needle):
     path = make(source, tmp_path)
-    one_line(launch(env, "cifar_cnn", "--data", str(three_classes), *SHORT, "--max_steps", "1", "--init_from",
-                    str(path), "--output_dir", str(tmp_path / "out")), needle)
+    one_line(run_here("cifar_cnn", "--data", three_classes, *SHORT, "--max_steps", "1", "--init_from", path,
+                      "--output_dir", tmp_path / "out"), needle)
     assert not (tmp_path / "out" / "model.safetensors").exists()

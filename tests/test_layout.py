@@ -16,6 +16,7 @@ from conftest import ROOT, ok, read_json, read_jsonl
 from tiny_data import save_to_disk_dataset
 
 
+@pytest.mark.slow  # a project of its own: processes with nothing of the repository on their path
 def test_one_command_makes_a_project_that_runs_its_readme_and_a_metric_is_one_edit(env, tmp_path):
     """tools.new_project, then the README's commands inside the project, with nothing of the repository on the path;
     one edit of metric_sums adds top-2 accuracy to training, evaluation, the run's files and predict.py."""
@@ -65,6 +66,7 @@ def test_one_command_makes_a_project_that_runs_its_readme_and_a_metric_is_one_ed
     assert "which recipe builds the model? pass --recipe PATH of your copy" in refused.stderr, refused.stderr
 
 
+@pytest.mark.slow  # processes with nothing of the repository on their path
 def test_a_recipe_copied_beside_shared_runs_outside_the_repository(env, tmp_path):
     """The other way to copy: recipes/ beside shared/, as in this repository, under another name."""
     project = tmp_path / "my_project"  # nothing of the repository on its path

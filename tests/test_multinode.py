@@ -22,6 +22,8 @@ from test_cpu_speed import check_bf16_run
 from conftest import ROOT, assert_bitwise_equal, exited_cleanly, free_ports, launch, ok, read_json, read_jsonl, weights
 from tiny_data import cifar_binary_dataset
 
+pytestmark = pytest.mark.slow  # two nodes, SLURM
+
 RUN = ("--batch_size", "8", "--log_every", "1", "--seed", "3", "--tracker", "none")
 STEPS = 100  # long enough for a kill or a preemption to land mid-run (the SLURM test stops two starts)
 LONG = ("--max_steps", str(STEPS))

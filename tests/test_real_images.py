@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from conftest import launch, ok, read_json, read_jsonl
+from conftest import ok, read_json, read_jsonl, run_here
 from tiny_data import real_digits, real_images, real_photos
 
 QUICK = ("--max_steps", "3", "--batch_size", "16", "--tracker", "none")
@@ -29,8 +29,7 @@ def test_cifar_cnn_defaults_train_through_the_learning_rate_peak(env, photos10, 
     # With the earlier defaults (no clipping, no BatchNorm) this run fell to 0.08 at step 33, after
     # the one-cycle peak at step 22, and ended at 0.54; on 5,000 photos it stayed at chance.
     out = tmp_path / "run"
-    ok(launch(env, "cifar_cnn", "--data", str(photos10), "--epochs", "10", "--tracker", "none",
-              "--output_dir", str(out)))
+    ok(run_here("cifar_cnn", "--data", photos10, "--epochs", "10", "--tracker", "none", "--output_dir", out))
     rows = read_jsonl(out / "metrics.jsonl")
     train = [row for row in rows if "train_loss" in row]
     accuracies = [row["eval_acc"] for row in rows if "eval_acc" in row]
@@ -45,16 +44,16 @@ def test_cifar_cnn_defaults_train_through_the_learning_rate_peak(env, photos10, 
 def test_grayscale_digits_into_the_colour_recipe(env, tmp_path):
     digits = real_digits(tmp_path / "digits", limit=200)
     out = tmp_path / "run"
-    result = ok(launch(env, "cifar_cnn", "--data", str(digits), *QUICK, "--output_dir", str(out)))
-    assert "converting the images to this recipe's 3x32x32 input: grayscale -> colour; 28x28 -> 32x32" in result.stdout
+    result = ok(run_here("cifar_cnn", "--data", digits, *QUICK, "--output_dir", out))
+    assert "converted the images to this recipe's 3x32x32 input: grayscale -> colour; 28x28 -> 32x32" in result.stdout
     assert read_json(out / "summary.json")["steps"] == 3
 
 
 def test_colour_photos_into_the_grayscale_recipe(env, photos10, tmp_path):
     out = tmp_path / "run"
-    result = ok(launch(env, "resnet18_fmnist", "--data", str(photos10), "--max_steps", "2", "--batch_size", "8",
-                       "--tracker", "none", "--output_dir", str(out)))
-    assert "converting the images to this recipe's 1x28x28 input: colour -> grayscale; 32x32 -> 28x28" in result.stdout
+    result = ok(run_here("resnet18_fmnist", "--data", photos10, "--max_steps", "2", "--batch_size", "8",
+                         "--tracker", "none", "--output_dir", out))
+    assert "converted the images to this recipe's 1x28x28 input: colour -> grayscale; 32x32 -> 28x28" in result.stdout
     assert read_json(out / "summary.json")["steps"] == 2
 
 
@@ -65,8 +64,8 @@ def test_seven_classes_of_40px_photos_in_an_imagefolder(env, tmp_path):
                          layout="imagefolder")
     assert len(list((folder / "train").iterdir())) == 7
     out = tmp_path / "run"
-    result = ok(launch(env, "cifar_cnn", "--data", str(folder), *QUICK, "--output_dir", str(out)))
-    assert "converting the images to this recipe's 3x32x32 input: 40x40 -> 32x32" in result.stdout
+    result = ok(run_here("cifar_cnn", "--data", folder, *QUICK, "--output_dir", out))
+    assert "converted the images to this recipe's 3x32x32 input: 40x40 -> 32x32" in result.stdout
     make_model(7).load_state_dict(load_file(out / "model.safetensors"))  # 7 outputs: the class count of the data
 
 
@@ -113,11 +112,10 @@ def test_a_change_to_the_conversion_code_is_not_served_from_the_old_cache(tmp_pa
     def fit(image, height, width, where="images"):  # an edited conversion: black images
         return torch.zeros(image.shape[0], height, width, dtype=torch.uint8)
 
-    monkeypatch.setattr(images, "fit", fit)  # as an edit of shared/images.py would change it: for read_image
-    monkeypatch.setattr(data, "fit", fit)  # and for the decoder's hash
+    monkeypatch.setattr(images, "fit", fit)  # as an edit of shared/images.py would change it
     after, _ = data.load_image_data(str(tmp_path / "d"), (3, 32, 32))
     assert not after.images.any()  # decoded anew, not the first run's cached tensors
-    assert len(list((tmp_path / "cache").glob("*-train-3x32x32-*.safetensors"))) == 2
+    assert len(list((tmp_path / "cache").glob("*-3x32x32-*.safetensors"))) == 2
 
 def test_fit_gives_torchvisions_pixels_for_any_size():
     """shared/data.py resizes without torchvision (its import cost 1.3 s a start): the same pixels, bit for bit."""

@@ -9,7 +9,7 @@ from test_cpu_speed import check_bf16_run
 
 from recipes.resnet18_fmnist import Config, Residual, make_model, scaled_lr
 
-from conftest import launch, ok, read_json, read_jsonl
+from conftest import launch, ok, read_json, read_jsonl, run_here
 from tiny_data import parquet_dataset
 
 
@@ -50,13 +50,16 @@ def replay_one_cycle(peak_lr: float, total_steps: int) -> list[float]:
 # The grad_accum case runs under cpu_bf16.yaml: it is also test_cpu_speed.py's bf16 check of the ResNet on 1 process.
 @pytest.mark.parametrize("name, args, launch_kwargs, global_batch, steps", [
     ("1 process", ("--batch_size", "8"), {}, 8, 8),  # 32 images: 4 batches per epoch, 2 epochs
-    ("grad_accum 4, bf16", ("--batch_size", "4", "--grad_accum", "4"), {"config": "cpu_bf16"}, 16, 4),  # 2 an epoch
+    pytest.param("grad_accum 4, bf16", ("--batch_size", "4", "--grad_accum", "4"), {"config": "cpu_bf16"}, 16, 4,
+                 marks=pytest.mark.slow),  # 2 an epoch; a launch with the config
 ])
 def test_lr_schedule_ends_exactly_on_the_last_step(env, fmnist, tmp_path, name, args, launch_kwargs, global_batch,
                                                    steps):
     out = tmp_path / "run"
-    result = ok(launch(env, "resnet18_fmnist", "--data", str(fmnist), "--epochs", "2", "--log_every", "1",
-                       "--tracker", "none", "--output_dir", str(out), *args, **launch_kwargs))
+    args = ("--data", str(fmnist), "--epochs", "2", "--log_every", "1", "--tracker", "none", "--output_dir", str(out),
+            *args)
+    result = ok(launch(env, "resnet18_fmnist", *args, **launch_kwargs) if launch_kwargs else
+                run_here("resnet18_fmnist", *args))
     config = read_json(out / "config.json")
     assert config["global_batch_size"] == global_batch and config["total_steps"] == steps
     # sqrt scaling (the default) from the reference batch of 128 at --lr 0.1
@@ -84,13 +87,13 @@ def test_lr_scaling_rules(rule, factor):
 
 @pytest.mark.parametrize("length", [(), ("--max_steps", "5")])  # --max_steps: no epoch length to divide by
 def test_a_batch_bigger_than_the_data_is_one_line(env, fmnist, length):
-    result = launch(env, "resnet18_fmnist", "--data", str(fmnist), "--batch_size", "256", "--tracker", "none",
-                    *length, config=None)
+    result = run_here("resnet18_fmnist", "--data", fmnist, "--batch_size", "256", "--tracker", "none", *length)
     assert result.returncode == 1
     assert result.stderr.strip() == ("error: 32 training images make no full step of 256: "
                                      "lower --batch_size or --grad_accum")
 
 
+@pytest.mark.slow  # two processes
 def test_sync_bn_is_refused_on_cpu_processes(env, fmnist, tmp_path):
     result = launch(env, "resnet18_fmnist", "--data", str(fmnist), "--sync_bn", "--tracker", "none",
                     "--output_dir", str(tmp_path / "run"), config="2gpu", use_cpu=True)

@@ -18,7 +18,7 @@ from shared.batches import EpochOrder
 from shared.checkpoints import Progress, check_resume
 from shared.schedule import SCHEDULE_RULE, one_cycle_lr
 
-from conftest import ROOT, launch, ok, read_json, read_jsonl
+from conftest import ROOT, launch, ok, read_json, read_jsonl, run_here
 from tiny_data import save_to_disk_dataset
 
 # The three recipes run one loop (test_layout.py keeps them in step), and their resumes are bitwise tested in
@@ -73,6 +73,7 @@ def test_the_schedule_is_torchs_one_cycle_as_a_function_of_the_step():
     assert [one_cycle_lr(step, 5, 1.0) for step in range(5)] == pytest.approx([1.0, 0.75, 0.5, 0.25, 4e-6], abs=1e-5)
 
 
+@pytest.mark.slow  # two processes
 @pytest.mark.parametrize("recipe", ["resnet18_fmnist"])  # one recipe is enough (above SHAPES); cifar_cnn passes too
 def test_longer_and_on_another_number_of_processes(env, labelled, tmp_path, recipe):
     data = str(labelled[SHAPES[recipe]])
@@ -134,9 +135,9 @@ def test_longer_and_on_another_number_of_processes(env, labelled, tmp_path, reci
 
 def test_a_changed_seed_says_the_order_is_not_exact_and_a_changed_grad_accum_keeps_whole_steps(env, labelled, tmp_path):
     data, run = str(labelled[(3, 32, 32)]), tmp_path / "run"
-    ok(launch(env, "cifar_cnn", "--data", data, "--output_dir", str(run), *RUN, "--max_steps", "3", config=None))
-    out = ok(launch(env, "cifar_cnn", "--data", data, "--output_dir", str(run), *RUN, "--max_steps", "5", "--seed", "4",
-                    "--grad_accum", "2", "--resume", "latest", config=None)).stdout
+    ok(run_here("cifar_cnn", "--data", data, "--output_dir", run, *RUN, "--max_steps", "3"))
+    out = ok(run_here("cifar_cnn", "--data", data, "--output_dir", run, *RUN, "--max_steps", "5", "--seed", "4",
+                      "--grad_accum", "2", "--resume", "latest")).stdout
     assert "seed 3 -> 4" in out and "grad_accum 1 -> 2" in out
     assert ("the sample order is NOT a run's never stopped (seed changed): the rest of epoch 1 follows another order, "
             "so some of its samples are trained on twice and others not at all") in out
@@ -144,7 +145,6 @@ def test_a_changed_seed_says_the_order_is_not_exact_and_a_changed_grad_accum_kee
     # counter saved with the checkpoint, 3, would have ended it after 1 batch).
     epochs = {row["step"]: row["epoch"] for row in read_jsonl(run / "metrics.jsonl") if "lr" in row}
     assert epochs == {1: 8 / 64, 2: 16 / 64, 3: 24 / 64, 4: 40 / 64, 5: 56 / 64}
-
 
 
 def test_a_checkpoint_without_its_config_json_still_resumes_and_says_so(tmp_path, capsys):

@@ -81,15 +81,11 @@ def test_fp16s_gradient_scaler_syncs_only_with_an_optimizer_that_is_not_fused():
         assert (steady["device syncs"] == 0) == fused and steady["device syncs"] >= most_syncs, dict(steady)
 
 
-def test_no_recipe_or_option_makes_a_device_sync_in_a_step_and_each_costs_few_operations(data, monkeypatch, tmp_path):
-    """Every option the benchmark measures apart (bf16 autocast, --grad_accum 2, --ema), here in fewer runs: --ema
-    beside the default, bf16 and accumulation together (syncs would add up, not cancel)."""
+def count_steps(options: dict, data, monkeypatch, tmp_path) -> list[dict]:
     monkeypatch.setattr(shared.data, "CACHE_DIR", tmp_path)  # the decoded images stay out of the user's cache
     # As another test on this worker may have done: each recipe's preprocess() caches its constants on the CPU.
     for name, shape in (("cifar_cnn", (3, 32, 32)), ("resnet18_fmnist", (1, 28, 28)), ("deep_mlp_ckpt", (3, 32, 32))):
         importlib.import_module(f"recipes.{name}").preprocess(torch.zeros(2, *shape, dtype=torch.uint8), True)
-    options = {"default": ([], "cpu"), "ema": (["--ema", "0.99"], "cpu"), "bf16, grad_accum 2": (
-        ["--grad_accum", "2"], "cpu_bf16")}
     rows = step_cost.measure(list(step_cost.RECIPES), ["--data", str(data), "--batch_size", "2"], options)
     assert {(r["recipe"], r["option"]) for r in rows} == {(name, option) for name in step_cost.RECIPES
                                                          for option in options}
@@ -97,12 +93,26 @@ def test_no_recipe_or_option_makes_a_device_sync_in_a_step_and_each_costs_few_op
         where = f"{r['recipe']} {r['option']}: {r}"
         assert r["device_syncs"] == 0 and r["scalar_reads"] <= r["plain_scalar_reads"], where
         assert r["aten_ops"] <= MOST_OPS_PER_PLAIN_LOOP * r["plain_aten_ops"], where
-    ops = {(r["recipe"], r["option"]): r["aten_ops"] for r in rows}
+    return rows
+
+
+def test_no_recipe_makes_a_device_sync_in_a_step_and_each_costs_few_operations(data, monkeypatch, tmp_path):
+    count_steps({"default": ([], "cpu")}, data, monkeypatch, tmp_path)
+
+
+@pytest.mark.slow  # 9 runs
+def test_no_option_makes_a_device_sync_in_a_step_and_each_costs_few_operations(data, monkeypatch, tmp_path):
+    """Every option the benchmark measures apart (bf16 autocast, --grad_accum 2, --ema), here in fewer runs: --ema
+    beside the default, bf16 and accumulation together (syncs would add up, not cancel)."""
+    options = {"default": ([], "cpu"), "ema": (["--ema", "0.99"], "cpu"), "bf16, grad_accum 2": (
+        ["--grad_accum", "2"], "cpu_bf16")}
+    ops = {(r["recipe"], r["option"]): r["aten_ops"] for r in count_steps(options, data, monkeypatch, tmp_path)}
     for name in step_cost.RECIPES:
         assert ops[name, "ema"] <= MOST_OPS_FOR_EMA * ops[name, "default"]
         assert ops[name, "bf16, grad_accum 2"] > ops[name, "default"]  # two batches a step: the count sees them
 
 
+@pytest.mark.slow  # two processes
 def test_two_processes_make_no_device_sync_between_their_stop_agreements(env, data):
     row = step_cost.two_processes("cifar_cnn", ["--data", str(data), "--batch_size", "2"], env=env)
     assert row["device_syncs"] == 0 and row["scalar_reads"] == 0, row

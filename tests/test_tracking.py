@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import ROOT, launch, ok, read_json, read_jsonl
+from conftest import ROOT, launch, ok, read_json, read_jsonl, run_here
 from tiny_data import cifar_binary_dataset
 
 SHORT = ("--batch_size", "8", "--max_steps", "6", "--log_every", "2")
@@ -75,6 +75,7 @@ def wandb_summary_and_history(run_dir: Path) -> tuple[dict, list[dict]]:
 
 @pytest.fixture(scope="module")
 def wandb_run(env, data, tmp_path_factory):
+    # wandb starts a service process of its own, and its state lives in the process: launched, in the slow tier
     """A run with the default tracker and no API key: wandb offline."""
     out = tmp_path_factory.mktemp("wandb") / "run"
     result = ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out), *SHORT, "--checkpoint_every",
@@ -82,6 +83,7 @@ def wandb_run(env, data, tmp_path_factory):
     return out, result.stdout
 
 
+@pytest.mark.slow  # wandb
 def test_offline_wandb_run_holds_the_summary_and_every_point(wandb_run):
     out, stdout = wandb_run
     offline_runs = list((out / "wandb").glob("offline-run-*"))
@@ -102,6 +104,7 @@ def test_offline_wandb_run_holds_the_summary_and_every_point(wandb_run):
     assert images == {"confusion"}
 
 
+@pytest.mark.slow  # wandb
 def test_a_resumed_run_continues_the_same_wandb_run(env, data, wandb_run, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(wandb_run[0], out)
@@ -123,10 +126,10 @@ def test_tensorboard_scalars_match_metrics_jsonl(env, data, tmp_path):
     out = tmp_path / "run"
     args = ("--data", str(data), "--output_dir", str(out), *SHORT, "--tracker", "tensorboard",
             "--checkpoint_every", "2")
-    result = ok(launch(env, "cifar_cnn", *args))
-    assert "\r" not in result.stderr + result.stdout and "step 6/6" in result.stdout  # a pipe: lines, no progress bar
+    result = ok(run_here("cifar_cnn", *args))
+    assert "\r" not in result.stderr + result.stdout and "step 6/6" in result.stdout  # no terminal: lines, no bar
     # From an older checkpoint: a new branch, whose points replace the abandoned ones after step 2
-    ok(launch(env, "cifar_cnn", *args, "--resume", str(out / "checkpoints" / "step_2"), "--lr", "0.2"))
+    ok(run_here("cifar_cnn", *args, "--resume", out / "checkpoints" / "step_2", "--lr", "0.2"))
     # One run: the flags in its own event files (add_hparams alone writes them as a second run in a folder below)
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     assert not list((out / "tensorboard").glob("*/events.out.tfevents.*"))
@@ -142,16 +145,18 @@ def test_tensorboard_scalars_match_metrics_jsonl(env, data, tmp_path):
         assert [value for _, value in logged] == pytest.approx([value for _, value in expected], rel=1e-6), key
     assert "confusion_matrix" in events.Tags()["images"]
     assert not (out / "wandb").exists()
-    # One process on CIFAR's binary files imports no datasets, and a machine without it runs (config.json asked for its
-    # version, a traceback on a GPU machine without it). On several processes accelerate's prepare imports it if there.
-    assert read_json(out / "config.json")["versions"]["datasets"] is None
+    # datasets' version if this process imported it, else None: a machine without datasets runs (asking for its
+    # version was a traceback on a GPU machine without it). One process on CIFAR's binary files imports none
+    # (test_dataset_files.py); on several, accelerate's prepare imports it if there.
+    assert read_json(out / "config.json")["versions"]["datasets"] == getattr(sys.modules.get("datasets"),
+                                                                             "__version__", None)
 
 
-def test_runs_table_lists_every_run(env, data, wandb_run, tmp_path):
+def test_runs_table_lists_every_run(data, tmp_path):
     folder = tmp_path / "runs"
-    shutil.copytree(wandb_run[0], folder / "a")
-    ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(folder / "b"), *SHORT, "--tracker", "none",
-              "--lr", "0.01"))
+    for name, lr in (("a", "0.05"), ("b", "0.01")):
+        ok(run_here("cifar_cnn", "--data", data, "--output_dir", folder / name, *SHORT, "--tracker", "none",
+                    "--lr", lr))
     markdown = tmp_path / "RUNS.md"
     result = subprocess.run([sys.executable, "-m", "tools.runs", str(folder), "--markdown", str(markdown)],
                             cwd=ROOT, capture_output=True, text=True)
@@ -212,33 +217,6 @@ def test_runs_table_reads_the_older_name_of_max_eval_acc(tmp_path):
         (tmp_path / name).mkdir()
         (tmp_path / name / "summary.json").write_text(json.dumps(summary))
     assert [(row["run"], row["max_acc"]) for row in collect(tmp_path)] == [("new", 0.7), ("old", 0.8)]
-
-
-def test_progress_bar_on_a_terminal(env, data, tmp_path):
-    import fcntl
-    import pty
-    import termios
-
-    """In a pipe, the run prints lines and no bar: test_tensorboard_scalars_match_metrics_jsonl checks that."""
-    args = [sys.executable, "recipes/cifar_cnn.py", "--data", str(data), *SHORT, "--tracker", "none"]
-    leader, follower = pty.openpty()
-    # A new pseudo-terminal is 0 columns wide, and tqdm trims its bar to the width: give it a real size.
-    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
-    process = subprocess.Popen([*args, "--output_dir", str(tmp_path / "tty")], cwd=ROOT, env=env,
-                               stdin=follower, stdout=follower, stderr=follower)
-    os.close(follower)
-    output = b""
-    while True:
-        try:
-            chunk = os.read(leader, 4096)
-        except OSError:  # the terminal closed: the run is over
-            break
-        if not chunk:
-            break
-        output += chunk
-    assert process.wait(timeout=300) == 0
-    text = output.decode(errors="replace")
-    assert "epoch 1/" in text and "loss=" in text and "acc=" in text and "samples_per_s=" in text
 
 
 def test_logged_gradient_norm_is_the_mean_of_the_finite_steps():
@@ -334,8 +312,10 @@ def test_the_curves_show_the_metrics_and_nothing_of_the_summary(tmp_path, monkey
     assert sorted(labels) == ["eval_acc", "eval_loss", "grad_norm", "train_acc", "train_loss"]
 
 
-def test_the_progress_bar_counts_the_batches_the_run_will_train(env, tmp_path):
-    """On a terminal, a run of --max_steps 4 in an epoch of 8 batches shows 4 batches to go (it showed 8)."""
+@pytest.mark.slow  # a terminal: a process of its own
+def test_the_progress_bar_on_a_terminal_counts_the_batches_the_run_will_train(env, tmp_path):
+    """On a terminal, a bar with the loss, accuracy and speed (without one, lines: the tensorboard test), and for a
+    run of --max_steps 4 in an epoch of 8 batches, 4 batches to go (it showed 8)."""
     import fcntl
     import pty
     import termios
@@ -344,7 +324,8 @@ def test_the_progress_bar_counts_the_batches_the_run_will_train(env, tmp_path):
     primary, secondary = pty.openpty()  # stderr a terminal: the bar is drawn there
     fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("4H", 24, 160, 0, 0))  # 0 columns: tqdm draws nothing
     process = subprocess.Popen([sys.executable, "recipes/cifar_cnn.py", "--data", str(data), "--batch_size", "8",
-                                "--max_steps", "4", "--tracker", "none", "--output_dir", str(tmp_path / "run")],
+                                "--max_steps", "4", "--log_every", "2", "--tracker", "none", "--output_dir",
+                                str(tmp_path / "run")],
                                cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                stderr=secondary)
     os.close(secondary)
@@ -361,6 +342,7 @@ def test_the_progress_bar_counts_the_batches_the_run_will_train(env, tmp_path):
     assert process.wait(timeout=300) == 0, drawn.decode(errors="replace")[-2000:]
     text = drawn.decode(errors="replace")
     assert "0/4 " in text and "/8 " not in text, text[-2000:]
+    assert "epoch 1/" in text and "loss=" in text and "acc=" in text and "samples_per_s=" in text
 
 
 def test_runs_started_in_the_same_second_get_a_folder_each(tmp_path):

@@ -1,6 +1,8 @@
 """The run's folder: new, empty, or a run of these recipes to resume or overwrite; one folder for every process and
 every node; and the trackers that record into it."""
 
+import atexit
+import contextlib
 import fcntl
 import itertools
 import os
@@ -61,6 +63,8 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
     overwrite = cfg.overwrite and not cfg.resume and filled
     state.wait_for_everyone()  # every process has read the folder before the main process changes it
     if state.is_main_process:
+        if cfg.output_dir is None or not run_dir.exists():  # made by this start (new_folder made the default one)
+            atexit.register(remove_if_empty, run_dir)  # a start that fails leaves no empty folder behind
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
             lock(run_dir)
@@ -82,6 +86,11 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
     # RunFiles first: its config.json makes the folder a run before wandb or TensorBoard write into it, so a job
     # stopped between the two is still a run to its next start.
     return run_dir, [RunFiles(run_dir, run_id, labels)] + chosen
+
+
+def remove_if_empty(folder: Path) -> None:
+    with contextlib.suppress(OSError):  # holding anything (a run's files), it stays
+        folder.rmdir()
 
 
 def new_folder(base: str) -> str:

@@ -1,7 +1,6 @@
 """The run's files readable without any service, written as an accelerate tracker (`RunFiles`)."""
 
 import json
-import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -9,6 +8,7 @@ from accelerate.tracking import GeneralTracker
 
 from shared.diagnostics import plot_curves
 from shared.errors import RecipeError
+from shared.limits import replacing
 
 MAX_ROW_BYTES = 2**20  # one line of metrics.jsonl: a few hundred bytes as a run writes them
 
@@ -53,16 +53,8 @@ def write_json(path: Path, values: dict) -> None:
 
 
 def write_atomic(path: Path, pieces: Iterable[str]) -> None:
-    """Readers, and a run killed while writing, see the old file or the new one, never half of one."""
-    partial = path.with_suffix(".tmp")
-    partial.unlink(missing_ok=True)  # a link left there (a run folder from anywhere) goes, and is never written through
-    try:
-        with partial.open("w") as f:
-            f.writelines(pieces)
-    except BaseException:
-        partial.unlink(missing_ok=True)  # pieces read from a file that turned out damaged, a full disk
-        raise
-    os.replace(partial, path)
+    with replacing(path) as partial, partial.open("w") as f:
+        f.writelines(pieces)
 
 
 def read_rows(path: Path) -> Iterator[dict]:

@@ -8,7 +8,8 @@ config.json, so that the main process runs ahead, as one may on a loaded machine
 With FAULT_ABORT_AT_EXIT_RANK=R, the process of rank R aborts (SIGABRT) as its interpreter exits, after its run: what
 gloo's teardown race (pytorch#179291) does now and then.
 With FAULT_HANG_IN_EVALUATION=FILE, the first evaluation loss creates FILE and never returns: a hung evaluation.
-With FAULT_FAIL_SAVING_IMAGE=NAME, PIL fails to save an image named NAME (OSError), as on a full disk.
+With FAULT_FAIL_SAVING_IMAGE=NAME, PIL fails to save an image named NAME (or NAME.tmp<pid>, its temporary name),
+with an OSError, as on a full disk.
 With FAULT_KILL_WRITING=STEM, the process writes half of the first text it writes to a file named STEM.<anything>
 opened for writing with pathlib (open or write_text), then kills itself (SIGKILL): a run killed while rewriting a file.
 With FAULT_HOLD_SAVE_AT_STEP=N, the save of step N's checkpoint stops for good after its first file: a save caught
@@ -94,7 +95,7 @@ if _image:
 
     def _failing_image(save):
         def save_or_fail(self, fp, *args, **kwargs):
-            if os.path.basename(str(fp)) == _image:
+            if os.path.basename(str(fp)).startswith(_image):  # the file, or its temporary name beside it
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(fp))
             return save(self, fp, *args, **kwargs)
         return save_or_fail
@@ -129,6 +130,6 @@ if _kill_writing:
 
     def _open_to_die(self, mode="r", *args, **kwargs):
         file = _open(self, mode, *args, **kwargs)
-        return _DyingFile(file) if self.stem == _kill_writing and "w" in mode else file
+        return _DyingFile(file) if self.name.partition(".")[0] == _kill_writing and "w" in mode else file
 
     pathlib.Path.open = _open_to_die

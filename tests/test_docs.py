@@ -1,0 +1,83 @@
+"""The docs name only what exists: every file path, module and flag that README.md, docs/ and BENCHMARKS.md name is
+in the repository, and every flag belongs to one of its entry points or to the tool the docs run it with."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+import re
+
+import pytest
+from accelerate.commands.launch import launch_command_parser
+
+from conftest import ROOT
+
+DOCS = [ROOT / "README.md", ROOT / "benchmarks" / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]
+PATH = re.compile(r"(?<![\w./-])((?:recipes|shared|tools|benchmarks|tests|docs|accelerate_configs)/[\w./<>*-]*[\w/>*])")
+FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9_-]*)")
+MODULE = re.compile(r"(?<![\w.])((?:shared|tools)(?:\.\w+)+)")
+# Flags of other programs the docs name: pytest and xdist (the test commands), pip, SLURM's sbatch, tensorboard,
+# pytorch/examples' --dry-run; a flag the docs say was removed; the example of a mistyped flag.
+OTHER_TOOLS = {"--dist", "--no-loadscope-reorder", "--index-url", "--signal", "--mem", "--nodes", "--gpus-per-node",
+               "--requeue", "--logdir", "--dry-run", "--auto_batch_size", "--bogus"}
+
+
+def entry_point_flags() -> set[str]:
+    """Every flag of the recipes, predict.py, the tools, the benchmarks, accelerate launch and the test suite."""
+    flags = set()
+    for script in sorted((ROOT / "recipes").glob("*.py")):
+        module = importlib.import_module(f"recipes.{script.stem}")
+        if hasattr(module, "Config"):
+            for field in dataclasses.fields(module.Config):
+                flags |= {f"--{field.name}", f"--no-{field.name}"}
+    for script in [*(ROOT / "tools").glob("*.py"), *(ROOT / "benchmarks").glob("*.py"),
+                   ROOT / "recipes" / "deep_mlp_sweep.py", ROOT / "tests" / "conftest.py"]:
+        for node in ast.walk(ast.parse(script.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") in ("add_argument", "addoption"):
+                flags |= {arg.value for arg in node.args if isinstance(getattr(arg, "value", None), str)}
+    for action in launch_command_parser()._actions:
+        flags |= set(action.option_strings)
+    return flags | {"--help"}
+
+
+def named(pattern: re.Pattern) -> list[tuple[str, str]]:
+    return [(doc.relative_to(ROOT).as_posix(), found) for doc in DOCS for found in pattern.findall(doc.read_text())]
+
+
+@pytest.mark.parametrize("doc, path", sorted(set(named(PATH))))
+def test_every_path_the_docs_name_exists(doc, path):
+    if "<" in path or "*" in path:  # a pattern, not a path
+        return
+    assert (ROOT / path).exists() or (ROOT / path.rstrip(".")).exists(), f"{doc} names {path}"
+
+
+def test_every_flag_the_docs_name_exists():
+    known = entry_point_flags() | OTHER_TOOLS
+    unknown = sorted({f"{doc}: {flag}" for doc, flag in named(FLAG) if flag not in known})
+    assert not unknown, unknown
+
+
+def test_every_module_the_docs_name_exists():
+    for doc, module in named(MODULE):
+        name = module.rstrip(".")
+        while name.count(".") and not importlib.util.find_spec(name):
+            parent, _, attribute = name.rpartition(".")  # shared.schedule.update_ema: an attribute of a module
+            if importlib.util.find_spec(parent) and hasattr(importlib.import_module(parent), attribute):
+                break
+            raise AssertionError(f"{doc} names {module}")
+
+
+def test_shared_init_names_its_modules():
+    """shared/__init__.py's docstring lists the modules, a line each: each is there, and each module is listed."""
+    listed = re.findall(r"^- (\w+)(?:/)?:", importlib.import_module("shared").__doc__, re.M)
+    there = {path.stem if path.is_file() else path.name for path in (ROOT / "shared").iterdir()
+             if path.suffix == ".py" and path.stem != "__init__" or path.is_dir() and path.name != "__pycache__"}
+    assert set(listed) == there, (sorted(listed), sorted(there))
+
+
+def test_a_stale_name_fails_the_check():
+    """Guards the checks: what the docs named before they were fixed is caught."""
+    assert not (ROOT / "shared" / "memory.py").exists()
+    assert "--backbone_lr" not in entry_point_flags() | OTHER_TOOLS
+    assert PATH.findall("see `shared/memory.py`.") == ["shared/memory.py"]
