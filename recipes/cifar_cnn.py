@@ -31,11 +31,10 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it
-from shared import augment, diagnostics, schedule, speed, tracking  # augmentation; pictures; lr, EMA; run files
-from shared.batches import EpochOrder
+from shared import augment, schedule, speed, tracking  # augmentation; lr, EMA; run files and pictures
 from shared.checkpoints import Checkpoints, Progress
 from shared.config import RunConfig
-from shared.data import load_image_data
+from shared.data import EpochOrder, load_image_data
 from shared.errors import RecipeError, one_line_errors
 
 RECIPE = "cifar_cnn"
@@ -55,11 +54,7 @@ class Config(RunConfig):
     augment: bool = True  # random crop (4 px padding) and horizontal flip, on the device
     tta: bool = False  # also evaluate each test image's logits averaged with its mirror's (eval_acc_tta)
     channels_last: bool = True  # NHWC layout for the convolutions: faster on CPUs and on GPUs with bf16 (BENCHMARKS)
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.momentum < 0 or self.weight_decay < 0:
-            raise ValueError(f"--momentum and --weight_decay must be >= 0, got {self.momentum} and {self.weight_decay}")
+    NON_NEGATIVE = RunConfig.NON_NEGATIVE + ("momentum", "weight_decay")
 
 
 # ----------------------------------------------------------------------------- data
@@ -178,7 +173,8 @@ def train(cfg: Config) -> None:
 
     global_batch_size = cfg.batch_size * accelerator.num_processes * cfg.grad_accum
     model = make_model(len(train_set.classes), cfg)
-    init_sha256 = Checkpoints.initial_weights(model, cfg)  # --init_from: trained weights to start from
+    # --init_from: trained weights to start from (a classifier trained on other classes starts new)
+    init_sha256 = Checkpoints.initial_weights(model, cfg, train_set.classes)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if cfg.compile:
@@ -295,7 +291,7 @@ def train(cfg: Config) -> None:
     checkpoints.save_weights(model if ema is None else ema, {  # model.safetensors
         "recipe": RECIPE, "script": __file__, "weights": "trained" if ema is None else "ema",
         "classes": train_set.classes, "flags": vars(cfg), **metrics, **summary})
-    diagnostics.save_pictures(accelerator, run_dir, test_set, predictions, progress.step)  # confusion_matrix.png
+    tracking.save_pictures(accelerator, run_dir, test_set, predictions, progress.step)  # confusion_matrix.png
     accelerator.log(summary, step=progress.step)
     accelerator.wait_for_everyone()  # gloo's exit race (docs/troubleshooting.md) is rarer if all leave together
     accelerator.end_training()

@@ -36,11 +36,10 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it
-from shared import augment, diagnostics, schedule, speed, tracking  # augmentation; pictures; lr, EMA; run files
-from shared.batches import EpochOrder
+from shared import augment, schedule, speed, tracking  # augmentation; lr, EMA; run files and pictures
 from shared.checkpoints import Checkpoints, Progress
 from shared.config import RunConfig
-from shared.data import load_image_data
+from shared.data import EpochOrder, load_image_data
 from shared.errors import RecipeError, one_line_errors
 
 RECIPE = "deep_mlp_ckpt"
@@ -207,7 +206,8 @@ def train(cfg: Config) -> None:
 
     global_batch_size = cfg.batch_size * accelerator.num_processes * cfg.grad_accum
     model = make_model(len(train_set.classes), cfg)
-    init_sha256 = Checkpoints.initial_weights(model, cfg)  # --init_from: trained weights to start from
+    # --init_from: trained weights to start from (a classifier trained on other classes starts new)
+    init_sha256 = Checkpoints.initial_weights(model, cfg, train_set.classes)
     if cfg.compile:
         model.compile()  # in place: state_dict keys stay free of `_orig_mod.`
     optimizer = make_optimizer(model, cfg)
@@ -320,7 +320,7 @@ def train(cfg: Config) -> None:
     checkpoints.save_weights(model if ema is None else ema, {  # model.safetensors
         "recipe": RECIPE, "script": __file__, "weights": "trained" if ema is None else "ema",
         "classes": train_set.classes, "flags": vars(cfg), **metrics, **summary})
-    diagnostics.save_pictures(accelerator, run_dir, test_set, predictions, progress.step)  # confusion_matrix.png
+    tracking.save_pictures(accelerator, run_dir, test_set, predictions, progress.step)  # confusion_matrix.png
     accelerator.log(summary, step=progress.step)
     accelerator.wait_for_everyone()  # gloo's exit race (docs/troubleshooting.md) is rarer if all leave together
     accelerator.end_training()

@@ -33,17 +33,20 @@ from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import GradientAccumulationPlugin, broadcast, set_seed
 from torch import nn
 from torch.utils.data import DataLoader
+from torchvision.ops import roi_align
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it
-from shared import augment, diagnostics, schedule, speed, tracking  # augmentation; pictures; lr, EMA; run files
-from shared.batches import EpochOrder
-from shared.checkpoints import Checkpoints, Progress
+from shared import augment, schedule, speed, tracking  # augmentation; lr, EMA; run files and pictures
+from shared.checkpoints import Checkpoints, Progress, mismatch
 from shared.config import RunConfig
-from shared.data import load_image_data
+from shared.data import EpochOrder, load_image_data
 from shared.errors import RecipeError, one_line_errors
 
 RECIPE = "finetune"
+# Every torchvision classification builder but two, whose training outputs include auxiliary classifiers' (a tuple)
+MODELS = [name for name in torchvision.models.list_models(module=torchvision.models)
+          if name not in ("googlenet", "inception_v3")]
 
 
 @dataclass
@@ -64,14 +67,14 @@ class Config(RunConfig):
     augment: bool = True  # random resized crop and horizontal flip, on the device
     tta: bool = False  # also evaluate each test image's logits averaged with its mirror's (eval_acc_tta)
     channels_last: bool = True  # NHWC layout for the convolutions: faster on CPUs (BENCHMARKS.md)
+    NON_NEGATIVE = RunConfig.NON_NEGATIVE + ("momentum", "weight_decay", "freeze_epochs")
 
     def __post_init__(self):
         super().__post_init__()
-        if self.model not in torchvision.models.list_models(module=torchvision.models):
-            raise ValueError(f"--model {self.model} is not a torchvision classification model: e.g. resnet18, "
-                             "resnet50, mobilenet_v3_large, efficientnet_b0, convnext_tiny, vit_b_16")
-        if self.model in ("googlenet", "inception_v3"):  # in training they return auxiliary classifiers' outputs too
-            raise ValueError(f"--model {self.model} is not supported here: its training outputs are several")
+        if self.model not in MODELS:
+            raise ValueError(f"--model {self.model} is not a torchvision classification model this recipe trains (e.g. "
+                             "resnet18, resnet50, efficientnet_b0, convnext_tiny, vit_b_16; googlenet and inception_v3 "
+                             "return several outputs in training)")
         choices = torchvision.models.get_model_weights(self.model).__members__
         if self.weights not in ("DEFAULT", "none", *choices):
             raise ValueError(f"--weights {self.weights}: {self.model} has {', '.join(choices)} (or DEFAULT, none)")
@@ -84,9 +87,9 @@ class Config(RunConfig):
             self.freeze_epochs = 1 if pretrained else 0
         if self.backbone_lr_scale is None:
             self.backbone_lr_scale = 0.1 if pretrained else 1.0
-        if self.momentum < 0 or self.weight_decay < 0 or self.freeze_epochs < 0 or not 0 < self.backbone_lr_scale <= 1:
-            raise ValueError("--momentum, --weight_decay and --freeze_epochs must be >= 0, and --backbone_lr_scale, a "
-                             f"fraction of --lr, in (0, 1]; got {self.backbone_lr_scale}")
+        if not 0 < self.backbone_lr_scale <= 1:
+            raise ValueError(f"--backbone_lr_scale, a fraction of --lr, must be in (0, 1], got "
+                             f"{self.backbone_lr_scale}")
         # The smallest input the architecture takes (its weights' min_size: 63 px for alexnet). A vision transformer
         # (vit_*, swin_*, maxvit) learned its position embeddings or windows for one size: its weights' input size.
         weights = chosen_weights(self.model, self.weights)
@@ -132,11 +135,25 @@ def preprocess(images: torch.Tensor, training: bool, cfg: Config) -> torch.Tenso
     (resize, then centre crop)."""
     transforms, (_, size) = chosen_weights(cfg.model, cfg.weights).transforms(), input_sizes(cfg)
     if training:
-        images = augment.random_flip(augment.random_resized_crop(images, size))
+        images = augment.random_flip(random_resized_crop(images, size))
     else:
         top, left = round((images.shape[2] - size) / 2), round((images.shape[3] - size) / 2)
         images = images[:, :, top:top + size, left:left + size]
     return augment.normalize(images, tuple(transforms.mean), tuple(transforms.std))
+
+
+def random_resized_crop(images: torch.Tensor, size: int, scale=(0.25, 1.0), ratio=(3 / 4, 4 / 3)) -> torch.Tensor:
+    """Each image: a random box of `scale` of its area and an aspect ratio in `ratio` (log-uniform), resized to `size`
+    x `size` with bilinear sampling, one roi_align call for the whole batch. Floats out (0-255)."""
+    n, _, h, w = images.shape
+    area_draw, aspect_draw, left_draw, top_draw = torch.rand(4, n, device=images.device)
+    area = (scale[0] + (scale[1] - scale[0]) * area_draw) * h * w
+    aspect = torch.exp(math.log(ratio[0]) + (math.log(ratio[1]) - math.log(ratio[0])) * aspect_draw)
+    box_w, box_h = (area * aspect).sqrt().clamp(max=w), (area / aspect).sqrt().clamp(max=h)
+    left, top = left_draw * (w - box_w), top_draw * (h - box_h)
+    boxes = torch.stack([torch.arange(n, device=images.device, dtype=torch.float), left, top, left + box_w,
+                         top + box_h], dim=1)
+    return roi_align(images.float(), boxes, output_size=(size, size), sampling_ratio=2, aligned=True)
 
 
 # ----------------------------------------------------------------------------- model
@@ -171,12 +188,11 @@ def load_pretrained(model: nn.Module, cfg: Config) -> None:
         raise RecipeError(f"--weights {weights}: {file} {where} ({type(error).__name__}): download it where the "
                           "internet is reachable and copy it there (or set TORCH_HOME), or pass --weights none"
                           ) from None
-    head = classifier_name(model)
-    missing, unexpected = model.load_state_dict(
-        {k: v for k, v in state.items() if not k.startswith(f"{head}.")}, strict=False)
-    if unexpected or sorted(missing) != [f"{head}.bias", f"{head}.weight"]:
-        raise RecipeError(f"--weights: {file} does not fit {cfg.model} ({(unexpected or missing)[0]}): delete it to "
-                          "download it again")
+    head = classifier_name(model) + "."  # new, for your classes
+    if wrong := mismatch(model.state_dict(), {k: tuple(v.shape) for k, v in state.items()}, skip=head):
+        raise RecipeError(f"--weights: {file} holds another model's weights ({wrong}): delete it to download "
+                          f"{cfg.model}'s again")
+    model.load_state_dict({k: v for k, v in state.items() if not k.startswith(head)}, strict=False)
 
 
 def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
@@ -275,7 +291,8 @@ def train(cfg: Config) -> None:
     if not (cfg.resume or cfg.init_from):  # else the checkpoint, or the --init_from file, holds the weights
         with accelerator.local_main_process_first():  # one download per machine, into torchvision's cache
             load_pretrained(model, cfg)
-    init_sha256 = Checkpoints.initial_weights(model, cfg)  # --init_from: trained weights to start from
+    # --init_from: trained weights to start from (a classifier trained on other classes starts new)
+    init_sha256 = Checkpoints.initial_weights(model, cfg, train_set.classes)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if cfg.compile:
@@ -408,7 +425,7 @@ def train(cfg: Config) -> None:
     checkpoints.save_weights(model if ema is None else ema, {  # model.safetensors
         "recipe": RECIPE, "script": __file__, "weights": "trained" if ema is None else "ema",
         "classes": train_set.classes, "flags": vars(cfg), **metrics, **summary})
-    diagnostics.save_pictures(accelerator, run_dir, test_set, predictions, progress.step)  # confusion_matrix.png
+    tracking.save_pictures(accelerator, run_dir, test_set, predictions, progress.step)  # confusion_matrix.png
     accelerator.log(summary, step=progress.step)
     accelerator.wait_for_everyone()  # gloo's exit race (docs/troubleshooting.md) is rarer if all leave together
     accelerator.end_training()

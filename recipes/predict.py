@@ -44,7 +44,7 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it
-from shared.checkpoints import Checkpoints, plain_name
+from shared.checkpoints import Checkpoints, mismatch, plain_name
 from shared.config import parse_config
 from shared.errors import RecipeError, check_launch, first_line, one_line_errors
 from shared.images import read_image
@@ -196,13 +196,8 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
             state = state[key]
     state = {plain_name(k): v for k, v in state.items()}
     expected = model.state_dict()
-    missing = [k for k in expected if k not in state]
-    mismatched = [k for k in expected if k in state and state[k].shape != expected[k].shape]
-    if missing or mismatched:
-        key = mismatched[0] if mismatched else None
-        detail = (f"first missing key {missing[0]!r}" if missing else
-                  f"{key!r} is {tuple(state[key].shape)} in the file, {tuple(expected[key].shape)} in the model")
-        raise RecipeError(f"--weights {path} does not fit this model ({detail}): pass weights written by this recipe, "
+    if wrong := mismatch(expected, {k: tuple(v.shape) for k, v in state.items()}):
+        raise RecipeError(f"--weights {path} does not fit this model ({wrong}): pass weights written by this recipe, "
                           "with the model flags they were trained with (see config.json beside them)")
     if not all(torch.isfinite(state[k]).all() for k in expected if state[k].is_floating_point()):
         raise RecipeError(f"--weights {path} holds NaN or infinite weights (a run that diverged): pass an earlier "

@@ -33,11 +33,10 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it
-from shared import augment, diagnostics, schedule, speed, tracking  # augmentation; pictures; lr, EMA; run files
-from shared.batches import EpochOrder
+from shared import augment, schedule, speed, tracking  # augmentation; lr, EMA; run files and pictures
 from shared.checkpoints import Checkpoints, Progress
 from shared.config import RunConfig
-from shared.data import load_image_data
+from shared.data import EpochOrder, load_image_data
 from shared.errors import RecipeError, one_line_errors
 
 RECIPE = "resnet18_fmnist"
@@ -61,10 +60,10 @@ class Config(RunConfig):
     tta: bool = False  # also evaluate each test image's logits averaged with its mirror's (eval_acc_tta)
     channels_last: bool = True  # NHWC layout for the convolutions: faster on CPUs and on GPUs with bf16 (BENCHMARKS)
 
+    NON_NEGATIVE = RunConfig.NON_NEGATIVE + ("momentum", "weight_decay")
+
     def __post_init__(self):
         super().__post_init__()
-        if self.momentum < 0 or self.weight_decay < 0:
-            raise ValueError(f"--momentum and --weight_decay must be >= 0, got {self.momentum} and {self.weight_decay}")
         if not 0 <= self.erase <= 1:
             raise ValueError(f"--erase is a share of the images, from 0 to 1, got {self.erase}")
 
@@ -89,8 +88,27 @@ def preprocess(images: torch.Tensor, training: bool, erase: float = 0.0) -> torc
         # garment makes the network use all of it (the best Fashion-MNIST results use it; BENCHMARKS.md).
         images = augment.random_flip(augment.random_crop(images, padding=2, fill=PAD_FILL))
         if erase:
-            images = augment.random_erase(images, erase, fill=PAD_FILL)
+            images = random_erase(images, erase, fill=PAD_FILL)
     return augment.normalize(images, MEAN, STD)
+
+
+def random_erase(images: torch.Tensor, p: float, fill: tuple[int, ...] = (0,), scale=(0.02, 0.33),
+                 ratio=(0.3, 3.3)) -> torch.Tensor:
+    """Random erasing (Zhong et al. 2017) with torchvision's defaults: in a random `p` share of the images, a rectangle
+    of colour `fill` covering `scale` of the image, with an aspect ratio in `ratio` (log-uniform), clamped to the
+    image. Each image draws its own rectangle."""
+    n, c, h, w = images.shape
+    # Five uniform numbers per image in [0, 1), drawn at once: the area, the aspect ratio, the top, the left, and
+    # whether to erase at all.
+    area_draw, aspect_draw, top_draw, left_draw, erase_draw = torch.rand(5, n, 1, 1, device=images.device)
+    area = (scale[0] + (scale[1] - scale[0]) * area_draw) * (h * w)
+    aspect = torch.exp(math.log(ratio[0]) + math.log(ratio[1] / ratio[0]) * aspect_draw)
+    height, width = (area * aspect).sqrt_().round_().clamp_(1, h), (area / aspect).sqrt_().round_().clamp_(1, w)
+    top, left = (top_draw * (h - height + 1)).floor_(), (left_draw * (w - width + 1)).floor_()
+    rows, cols = torch.arange(h, device=images.device).view(1, h, 1), torch.arange(w, device=images.device)
+    inside = (rows >= top) & (rows < top + height) & (cols >= left) & (cols < left + width)
+    inside &= erase_draw < p
+    return torch.where(inside.unsqueeze(1), augment.fill_colour(tuple(fill), c, images.device), images)
 
 
 # ----------------------------------------------------------------------------- model
@@ -207,7 +225,8 @@ def train(cfg: Config) -> None:
     global_batch_size = cfg.batch_size * accelerator.num_processes * cfg.grad_accum
     peak_lr = scaled_lr(cfg, global_batch_size)
     model = make_model(len(train_set.classes), cfg)
-    init_sha256 = Checkpoints.initial_weights(model, cfg)  # --init_from: trained weights to start from
+    # --init_from: trained weights to start from (a classifier trained on other classes starts new)
+    init_sha256 = Checkpoints.initial_weights(model, cfg, train_set.classes)
     if cfg.sync_bn and accelerator.num_processes > 1:
         # BatchNorm normalizes each process's own b images: 2 processes x b do not normalize like 1 x 2b (the
         # exact-equivalence tests use a BatchNorm-free model). SyncBatchNorm all-reduces the statistics at every
@@ -334,7 +353,7 @@ def train(cfg: Config) -> None:
     checkpoints.save_weights(model if ema is None else ema, {  # model.safetensors
         "recipe": RECIPE, "script": __file__, "weights": "trained" if ema is None else "ema",
         "classes": train_set.classes, "flags": vars(cfg), **metrics, **summary})
-    diagnostics.save_pictures(accelerator, run_dir, test_set, predictions, progress.step)  # confusion_matrix.png
+    tracking.save_pictures(accelerator, run_dir, test_set, predictions, progress.step)  # confusion_matrix.png
     accelerator.log(summary, step=progress.step)
     accelerator.wait_for_everyone()  # gloo's exit race (docs/troubleshooting.md) is rarer if all leave together
     accelerator.end_training()

@@ -4,7 +4,6 @@ pixels before `normalize` makes them floats: a quarter of float32's bytes, and h
 128 on a 2-core CPU (benchmarks/BENCHMARKS.md, "On a CPU")."""
 
 import functools
-import math
 
 import torch
 
@@ -23,7 +22,7 @@ def _channel_stats(mean, std, device):  # once per device: a host-to-GPU copy in
 
 
 @functools.cache
-def _fill_colour(fill: tuple[int, ...], channels: int, device) -> torch.Tensor:
+def fill_colour(fill: tuple[int, ...], channels: int, device) -> torch.Tensor:
     """`fill` (one value, or one per channel) as a uint8 (1, C, 1, 1) tensor on the device, made once: each fill is
     then one operation on every channel, not one per channel."""
     colour = [fill[channel % len(fill)] for channel in range(channels)]
@@ -34,7 +33,7 @@ def random_crop(images: torch.Tensor, padding: int, fill: tuple[int, ...] = (0,)
     """Pad each side with `padding` pixels of colour `fill` (one value, or one per channel), then cut each image at
     its own random offset."""
     n, c, h, w = images.shape
-    padded = _fill_colour(tuple(fill), c, images.device).expand(n, c, h + 2 * padding, w + 2 * padding).clone()
+    padded = fill_colour(tuple(fill), c, images.device).expand(n, c, h + 2 * padding, w + 2 * padding).clone()
     padded[:, :, padding:padding + h, padding:padding + w] = images
     # Every possible crop as a view (n, c, 2p+1, 2p+1, h, w), no copy; one gather then picks each image's crop (4x
     # faster on a CPU than indexing every pixel).
@@ -46,38 +45,3 @@ def random_crop(images: torch.Tensor, padding: int, fill: tuple[int, ...] = (0,)
 def random_flip(images: torch.Tensor) -> torch.Tensor:
     """Mirror a random half of the images left to right."""
     return torch.where(torch.rand(len(images), 1, 1, 1, device=images.device) < 0.5, images.flip(3), images)
-
-
-def random_erase(images: torch.Tensor, p: float, fill: tuple[int, ...] = (0,), scale=(0.02, 0.33),
-                 ratio=(0.3, 3.3)) -> torch.Tensor:
-    """Random erasing (Zhong et al. 2017) with torchvision's defaults: in a random `p` share of the images, a rectangle
-    of colour `fill` covering `scale` of the image, with an aspect ratio in `ratio` (log-uniform), clamped to the
-    image. Each image draws its own rectangle."""
-    n, c, h, w = images.shape
-    # Five uniform numbers per image in [0, 1), drawn at once: the area, the aspect ratio, the top, the left, and
-    # whether to erase at all.
-    area_draw, aspect_draw, top_draw, left_draw, erase_draw = torch.rand(5, n, 1, 1, device=images.device)
-    area = (scale[0] + (scale[1] - scale[0]) * area_draw) * (h * w)
-    aspect = torch.exp(math.log(ratio[0]) + math.log(ratio[1] / ratio[0]) * aspect_draw)
-    height, width = (area * aspect).sqrt_().round_().clamp_(1, h), (area / aspect).sqrt_().round_().clamp_(1, w)
-    top, left = (top_draw * (h - height + 1)).floor_(), (left_draw * (w - width + 1)).floor_()
-    rows, cols = torch.arange(h, device=images.device).view(1, h, 1), torch.arange(w, device=images.device)
-    inside = (rows >= top) & (rows < top + height) & (cols >= left) & (cols < left + width)
-    inside &= erase_draw < p
-    return torch.where(inside.unsqueeze(1), _fill_colour(tuple(fill), c, images.device), images)
-
-
-def random_resized_crop(images: torch.Tensor, size: int, scale=(0.25, 1.0), ratio=(3 / 4, 4 / 3)) -> torch.Tensor:
-    """Each image: a random box of `scale` of its area and an aspect ratio in `ratio` (log-uniform), resized to `size`
-    x `size` with bilinear sampling, one roi_align call for the whole batch. Floats out (0-255)."""
-    from torchvision.ops import roi_align  # here: torchvision's import is for the recipes that crop this way
-
-    n, _, h, w = images.shape
-    area_draw, aspect_draw, left_draw, top_draw = torch.rand(4, n, device=images.device)
-    area = (scale[0] + (scale[1] - scale[0]) * area_draw) * h * w
-    aspect = torch.exp(math.log(ratio[0]) + (math.log(ratio[1]) - math.log(ratio[0])) * aspect_draw)
-    box_w, box_h = (area * aspect).sqrt().clamp(max=w), (area / aspect).sqrt().clamp(max=h)
-    left, top = left_draw * (w - box_w), top_draw * (h - box_h)
-    boxes = torch.stack([torch.arange(n, device=images.device, dtype=torch.float), left, top, left + box_w,
-                         top + box_h], dim=1)
-    return roi_align(images.float(), boxes, output_size=(size, size), sampling_ratio=2, aligned=True)

@@ -223,11 +223,12 @@ class Checkpoints(StopOnSignals):
                               "inflate to any size, so it is not loaded; pass the file torch.save wrote")
 
     @staticmethod
-    def initial_weights(model, cfg) -> str | None:
-        """--init_from: every tensor of a model.safetensors (or of the one in a run or checkpoint folder) whose name
-        and shape fit `model` is loaded into it; the rest (a head for another number of classes) stays as made. A
-        resumed run takes its weights from the checkpoint: the file is only hashed. Returns its sha256 (config.json),
-        or None without --init_from."""
+    def initial_weights(model, cfg, classes: list[str]) -> str | None:
+        """--init_from: a model.safetensors of this model (or the one in a run or checkpoint folder), loaded into it.
+        Its classifier (the model's last layer) starts new where the file's was trained on other classes than the
+        data's (the names it records), unless --keep_classifier. Weights of another model (a tensor missing, or of
+        another shape) are refused, unless --init_partial loads what fits. A resumed run takes its weights from the
+        checkpoint: the file is only hashed. Returns its sha256 (config.json), or None without --init_from."""
         if not cfg.init_from:
             return None
         path = Path(cfg.init_from) / "model.safetensors" if Path(cfg.init_from).is_dir() else Path(cfg.init_from)
@@ -238,27 +239,50 @@ class Checkpoints(StopOnSignals):
         with open(path, "rb") as f:
             for piece in iter(lambda: f.read(2**24), b""):
                 digest.update(piece)
-        expected, loaded = model.state_dict(), {}
+        if cfg.resume:
+            return digest.hexdigest()
+        expected = model.state_dict()
+        head = next(reversed(expected)).rsplit(".", 1)[0] + "."  # the classifier: the model's last layer
         try:  # safetensors: a header of names, shapes and offsets, checked against the file; no code
             with safe_open(path, "pt") as f:
-                for key in [] if cfg.resume else f.keys():
-                    name = plain_name(key)
-                    if name in expected and f.get_slice(key).get_shape() == list(expected[name].shape):
-                        loaded[name] = f.get_tensor(key)  # no larger than the model's own tensor
+                keys = {plain_name(key): key for key in f.keys()}
+                shapes = {name: tuple(f.get_slice(key).get_shape()) for name, key in keys.items()}
+                recorded = json.loads((f.metadata() or {}).get("classes", "null"))
+                other_classes = recorded not in (None, classes) and not cfg.keep_classifier
+                wrong = mismatch(expected, shapes, skip=head)
+                if wrong and not cfg.init_partial:
+                    raise RecipeError(f"--init_from {path} holds another model's weights ({wrong}): pass weights of "
+                                      "this model, with the model flags in the config.json beside them, or "
+                                      "--init_partial to load only the tensors that fit")
+                loaded = {name: f.get_tensor(keys[name]) for name, tensor in expected.items()  # no larger than ours
+                          if shapes.get(name) == tuple(tensor.shape) and not (other_classes and name.startswith(head))}
+        except RecipeError:
+            raise
         except Exception as error:
             raise RecipeError(f"--init_from {path} cannot be read ({type(error).__name__}: {first_line(error)[:200]}"
                               "): pass a model.safetensors written by a run") from None
-        if cfg.resume:
-            return digest.hexdigest()
-        head = next(reversed(expected)).rsplit(".", 1)[0]  # the last layer: the classifier
-        if not loaded or all(name.rsplit(".", 1)[0] == head for name in loaded):
+        if not loaded or all(name.startswith(head) for name in loaded):
             raise RecipeError(f"--init_from {path}: {'no tensor' if not loaded else 'only the last layer'} of it fits "
-                              "this model (same name and shape): pass weights of the same model, trained with the "
-                              "model flags in the config.json beside them")
+                              "this model (same name and shape): pass weights of the same model")
         if not all(torch.isfinite(tensor).all() for tensor in loaded.values() if tensor.is_floating_point()):
             raise RecipeError(f"--init_from {path} holds NaN or infinite weights: pass weights of a finished run")
         model.load_state_dict(loaded, strict=False)
         new = [name for name in expected if name not in loaded]
+        why = (f" (its classifier was trained on {', '.join(map(str, recorded[:4]))}{', ...' * (len(recorded) > 4)}, "
+               f"this data's classes are {', '.join(classes[:4])}{', ...' * (len(classes) > 4)}: --keep_classifier "
+               "keeps it)") if other_classes else ""
         PartialState().print(f"--init_from {path}: {len(loaded)} of {len(expected)} tensors loaded; new: "
-                             f"{', '.join(new) if new else 'none'}")
+                             f"{', '.join(new) if new else 'none'}{why}")
         return digest.hexdigest()
+
+
+def mismatch(expected: dict[str, torch.Tensor], shapes: dict[str, tuple], skip: str = "\0") -> str:
+    """Weights of another model, in words: the first of the model's tensors (but those whose names start with `skip`)
+    that the file lacks or holds in another shape, and how many more; empty where every one fits."""
+    wrong = [name for name, tensor in expected.items()
+             if not name.startswith(skip) and shapes.get(name) != tuple(tensor.shape)]
+    if not wrong:
+        return ""
+    found = shapes.get(wrong[0])
+    return (f"{wrong[0]!r} is {found if found else 'missing'} in the file, {tuple(expected[wrong[0]].shape)} in the "
+            "model" + (f", and {len(wrong) - 1} more tensors differ" if len(wrong) > 1 else ""))

@@ -15,10 +15,6 @@ import typing
 from dataclasses import dataclass
 from typing import Literal
 
-# RunConfig's own rules; a recipe checks the fields it adds in its own __post_init__.
-POSITIVE = ("epochs", "batch_size", "grad_accum", "lr", "max_grad_norm", "max_steps", "log_every", "keep_checkpoints")
-NON_NEGATIVE = ("seed", "checkpoint_every")
-
 
 def parse_config(cls: type, argv: list[str] | None = None):
     """Build `cls` from the command line (or `argv`); a bad value is one line and exit status 2."""
@@ -80,6 +76,8 @@ class RunConfig:
     keep_checkpoints: int = 3  # newest full-state checkpoints kept on disk
     resume: str | None = None  # `latest` or a checkpoints/step_<N> folder to continue from
     init_from: str | None = None  # a model.safetensors (or a run or checkpoint folder) to start a new run from
+    init_partial: bool = False  # --init_from another model: load only the tensors that fit by name and shape
+    keep_classifier: bool = False  # --init_from weights trained on other classes: keep their classifier anyway
     tracker: Literal["wandb", "tensorboard", "none"] = "wandb"  # wandb is offline without an API key
     compile: bool = False  # torch.compile the model (the first steps wait 10-40 s while it compiles)
     channels_last: bool = False  # NHWC memory layout for convolutions (faster on CPUs; on GPUs: BENCHMARKS.md)
@@ -89,12 +87,17 @@ class RunConfig:
     ema: float | None = None  # also keep an average of the weights over the last ~1/(1 - EMA) steps, e.g. 0.99
 
     parse = classmethod(parse_config)
+    # Fields that must be > 0, or >= 0 (unset, None passes). A recipe adds its own, e.g.
+    # NON_NEGATIVE = RunConfig.NON_NEGATIVE + ("momentum",); other rules go in its own __post_init__.
+    POSITIVE = ("epochs", "batch_size", "grad_accum", "lr", "max_grad_norm", "max_steps", "log_every",
+                "keep_checkpoints")
+    NON_NEGATIVE = ("seed", "checkpoint_every")
 
     def __post_init__(self):
-        for name in POSITIVE + NON_NEGATIVE:
+        for name in self.POSITIVE + self.NON_NEGATIVE:
             value = getattr(self, name)
-            if value is not None and not (value > 0 if name in POSITIVE else value >= 0):
-                raise ValueError(f"--{name} must be {'>' if name in POSITIVE else '>='} 0, got {value}")
+            if value is not None and not (value > 0 if name in self.POSITIVE else value >= 0):
+                raise ValueError(f"--{name} must be {'>' if name in self.POSITIVE else '>='} 0, got {value}")
         if self.seed >= 2**31:  # seeds are 32-bit, and each process and resume adds its rank and step
             raise ValueError(f"--seed must be below 2**31, got {self.seed}")
         if self.ema is not None and not 0 < self.ema < 1:

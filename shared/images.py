@@ -1,6 +1,6 @@
 """Images into the recipes' tensors: one file decoded (`decode`, bounded by PIL's pixel limit), and an image or a batch
-converted to the recipe's channels and size (`to_channels`, `fit`: the pixels of torchvision's resize and centre crop,
-without its import); `conversion` says what was converted."""
+converted to the recipe's channels and size (`to_channels`, `fit`: torchvision's resize and centre crop); `conversion`
+says what was converted."""
 
 import io
 import warnings
@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 from shared.errors import RecipeError, first_line
@@ -76,9 +75,8 @@ def conversion(image_shape: tuple[int, int, int], seen: dict) -> str:
 
 
 def fit(image: torch.Tensor, height: int, width: int, where: str = "images") -> torch.Tensor:
-    """uint8 (C, h, w), or a batch (N, C, h, w) -> (..., C, height, width): shorter side resized with antialiasing,
-    centre crop. The same pixels as torchvision's v2 resize + center_crop (tested), without its import: 1.3 s of
-    every start of every process."""
+    """uint8 (C, h, w), or a batch (N, C, h, w) -> (..., C, height, width): torchvision's resize of the shorter side
+    (bilinear, with antialiasing) and centre crop, bounded by the free memory first."""
     h, w = image.shape[-2:]
     if (h, w) == (height, width):
         return image
@@ -88,9 +86,6 @@ def fit(image: torch.Tensor, height: int, width: int, where: str = "images") -> 
     if need > 2**28 and need > free_memory():
         raise RecipeError(f"{where}: images of {w}x{h} pixels, resized to {new_w}x{new_h} before the centre crop, take "
                           f"{need / 2**30:.1f} GiB, more than the free memory: crop them nearer to a square first")
-    if (new_h, new_w) != (h, w):  # bilinear with antialiasing, computed on the uint8 pixels as torchvision does
-        batch = F.interpolate(image if image.ndim == 4 else image[None], size=(new_h, new_w), mode="bilinear",
-                              align_corners=False, antialias=True)
-        image = batch if image.ndim == 4 else batch[0]
-    top, left = int(round((new_h - height) / 2.0)), int(round((new_w - width) / 2.0))
-    return image[..., top:top + height, left:left + width]
+    from torchvision.transforms.v2 import functional  # here: 2 s of a start, paid only by a decode that resizes
+
+    return functional.center_crop(functional.resize(image, [new_h, new_w], antialias=True), [height, width])

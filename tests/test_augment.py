@@ -30,7 +30,7 @@ def test_random_crop_pads_with_one_colour_per_channel():
 
 
 def test_random_erasing_blanks_one_rectangle_in_the_share_of_images_asked():
-    from shared.augment import random_erase
+    from recipes.resnet18_fmnist import random_erase
 
     images = torch.full((4000, 3, 28, 28), 200, dtype=torch.uint8)
     # Seeded: a side rounded to whole pixels can make a rectangle of 12 pixels (2 x 6, 0.015 of 28 x 28) from an area

@@ -198,3 +198,15 @@ def test_published_files_that_would_not_fit_in_memory_converted_are_refused_firs
     cfg = finetune.Config.parse(["--data", str(digits), "--weights", "none", "--image_size", "200000"])
     with pytest.raises(RecipeError, match="33 images of 3x228571x228571 take 4817.0 GiB decoded, more than the"):
         finetune.load_data(cfg)
+
+
+def test_a_cached_weights_file_of_another_architecture_is_one_line(tmp_path, monkeypatch):
+    """ResNet-50's weights where torchvision caches resnet18's: torch's size-mismatch traceback before."""
+    (tmp_path / "hub" / "checkpoints").mkdir(parents=True)
+    torch.save(torchvision.models.resnet50().state_dict(), tmp_path / "hub" / "checkpoints" / CACHED)
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    cfg = finetune.Config()
+    with pytest.raises(RecipeError, match=r"holds another model's weights \('layer1.0.conv1.weight' is "
+                                          r"\(64, 64, 1, 1\) in the file, \(64, 64, 3, 3\) in the model, and \d+ more "
+                                          r"tensors differ\): delete it to download resnet18's again"):
+        finetune.load_pretrained(finetune.make_model(3, cfg), cfg)

@@ -1,6 +1,7 @@
-"""--init_from: a new run started from trained weights, in every recipe and across class counts. What fits (name and
-shape) is loaded as it is in the file; a head for another number of classes stays new; a file that fits nothing, or
-only the head, is one line."""
+"""--init_from: a new run started from trained weights, in every recipe and across class counts. Every tensor is
+loaded as it is in the file, but the classifier where it was trained on other classes (another count, or other
+names: --keep_classifier keeps it); weights of another model are one line (--init_partial loads what fits), and so is
+a file that fits nothing, or only the head."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from test_errors import one_line
+
+from shared.checkpoints import Checkpoints
+from shared.errors import RecipeError
 
 from conftest import ok, read_json, run_here
 from tiny_data import cifar_binary_dataset, cifar_folder, random_splits
@@ -45,7 +49,7 @@ def test_every_tensor_that_fits_is_loaded_and_the_head_is_new(recipe, tmp_path):
     save_file({k: v.contiguous() for k, v in trained.items()}, tmp_path / "model.safetensors")
     model = module.make_model(3, module.Config())
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    digest = Checkpoints.initial_weights(model, module.Config(init_from=str(tmp_path)))
+    digest = Checkpoints.initial_weights(model, module.Config(init_from=str(tmp_path)), ["a", "b", "c"])
     assert digest == hashlib.sha256((tmp_path / "model.safetensors").read_bytes()).hexdigest()
     head = [k for k, v in trained.items() if v.shape != before[k].shape]  # the classifier's weight and bias
     assert len(head) == 2
@@ -93,8 +97,9 @@ def the_mlps_weights(source: Path, folder: Path) -> Path:
 
 
 @pytest.mark.parametrize("make, needle", [
-    (only_the_head, "head.safetensors: only the last layer of it fits this model (same name and shape)"),
-    (the_mlps_weights, "mlp.safetensors: no tensor of it fits this model"),
+    (only_the_head, "head.safetensors holds another model's weights ('0.weight' is missing in the file, (32, 3, 5, 5) "
+     "in the model, and 22 more tensors differ): pass weights of this model"),
+    (the_mlps_weights, "mlp.safetensors holds another model's weights ('0.weight' is missing in the file"),
     (nan_weights, "nan.safetensors holds NaN or infinite weights"),
     (lambda source, folder: folder, "no .safetensors file there: pass a run's model.safetensors"),
     (lambda source, folder: source / "checkpoints", "no .safetensors file there"),
@@ -104,3 +109,38 @@ def test_weights_that_do_not_fit_are_one_line(env, source, three_classes, tmp_pa
     one_line(run_here("cifar_cnn", "--data", three_classes, *SHORT, "--max_steps", "1", "--init_from", path,
                       "--output_dir", tmp_path / "out"), needle)
     assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_with_init_partial_what_fits_is_loaded_and_the_rest_refused_as_before(source, three_classes, tmp_path):
+    for make, needle in ((only_the_head, "head.safetensors: only the last layer of it fits this model"),
+                         (the_mlps_weights, "mlp.safetensors: no tensor of it fits this model")):
+        one_line(run_here("cifar_cnn", "--data", three_classes, *SHORT, "--max_steps", "1", "--init_partial",
+                          "--init_from", make(source, tmp_path), "--output_dir", tmp_path / "out"), needle)
+
+
+def test_a_classifier_trained_on_other_class_names_starts_new_unless_kept(source, tmp_path):
+    """Ten classes again, but not the source's ten: the count fits, the classes do not (it loaded all 25 tensors)."""
+    other = cifar_folder(tmp_path / "cifar-10-batches-bin", random_splits((3, 32, 32), sizes=(24, 9), classes=10),
+                         [f"digit {i}" for i in range(10)])
+    args = ("--data", other, *SHORT, "--max_steps", "1", "--init_from", source)
+    result = ok(run_here("cifar_cnn", *args, "--output_dir", tmp_path / "new"))
+    assert ("23 of 25 tensors loaded; new: 15.weight, 15.bias (its classifier was trained on class_0, class_1, "
+            "class_2, class_3, ..., this data's classes are digit 0, digit 1, digit 2, digit 3, ...: "
+            "--keep_classifier keeps it)") in result.stdout
+    kept = ok(run_here("cifar_cnn", *args, "--keep_classifier", "--output_dir", tmp_path / "kept"))
+    assert "25 of 25 tensors loaded; new: none" in kept.stdout
+
+
+def test_another_architecture_is_refused_or_loaded_in_part_on_request(tmp_path):
+    """A ResNet-50 state dict given to finetune.py's resnet18 loaded 98 of 122 tensors and trained."""
+    import torchvision
+
+    finetune = importlib.import_module("recipes.finetune")
+    torch.manual_seed(0)
+    save_file(torchvision.models.resnet50(num_classes=3).state_dict(), tmp_path / "model.safetensors")
+    cfg = finetune.Config(init_from=str(tmp_path), weights="none")
+    with pytest.raises(RecipeError, match=r"holds another model's weights \('layer1.0.conv1.weight' is "
+                                          r"\(64, 64, 1, 1\) in the file, \(64, 64, 3, 3\) in the model, and \d+ more"):
+        Checkpoints.initial_weights(finetune.make_model(3, cfg), cfg, ["a", "b", "c"])
+    partial = finetune.Config(init_from=str(tmp_path), weights="none", init_partial=True)
+    Checkpoints.initial_weights(finetune.make_model(3, partial), partial, ["a", "b", "c"])  # conv1, bn1, ...: fit

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.batches import EpochOrder
 from shared.checkpoints import Progress, check_resume
+from shared.data import EpochOrder
 from shared.schedule import SCHEDULE_RULE, one_cycle_lr
 
 from conftest import ROOT, launch, ok, read_json, read_jsonl, run_here

@@ -12,9 +12,9 @@ from urllib.parse import urlparse
 import torch
 from accelerate.tracking import TensorBoardTracker, WandBTracker, on_main_process
 
-from shared.diagnostics import is_point
 from shared.errors import RecipeError, first_line
 from shared.schedule import SCHEDULE_RULE
+from shared.tracking.run_files import is_point
 
 
 class WandB(WandBTracker):
