@@ -9,8 +9,8 @@ checked and offered in an error, never imported or fetched. Its own make_model, 
 are used, so a copied and edited recipe works as it is.
 
 --images: any image files (subfolders included), any size, mode or channel count, each converted as the training
-data was (grayscale <-> colour, shorter side resized, centre crop). predictions.csv gets one row per image: path
-(relative to --images), class, confidence (softmax probability) and the top-k classes with theirs.
+data was. The CSV (--output; by default predictions-<images>.csv in the weights' run folder, replaced there) gets a
+row per image: path (relative to --images), class, confidence (softmax probability), the top-k classes with theirs.
 --evaluate: the recipe's evaluate() on the test split of --data, or of the data the weights were trained on where
 that is a folder on this machine, as one JSON line; under `accelerate launch` it runs on every process and
 precision of the config.
@@ -59,8 +59,8 @@ IMAGE_EXTENSIONS = {ext for ext, format in Image.registered_extensions().items()
 @dataclass
 class Config:
     weights: str = ""  # model.safetensors of a run, a checkpoint folder, or a .pt/.pth state dict
-    images: str = ""  # an image file, or a folder of them (subfolders included): predictions.csv
-    output: str = "predictions.csv"  # the CSV file --images writes
+    images: str = ""  # an image file, or a folder of them (subfolders included): a CSV of predictions
+    output: str | None = None  # the CSV --images writes; default: predictions-<images>.csv in the weights' run folder
     evaluate: bool = False  # instead of --images: test loss and accuracy on the test split, one JSON line
     data: str | None = None  # --evaluate on this data (hub id or folder); default: the weights' data if a local folder
     tta: bool = False  # --evaluate also with each image's logits averaged with its mirror's (recipes that flip)
@@ -251,7 +251,7 @@ def evaluate(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
 
 @torch.no_grad()
 def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
-    """--images: predictions.csv for a folder of images."""
+    """--images: a CSV of predictions for a folder of images."""
     state = PartialState()
     if state.num_processes > 1:
         raise RecipeError("predict.py --images runs in one process: start it with `python recipes/predict.py ...`")
@@ -265,11 +265,11 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
     options = {"cfg": recipe_cfg} if "cfg" in inspect.signature(recipe.preprocess).parameters else {}
     root = Path(cfg.images)
     images, skipped = find_images(root)
-    output = Path(cfg.output)
+    output = Path(cfg.output) if cfg.output else default_output(Path(cfg.weights), root)
     if output.is_dir() or not output.parent.is_dir():
         raise RecipeError(f"--output {output}: {'a folder' if output.is_dir() else 'its folder does not exist'}: pass "
                           "a file name in an existing folder")
-    if output.exists() and not cfg.overwrite:
+    if output.exists() and cfg.output and not cfg.overwrite:  # the default file: this script's own, replaced
         raise RecipeError(f"{output} exists: pass --overwrite to replace it, or another --output")
     if skipped:
         print(f"skipped {len(skipped)} file(s) that are not images by their extension, e.g. {skipped[0]}")
@@ -300,6 +300,15 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
         print(f"  {row[0]}: {row[1]} ({row[2]})")
     print("per class: " + ", ".join(f"{name} {n}" for name, n in counts.most_common()))
     print(f"wrote {output} ({len(rows)} images)")
+
+
+def default_output(weights: Path, images: Path) -> Path:
+    """predictions-<images>.csv in the run the weights belong to: beside a model.safetensors or .pt, in the run of a
+    checkpoint folder (never the checkpoint), never in the working folder (a repository)."""
+    folder = weights if weights.is_dir() else weights.parent
+    if folder.parent.name == "checkpoints":
+        folder = folder.parent.parent
+    return folder / f"predictions-{images.stem if images.is_file() else images.resolve().name}.csv"
 
 
 def run(cfg: Config) -> None:

@@ -206,7 +206,7 @@ def train(cfg: Config) -> None:
         log_with=trackers,  # wandb or TensorBoard, and config.json, metrics.jsonl, summary.json, curves.png
     )
     # CPU: glibc keeps freed memory (up to a quarter faster steps); GPU: TF32, cuDNN autotuning if asked (BENCHMARKS.md)
-    speed.device_settings(accelerator.device, cfg)
+    speed.device_settings(accelerator, cfg)
     set_seed(cfg.seed, device_specific=True)  # seed + rank: each process its own crops, flips and dropout masks
     with accelerator.local_main_process_first():  # one process per machine decodes into the machine's cache
         train_set, test_set = load_data(cfg)

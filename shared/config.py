@@ -6,6 +6,7 @@ the flags work without help. Booleans become `--flag / --no-flag`, `Literal[...]
 
 import argparse
 import dataclasses
+import difflib
 import inspect
 import math
 import re
@@ -21,7 +22,15 @@ def parse_config(cls: type, argv: list[str] | None = None):
     parser = argparse.ArgumentParser(description=(sys.modules[cls.__module__].__doc__ or "").split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                      allow_abbrev=False)  # `--lr` must not silently match `--lr_scaling`
-    parser.error = lambda message: parser.exit(2, f"{parser.prog}: error: {message} (see --help)\n")
+    flags = []  # every --flag, for the one a mistyped flag was meant to be (Python 3.14's argparse suggests too)
+
+    def error(message: str):
+        typed = re.match(r"unrecognized arguments: (--[\w-]+)", message)
+        close = difflib.get_close_matches(typed.group(1), flags, n=1) if typed else []
+        suggestion = f": did you mean {close[0]}?" if close else ""
+        parser.exit(2, f"{parser.prog}: error: {message}{suggestion} (see --help)\n")
+
+    parser.error = error
     helps = {}  # field -> the comment after it, base classes first so the recipe's own comments win
     for klass in reversed(cls.__mro__):
         try:  # the class's lines in its file: a recipe run from a notebook cell or exec() has none, and no help
@@ -45,6 +54,7 @@ def parse_config(cls: type, argv: list[str] | None = None):
         else:
             kwargs.update(type=kind, metavar=kind.__name__.upper())
         parser.add_argument(f"--{field.name}", **kwargs)
+        flags.append(f"--{field.name}")
     args = vars(parser.parse_args(argv))
     for name, value in args.items():  # NaN passes every `< 0` check, and ended as a NaN loss ("lower --lr")
         if isinstance(value, float) and not (math.isfinite(value) or name == "max_grad_norm" and value == math.inf):

@@ -197,6 +197,10 @@ class CifarUnpickler(pickle.Unpickler):
             return NDArrayName
         if (module, name) == ("numpy", "dtype"):
             return PickledDtype
+        if (module, name) == ("_codecs", "encode"):  # how Python 3 pickles bytes at protocol 2
+            return latin1_bytes
+        if (module, name) in (("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer")):
+            return array_from_buffer  # how NumPy pickles an array at protocol 5 (Python 3.14's default)
         raise pickle.UnpicklingError(f"it would call {module}.{name}")
 
 
@@ -213,6 +217,18 @@ class PickledDtype:
 
     def __setstate__(self, state):
         pass  # byte order and alignment: nothing to say for single bytes, and other types are refused
+
+
+def latin1_bytes(text, encoding) -> bytes:
+    if not (isinstance(text, str) and encoding in ("latin1", "latin-1")):
+        raise pickle.UnpicklingError("a _codecs.encode that is not bytes written as latin-1 text")
+    return text.encode("latin1")  # as many bytes as the text's characters: no more than the file holds
+
+
+def array_from_buffer(buffer, dtype, shape, order) -> "PickledArray":
+    array = PickledArray(NDArrayName)
+    array.__setstate__((1, shape, dtype, order != "C", bytes(buffer) if isinstance(buffer, bytearray) else buffer))
+    return array
 
 
 class PickledArray:
@@ -250,7 +266,8 @@ def read_pickled_batch(path: Path) -> dict:
         raise
     except Exception as error:  # anything a damaged pickle raises
         raise RecipeError(f"{path} is not a plain CIFAR pickle, refused ({first_line(error)[:200]}): download the "
-                          "dataset again, or use its binary version") from None
+                          "dataset again, or use its binary version; a file you made: pickle a dict of 'data' (a NumPy "
+                          "uint8 array, a row of 3,072 bytes per image) and 'labels' (a list of ints)") from None
     if not isinstance(batch, dict):
         raise RecipeError(f"{path} holds a {type(batch).__name__}, not a CIFAR batch (a dict): download it again")
     # Keys and names are str when Python 2 wrote them (read as latin-1), bytes when Python 3 wrote bytes

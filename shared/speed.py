@@ -4,6 +4,7 @@ cuDNN's autotuning when --cudnn_benchmark asks for it."""
 
 import ctypes
 import sys
+from pathlib import Path
 
 import torch
 
@@ -26,15 +27,30 @@ def keep_freed_memory() -> bool:
     return all(mallopt(parameter, KEEP_FREED_BYTES) == 1 for parameter in (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD))
 
 
-def device_settings(device: torch.device, cfg) -> dict:
-    """What the run's device gains from, set for this process; returns what was set. On a CPU, keep_freed_memory().
+def cpu_has_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether this CPU computes bf16 in hardware: Linux lists avx512_bf16 or amx_bf16 among its x86 flags. Elsewhere
+    (no x86 flags to read: macOS, ARM), it is not said otherwise."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return True
+    return "avx512_bf16" in text or "amx_bf16" in text or "\nflags" not in text
+
+
+def device_settings(accelerator, cfg) -> dict:
+    """What the run's device gains from, set for this process; returns what was set. On a CPU, keep_freed_memory(), and
+    a line where bf16 would be emulated (on a CPU without its instructions, 5x slower: BENCHMARKS.md).
     On a GPU, TF32 runs float32 matmuls and convolutions on the tensor cores with a 10-bit mantissa: the ResNet's
     float32 steps 2.9x faster than with neither in TF32 (one H100; torch's own default is TF32 for convolutions
     only); --no-tf32 for full float32. --cudnn_benchmark times cuDNN's algorithms for each new shape and keeps the
     fastest: steps 1.26-1.47x faster (the ResNet in bf16 at batch 512), but its 702-step run took 12.2 s with it
     against 10.2 s without (19.1 s in the first process on a fresh machine). Off by default: by these figures it
     pays beyond about 1,400 steps. BENCHMARKS.md, "GPU speed"."""
+    device = accelerator.device
     if device.type == "cpu":
+        if accelerator.mixed_precision == "bf16" and accelerator.is_main_process and not cpu_has_bf16():
+            print("warning: this CPU has no bf16 instructions (no avx512_bf16 or amx_bf16 in lscpu), so bf16 is "
+                  "emulated here, about 5x slower than float32: accelerate_configs/cpu.yaml is faster", flush=True)
         return {"keep_freed_memory": keep_freed_memory()}
     if device.type != "cuda":
         return {}

@@ -15,6 +15,9 @@ import torch
 STOP_CHECK_S = 1.0  # several processes agree on a stop about this often (seconds of training)
 SECOND_INTERRUPT_S = 1.0  # a SIGINT this long after the first is the user's second Ctrl-C, not torchrun's copy
 PR_SET_PDEATHSIG = 1  # prctl: the signal this process gets when its parent dies (<linux/prctl.h>)
+# Variables of the launch that change what a run does: accelerate's, the GPUs seen, wandb's, the data's caches, torch's
+# (its threads too: another count sums in another order, and the resume is no longer bitwise)
+READ_FROM_ENVIRONMENT = ("ACCELERATE_", "CUDA_VISIBLE_DEVICES", "WANDB_", "HF_", "TORCH_", "OMP_NUM_THREADS")
 
 
 class StopOnSignals:
@@ -34,6 +37,7 @@ class StopOnSignals:
     def __init__(self):
         self.signal = None  # the first signal's name, once one came
         self.launcher = launcher_command()  # read now: a stop under one process may outlive its launcher
+        self.environment = launch_environment(os.getppid() if self.launcher else os.getpid())
         self.next_check, self.last_check = 0, None  # the step of the processes' next agreement on a stop; the last's
 
     def stop_on_signals(self) -> None:
@@ -111,8 +115,21 @@ class StopOnSignals:
             if not skip and not arg.startswith(("--output_dir", "--resume", "--overwrite")):
                 args.append(arg)
             skip = arg in ("--output_dir", "--resume") and not skip
-        launcher = self.launcher or ["python"]
-        return shlex.join([*launcher, sys.argv[0], *args, "--output_dir", str(self.run_dir), "--resume", "latest"])
+        launcher = self.launcher or [sys.orig_argv[0]]  # else the interpreter, as it was started
+        return " ".join([*self.environment, shlex.join([*launcher, sys.argv[0], *args, "--output_dir",
+                                                        str(self.run_dir), "--resume", "latest"])])
+
+
+def launch_environment(pid: int) -> list[str]:
+    """NAME=value for each variable of the environment the run was started in (the launcher's, as the shell gave it)
+    that accelerate, torch, the data or the trackers read, secrets left out: pasted without them, the command that
+    continues the run ran otherwise (2gpu.yaml without ACCELERATE_USE_CPU=true: no GPUs, no run)."""
+    try:
+        pairs = [item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")]
+    except (OSError, UnicodeDecodeError):
+        return []
+    return [f"{name}={shlex.quote(value)}" for name, value in (pair for pair in pairs if len(pair) == 2)
+            if name.startswith(READ_FROM_ENVIRONMENT) and not any(secret in name for secret in ("KEY", "TOKEN"))]
 
 
 def launcher_command() -> list[str] | None:

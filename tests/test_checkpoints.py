@@ -8,6 +8,7 @@ also keep an EMA of the weights (--ema), which must come back bitwise as well.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -90,6 +91,13 @@ def test_resume_from_a_checkpoint_is_bitwise_exact(env, data, request, tmp_path,
         assert_bitwise_equal(ema_weights(out), ema_weights(reference))
     steps = [row["step"] for row in read_jsonl(out / "metrics.jsonl") if "train_loss" in row]
     assert steps == list(range(step + 1, 21))  # continued where the checkpoint stopped, each step once
+
+
+def pasted(command: str) -> subprocess.CompletedProcess:
+    """`command` pasted into a shell of a new terminal: the variables of a login, none of the test's (its HF_HOME,
+    ACCELERATE_USE_CPU, ...)."""
+    login = {name: os.environ[name] for name in ("PATH", "HOME", "LANG") if name in os.environ}
+    return subprocess.run(["bash", "-c", command], cwd=ROOT, env=login, capture_output=True, text=True, timeout=600)
 
 
 def start(env, *args) -> subprocess.Popen:
@@ -189,7 +197,7 @@ def test_sigterm_saves_the_current_step_exits_0_and_prints_a_working_resume_comm
     assert collect(out)[0]["state"] == f"stopped at step {read_json(out / 'summary.json')['step']}"
     resume = stdout.split("continue with:\n")[1].strip().splitlines()[0]
     assert "--resume latest" in resume and f"--output_dir {out}" in resume
-    ok(subprocess.run([sys.executable, *shlex.split(resume)[1:]], cwd=ROOT, env=env, capture_output=True, text=True))
+    ok(pasted(resume))
     assert_bitwise_equal(weights(out), weights(reference))
     # The summary is the whole run's, both pieces: every sample trained on once, the first piece's time included.
     summary, row = read_json(out / "summary.json"), collect(out)[0]
@@ -249,9 +257,10 @@ def test_a_stop_under_the_launcher_of_1_process(env, data, reference, tmp_path, 
     assert 1 <= stopped < 20 and (out / "checkpoints" / f"step_{stopped}").is_dir()
     assert not (out / "model.safetensors").exists()  # stopped, not finished
     # The command printed is the launcher's own, its flags (-q, the config file) included
-    resume = shlex.split(stdout.split("continue with:\n")[1].strip().splitlines()[0])
-    assert resume[:5] == ["accelerate", "launch", "-q", "--config_file", "accelerate_configs/cpu.yaml"], resume
-    ok(subprocess.run([*launcher, *resume[5:]], cwd=ROOT, env=env, capture_output=True, text=True))
+    resume = stdout.split("continue with:\n")[1].strip().splitlines()[0]
+    words = [word for word in shlex.split(resume) if not re.match(r"[A-Z_]+=", word)]  # after NAME=value settings
+    assert words[:5] == ["accelerate", "launch", "-q", "--config_file", "accelerate_configs/cpu.yaml"], resume
+    ok(pasted(resume))
     assert_bitwise_equal(weights(out), weights(reference))
 
 
@@ -291,7 +300,10 @@ def test_a_stop_of_2_processes_between_log_points(env, data, reference_of_two, t
     # Each process draws its own crops and flips (set_seed(..., device_specific=True)).
     states = [accelerate_load(checkpoint / f"random_states_{rank}.pkl") for rank in (0, 1)]
     assert not torch.equal(states[0]["torch_manual_seed"], states[1]["torch_manual_seed"])
-    ok(launch(env, "cifar_cnn", *args, "--output_dir", str(out), "--resume", "latest", config="2gpu", use_cpu=True))
+    # Pasted into a shell without ACCELERATE_USE_CPU=true: the command printed sets it (it failed: no GPUs).
+    resume = stdout.split("continue with:\n")[1].strip().splitlines()[0]
+    assert "ACCELERATE_USE_CPU=true " in resume and " accelerate launch --config_file " in resume, resume
+    ok(pasted(resume))
     # model.safetensors holds the EMA (--ema), the last checkpoint the trained weights: both as if never stopped.
     assert_bitwise_equal(weights(out), weights(reference_of_two))
     assert_bitwise_equal(load_file(out / "checkpoints" / "step_20" / "model.safetensors"),

@@ -127,6 +127,20 @@ def test_cifar_python_version_gives_the_tensors_of_its_binary_version(tmp_path, 
     assert torch.equal(from_python[0].labels, torch.from_numpy(splits["train"][1]))
 
 
+@pytest.mark.parametrize("protocol", [2, 5])
+def test_cifar_pickles_that_python_3_wrote_are_read_too(tmp_path, data_module, protocol):
+    """Protocol 2 from Python 3 stores bytes through _codecs.encode(text, 'latin1'), protocol 5 (Python 3.14's
+    default) arrays through numpy's _frombuffer: both were refused with "download the dataset again"."""
+    splits = random_splits((3, 32, 32), sizes=(60, 20))
+    classes = [f"class {i}" for i in range(10)]
+    cifar_python_folder(tmp_path / "py" / "cifar-10-batches-py", splits, classes, protocol=protocol)
+    cifar_folder(tmp_path / "bin" / "cifar-10-batches-bin", splits, classes)
+    for read, expected in zip(data_module.load_image_data(str(tmp_path / "py"), (3, 32, 32)),
+                              data_module.load_image_data(str(tmp_path / "bin"), (3, 32, 32))):
+        assert torch.equal(read.images, expected.images) and torch.equal(read.labels, expected.labels)
+        assert read.classes == classes
+
+
 def test_a_cifar_pickle_that_would_run_code_is_refused_in_one_line(env, tmp_path):
     # torchvision's download, as its root folder holds it: pickled batches, one of them hostile.
     folder = cifar_python_folder(tmp_path / "root" / "cifar-10-batches-py", random_splits((3, 32, 32)),

@@ -72,9 +72,14 @@ def test_an_error_is_one_line_in_a_launch(env, tmp_path, entry, args, needle):
     assert not (tmp_path / "run").exists()  # a start that fails leaves no folder
 
 
-@pytest.mark.parametrize("recipe", [*RECIPES, "finetune"])
-def test_unknown_flag(capsys, recipe):
-    assert "unrecognized arguments: --bogus" in flag_error(capsys, recipe, "--bogus", "1")
+@pytest.mark.parametrize("recipe", [*RECIPES, "finetune", "predict"])
+def test_a_mistyped_flag_is_named_with_the_flag_it_was_meant_to_be(capsys, recipe):
+    flag, meant = ("--weigths", "--weights") if recipe == "predict" else ("--max_step", "--max_steps")
+    assert f"unrecognized arguments: {flag} 5: did you mean {meant}? (see --help)" in flag_error(capsys, recipe, flag,
+                                                                                                 "5")
+    assert flag_error(capsys, recipe, "--bogus", "1").endswith("unrecognized arguments: --bogus 1 (see --help)")
+    if recipe == "finetune":  # renamed: a fraction of --lr, not a rate
+        assert "did you mean --backbone_lr_scale?" in flag_error(capsys, recipe, "--backbone_lr", "1e-4")
 
 
 def flag_error(capsys, recipe: str, *args: str) -> str:

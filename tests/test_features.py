@@ -132,6 +132,21 @@ def test_predict_writes_a_row_per_image_and_agrees_with_the_runs_evaluation(env,
     assert "per class: " in result.stdout
 
 
+def test_predict_writes_beside_the_weights_by_default_and_says_where(env, run, folder, tmp_path):
+    """It wrote predictions.csv into the working folder (the repository), and a second call needed --overwrite."""
+    out, _ = run
+    root, _ = folder
+    copy = tmp_path / "run"
+    (copy / "checkpoints").mkdir(parents=True)
+    (copy / "checkpoints" / "step_12").symlink_to(out / "checkpoints" / "step_12")
+    expected = copy / f"predictions-{root.name}.csv"
+    for weights in (out / "model.safetensors", out / "model.safetensors", copy / "checkpoints" / "step_12"):
+        written = out / f"predictions-{root.name}.csv" if weights.name == "model.safetensors" else expected
+        result = predict(env, "--weights", weights, "--images", root)
+        assert result.returncode == 0 and f"wrote {written} (" in result.stdout, result.stderr
+    assert expected.is_file() and not (copy / "checkpoints" / "step_12" / expected.name).exists()
+
+
 def test_predict_bad_input_is_one_line_and_keeps_what_is_on_disk(env, run, folder, tmp_path):
     out, _ = run
     root, _ = folder

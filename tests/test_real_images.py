@@ -57,6 +57,17 @@ def test_colour_photos_into_the_grayscale_recipe(env, photos10, tmp_path):
     assert read_json(out / "summary.json")["steps"] == 2
 
 
+def test_the_conversion_line_gives_the_sizes_found():
+    """It named the first image's size when the images ranged from 60 to 140 px."""
+    from shared.images import conversion
+
+    seen = {"channels": {1, 3}, "sizes": {(60, 60), (140, 94), (100, 140)}}
+    assert conversion((3, 224, 224), seen) == ("grayscale -> colour; 3 sizes, 60-140 px wide and 60-140 px high -> "
+                                               "224x224 (shorter side resized with antialiasing, then centre-cropped)")
+    assert conversion((3, 32, 32), {"channels": {3}, "sizes": {(40, 40)}}).startswith("40x40 -> 32x32")
+    assert conversion((3, 32, 32), {"channels": {3}, "sizes": {(32, 32)}}) == ""
+
+
 def test_seven_classes_of_40px_photos_in_an_imagefolder(env, tmp_path):
     from recipes.cifar_cnn import make_model
 

@@ -116,9 +116,11 @@ def python2_pickle(value) -> bytes:
     return out.getvalue()
 
 
-def cifar_python_folder(folder: Path, splits: dict, classes: list[str], hundred: bool = False) -> Path:
+def cifar_python_folder(folder: Path, splits: dict, classes: list[str], hundred: bool = False,
+                        protocol: int | None = None) -> Path:
     """CIFAR's Python version, as torchvision downloads it: dicts pickled by Python 2, their keys and names Python 2
-    str (bytes here), the images one uint8 array of rows of 3,072 bytes (R, G, B planes) per file."""
+    str (bytes here), the images one uint8 array of rows of 3,072 bytes (R, G, B planes) per file; or, with a
+    `protocol`, as Python 3 pickles the same dicts (str keys and names, a NumPy array)."""
     folder.mkdir(parents=True, exist_ok=True)
     labels_key, names_key = (b"fine_labels", b"fine_label_names") if hundred else (b"labels", b"label_names")
     files = ({"train": ["train"], "test": ["test"]} if hundred
@@ -128,9 +130,12 @@ def cifar_python_folder(folder: Path, splits: dict, classes: list[str], hundred:
         for name, part in zip(names, np.array_split(np.arange(len(labels)), len(names))):
             batch = {b"batch_label": f"batch {name} \xe9".encode("latin1"), labels_key: labels[part].tolist(),
                      b"data": images[part].reshape(len(part), -1), b"filenames": [f"{i}.png".encode() for i in part]}
-            (folder / name).write_bytes(python2_pickle(batch))
+            (folder / name).write_bytes(python2_pickle(batch) if protocol is None else pickle.dumps(
+                {key.decode(): value for key, value in batch.items()}, protocol=protocol))
     names_file = folder / ("meta" if hundred else "batches.meta")
-    names_file.write_bytes(python2_pickle({names_key: [name.encode("latin1") for name in classes]}))
+    names = {names_key: [name.encode("latin1") for name in classes]}
+    names_file.write_bytes(python2_pickle(names) if protocol is None else pickle.dumps(
+        {names_key.decode(): list(classes)}, protocol=protocol))
     return folder
 
 

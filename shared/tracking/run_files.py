@@ -126,9 +126,6 @@ class RunFiles(GeneralTracker):
         write_json(self.run_dir / "summary.json", {**self.summary, **self.labels})
         plot_curves(read_rows(self.metrics), self.run_dir / "curves.png",
                     self.run_dir.name + (" (SYNTHETIC DATA)" if self.labels else ""))
-        offline_runs = sorted((self.run_dir / "wandb").glob("offline-run-*"))
-        if offline_runs:
-            print(f"wandb ran offline; upload the run with: wandb sync {offline_runs[-1]}")
 
 
 def write_json(path: Path, values: dict) -> None:

@@ -34,7 +34,11 @@ class WandB(WandBTracker):
                 mode = "online" if netrc.netrc().authenticators(host) else "offline"
             except (OSError, netrc.NetrcParseError):
                 mode = "offline"
-        super().__init__(project, dir=str(run_dir), id=run_id, resume="allow", mode=mode, tags=tags)
+        import wandb
+
+        # silent: wandb's own dozen lines at the start and a table at the end; where the run is, said once in start()
+        super().__init__(project, dir=str(run_dir), id=run_id, resume="allow", mode=mode, tags=tags,
+                         settings=wandb.Settings(silent=True))
 
     @on_main_process
     def start(self):
@@ -52,6 +56,9 @@ class WandB(WandBTracker):
             super().start()
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
+        where = self.run.url if self.init_kwargs["mode"] == "online" else (
+            f"offline, in {Path(self.run.dir).parent}; upload it later with: wandb sync {Path(self.run.dir).parent}")
+        print(f"wandb: {where}", flush=True)
 
     @on_main_process
     def store_init_configuration(self, values: dict):
