@@ -39,7 +39,7 @@ def cpu_has_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
 
 def device_settings(accelerator, cfg) -> dict:
     """What the run's device gains from, set for this process; returns what was set. On a CPU, keep_freed_memory(), and
-    a line where bf16 would be emulated (on a CPU without its instructions, 5x slower: BENCHMARKS.md).
+    a line where bf16 would be emulated (on a CPU without its instructions, several times slower: BENCHMARKS.md).
     On a GPU, TF32 runs float32 matmuls and convolutions on the tensor cores with a 10-bit mantissa: the ResNet's
     float32 steps 2.9x faster than with neither in TF32 (one H100; torch's own default is TF32 for convolutions
     only); --no-tf32 for full float32. --cudnn_benchmark times cuDNN's algorithms for each new shape and keeps the
@@ -50,7 +50,7 @@ def device_settings(accelerator, cfg) -> dict:
     if device.type == "cpu":
         if accelerator.mixed_precision == "bf16" and accelerator.is_main_process and not cpu_has_bf16():
             print("warning: this CPU has no bf16 instructions (no avx512_bf16 or amx_bf16 in lscpu), so bf16 is "
-                  "emulated here, about 5x slower than float32: accelerate_configs/cpu.yaml is faster", flush=True)
+                  "emulated here, several times slower than float32: accelerate_configs/cpu.yaml is faster", flush=True)
         return {"keep_freed_memory": keep_freed_memory()}
     if device.type != "cuda":
         return {}

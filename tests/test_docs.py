@@ -81,3 +81,31 @@ def test_a_stale_name_fails_the_check():
     assert not (ROOT / "shared" / "memory.py").exists()
     assert "--backbone_lr" not in entry_point_flags() | OTHER_TOOLS
     assert PATH.findall("see `shared/memory.py`.") == ["shared/memory.py"]
+
+
+def test_what_a_recipe_uses_from_shared_is_what_the_docs_list():
+    """docs/your_project.md lists cifar_cnn.py's imported names, the functions it calls and the methods of the objects
+    it makes (the README said "at most 12 helpers" when a recipe called 25)."""
+    tree = ast.parse((ROOT / "recipes" / "cifar_cnn.py").read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                and (node.module or "").startswith("shared") for alias in node.names}
+    objects = {"checkpoints", "window", "order"}  # Checkpoints(...), tracking.TrainWindow(...), EpochOrder(...)
+    called = {"functions": set(), "methods": set()}
+    for node in ast.walk(tree):
+        function = getattr(node, "func", None)
+        if isinstance(node, ast.Call) and isinstance(function, ast.Attribute) and isinstance(function.value, ast.Name):
+            name = f"{node.func.value.id}.{node.func.attr}"
+            if node.func.value.id in imported and node.func.attr[0].islower():
+                called["functions"].add(name)
+            elif node.func.value.id in objects:
+                called["methods"].add(name)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in imported \
+                and node.func.id[0].islower():
+            called["functions"].add(node.func.id)
+    text = (ROOT / "docs" / "your_project.md").read_text()
+    listed = {kind: set(re.findall(r"`([\w.]+)`", text.split(f"- {heading}")[1].split("\n- ")[0]))
+              for kind, heading in (("imported", "imported names"), ("functions", "functions called"),
+                                    ("methods", "methods of the three objects"))}
+    assert listed["imported"] == imported and len(imported) == 11
+    assert listed["functions"] == called["functions"] and len(called["functions"]) == 13
+    assert listed["methods"] == called["methods"] and len(called["methods"]) == 13
