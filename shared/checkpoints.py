@@ -24,9 +24,9 @@ from safetensors.torch import save_file
 
 from shared.errors import RecipeError, first_line
 from shared.limits import replacing
-from shared.resume import check_resume, find_checkpoint, list_checkpoints
+from shared.resume import check_resume, find_checkpoint, list_checkpoints, read_json
 from shared.stopping import StopOnSignals
-from shared.tracking.folder import new_folder
+from shared.tracking.folder import check_entries, new_folder
 
 
 def plain_name(key: str) -> str:
@@ -73,6 +73,12 @@ class Checkpoints(StopOnSignals):
     def __init__(self, accelerator, run_dir: Path, cfg):
         super().__init__()
         self.accelerator, self.run_dir, self.cfg = accelerator, Path(run_dir), cfg
+        self.folder = Path(cfg.checkpoint_dir).absolute() if cfg.checkpoint_dir else self.run_dir / "checkpoints"
+        recorded = read_json(self.run_dir / "config.json") if cfg.resume else None
+        if isinstance(recorded, dict) and recorded.get("checkpoint_dir") and not cfg.checkpoint_dir:
+            # config.json says where they are, but a run folder (from anywhere) never chooses where a run writes
+            raise RecipeError(f"{self.run_dir} keeps its checkpoints in {str(recorded['checkpoint_dir'])[:200]!r}: "
+                              "pass --checkpoint_dir with that folder to continue it")
         self.resumed_from = None
         self.saved = set()  # checkpoints this launch wrote: the only ones `save` may take as already saved
 
@@ -81,7 +87,8 @@ class Checkpoints(StopOnSignals):
         checkpoint can run code. On another number of processes than the checkpoint's, every process is re-seeded."""
         if not self.cfg.resume:
             return None
-        checkpoint = find_checkpoint(self.run_dir, self.cfg.resume)
+        checkpoint = find_checkpoint(self.folder, self.cfg.resume)
+        check_entries(checkpoint)  # --checkpoint_dir: outside the run folder its open_run checked
         for pickled in sorted(checkpoint.glob("*.pkl")) + sorted(checkpoint.glob("*.bin")):
             Checkpoints.check_archive(pickled)
             try:  # accelerate loads registered objects with weights_only=False: refuse what weights_only would
@@ -112,15 +119,15 @@ class Checkpoints(StopOnSignals):
                 f"process is re-seeded from (--seed, step {progress.step}, rank). Augmentation and dropout draws "
                 "differ from a run never stopped: bitwise equality holds only on the same world size")
         self.resumed_from = checkpoint
-        if checkpoint.resolve() == (self.run_dir / "checkpoints" / checkpoint.name).resolve():
-            self.saved.add(self.run_dir / "checkpoints" / checkpoint.name)  # resumed at the last step: not saved again
+        if checkpoint.resolve() == (self.folder / checkpoint.name).resolve():
+            self.saved.add(self.folder / checkpoint.name)  # resumed at the last step: not saved again
         return checkpoint
 
     def branch(self, checkpoint: Path, step: int) -> None:
         """Resumed from a checkpoint older than the run's newest: move the later history (its checkpoints, final
         weights, summary and pictures, a copy of its metrics) aside into abandoned/, so that it is neither deleted
         nor ever continued by --resume latest or mixed into this history's files."""
-        later = [p for p in list_checkpoints(self.run_dir) if int(p.name.split("_")[1]) > step]
+        later = [p for p in list_checkpoints(self.folder) if int(p.name.split("_")[1]) > step]
         if self.accelerator.is_main_process and later:
             # -2, -3 after the name for branches from one step in one second; a read-only abandoned/ (a run folder
             # from elsewhere) makes nothing, and the first move fails, before anything moved
@@ -152,15 +159,15 @@ class Checkpoints(StopOnSignals):
         """The full training state in checkpoints/step_<step>, keeping the newest --keep_checkpoints. Weights that
         are no longer finite (BatchNorm's running statistics included) are never saved."""
         if not all(torch.isfinite(t).all() for t in model.state_dict().values()):
-            good = list_checkpoints(self.run_dir)
+            good = list_checkpoints(self.folder)
             raise RecipeError(f"the weights became NaN or inf by step {step} (lower --lr): nothing saved; "
                               f"the newest good checkpoint is {good[-1] if good else 'none (none was saved yet)'}")
-        final = self.run_dir / "checkpoints" / f"step_{step}"
+        final = self.folder / f"step_{step}"
         if final in self.saved:
             return final  # already saved at this step (--checkpoint_every landed on the last one)
         if final.exists():
             raise RecipeError(f"{final} exists but this run did not write it: is another run writing to "
-                              f"{self.run_dir}? Nothing overwritten; pass another --output_dir")
+                              f"{self.folder}? Nothing overwritten; pass another --output_dir (or --checkpoint_dir)")
         partial = final.with_name(f"partial_{final.name}")
         if self.accelerator.is_main_process:
             shutil.rmtree(partial, ignore_errors=True)  # left over by a run killed while saving
@@ -175,7 +182,7 @@ class Checkpoints(StopOnSignals):
             if (self.run_dir / "config.json").exists():  # the configuration that wrote it, for the resume report
                 shutil.copy2(self.run_dir / "config.json", partial / "config.json")
             os.replace(partial, final)
-            for old in list_checkpoints(self.run_dir)[:-self.cfg.keep_checkpoints]:
+            for old in list_checkpoints(self.folder)[:-self.cfg.keep_checkpoints]:
                 shutil.rmtree(old)
         self.accelerator.wait_for_everyone()
         self.saved.add(final)
@@ -196,7 +203,7 @@ class Checkpoints(StopOnSignals):
         """A full disk or quota: torch.save says it as a RuntimeError ("unexpected pos"), safetensors as its own
         error, Python as OSError. One line with the free space and the checkpoint a resume continues from."""
         reason = error.strerror if isinstance(error, OSError) and error.strerror else first_line(error)[:120]
-        good = list_checkpoints(self.run_dir)
+        good = list_checkpoints(self.folder)
         raise RecipeError(f"{what} failed ({reason}; {shutil.disk_usage(self.run_dir).free / 2**20:.1f} MiB free "
                           f"there): the newest complete checkpoint is {good[-1] if good else 'none'}; free space, then "
                           "continue with --resume latest") from None

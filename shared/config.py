@@ -84,6 +84,7 @@ class RunConfig:
     log_every: int | None = None  # optimizer steps between train_loss / lr / grad_norm points; default: ~100 a run
     checkpoint_every: int = 0  # optimizer steps between full-state checkpoints (0: only at the end)
     keep_checkpoints: int = 3  # newest full-state checkpoints kept on disk
+    checkpoint_dir: str | None = None  # where checkpoints go (a scratch disk); default: <output_dir>/checkpoints
     resume: str | None = None  # `latest` or a checkpoints/step_<N> folder to continue from
     init_from: str | None = None  # a model.safetensors (or a run or checkpoint folder) to start a new run from
     init_partial: bool = False  # --init_from another model: load only the tensors that fit by name and shape

@@ -14,7 +14,8 @@ DATA_ORDER_KEYS = ("data", "synthetic", "train_size", "seed")  # change one, and
 BATCHING_KEYS = ("world_size", "batch_size", "grad_accum")  # these only cut the same order into other batches
 # Not settings of the training: where the run was started from, and which copy of the script ran it.
 MAX_JSON_BYTES = 2**24  # a config.json: a few KB, up to about 2 MB with 100,000 class names
-NOT_SETTINGS = ("resume", "resumed_step", "resumed_from", "run_id", "overwrite", "output_dir", "versions", "script")
+NOT_SETTINGS = ("resume", "resumed_step", "resumed_from", "run_id", "overwrite", "output_dir", "versions", "script",
+                "checkpoint_dir")
 
 
 def read_json(path: Path):
@@ -30,21 +31,22 @@ def read_json(path: Path):
     return None
 
 
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first."""
-    found = [p for p in (Path(run_dir) / "checkpoints").glob("step_*") if p.is_dir() and STEP_DIR.search(p.name)]
+def list_checkpoints(folder: Path) -> list[Path]:
+    """Complete checkpoints in a run's checkpoint folder, oldest first."""
+    found = [p for p in Path(folder).glob("step_*") if p.is_dir() and STEP_DIR.search(p.name)]
     return sorted(found, key=lambda p: int(STEP_DIR.search(p.name).group(1)))
 
 
-def find_checkpoint(run_dir: Path | None, resume: str) -> Path:
-    """The checkpoint --resume names: the newest complete one of run_dir (`latest`), or a checkpoint folder."""
+def find_checkpoint(folder: Path | None, resume: str) -> Path:
+    """The checkpoint --resume names: the newest complete one in a run's checkpoint folder (`latest`), or a
+    checkpoint folder."""
     if resume != "latest":
         if not (Path(resume) / "custom_checkpoint_0.pkl").is_file() or not STEP_DIR.search(Path(resume).name):
             raise RecipeError(f"--resume {resume}: not a checkpoint folder (expected checkpoints/step_<N> of a run)")
         return Path(resume)
-    checkpoints = list_checkpoints(run_dir)
+    checkpoints = list_checkpoints(folder)
     if not checkpoints:
-        raise RecipeError(f"--resume latest: {run_dir} has no checkpoints: start it without --resume, "
+        raise RecipeError(f"--resume latest: {folder} has no checkpoints: start it without --resume, "
                           "or pass --output_dir of a run that saved one (--checkpoint_every N)")
     return checkpoints[-1]
 

@@ -69,7 +69,7 @@ class StopOnSignals:
             for signum in os.read(read_end, 64):
                 if signum == signal.SIGINT and first is not None and time.monotonic() - first > SECOND_INTERRUPT_S:
                     os.write(2, f"error: stopped at once by a second Ctrl-C, without saving: continue from the newest "
-                                f"checkpoint in {self.run_dir / 'checkpoints'} with --resume latest\n".encode())
+                                f"checkpoint in {self.folder} with --resume latest\n".encode())
                     os._exit(128 + signal.SIGINT)
                 if signum == signal.SIGINT and first is None:
                     first = time.monotonic()

@@ -93,6 +93,28 @@ def test_resume_from_a_checkpoint_is_bitwise_exact(env, data, request, tmp_path,
     assert steps == list(range(step + 1, 21))  # continued where the checkpoint stopped, each step once
 
 
+def test_checkpoints_on_another_disk(data, reference, tmp_path):
+    """--checkpoint_dir: checkpoints saved, pruned and resumed there (a cluster's scratch disk), recorded in
+    config.json, whose record alone never sends a write there: a resume without the flag is one line naming the
+    folder. A checkpoints/ link, refused as any link in a run folder, names the flag."""
+    out, scratch = tmp_path / "run", tmp_path / "scratch" / "run"
+    args = ("--data", data, "--output_dir", out, *RUN)
+    ok(run_here("cifar_cnn", *args, "--checkpoint_dir", scratch, "--keep_checkpoints", "2"))
+    assert sorted(p.name for p in scratch.iterdir()) == ["step_18", "step_20"] and not (out / "checkpoints").exists()
+    assert read_json(out / "config.json")["checkpoint_dir"] == str(scratch)
+    shutil.rmtree(scratch / "step_20")  # as if stopped after step 18's checkpoint
+    (out / "model.safetensors").unlink()
+    one_line(run_here("cifar_cnn", *args, "--resume", "latest"))
+    result = ok(run_here("cifar_cnn", *args, "--resume", "latest", "--checkpoint_dir", scratch))
+    assert f"resuming from {scratch / 'step_18'}: step 18" in result.stdout
+    assert_bitwise_equal(weights(out), weights(reference))
+    linked = tmp_path / "linked"
+    shutil.copytree(out, linked)
+    (linked / "checkpoints").symlink_to(scratch)
+    line = one_line(run_here("cifar_cnn", "--data", data, "--output_dir", linked, *RUN, "--resume", "latest"))
+    assert "checkpoints' is a symbolic link" in line and "(checkpoints on another disk: --checkpoint_dir DIR)" in line
+
+
 def pasted(command: str) -> subprocess.CompletedProcess:
     """`command` pasted into a shell of a new terminal: the variables of a login, none of the test's (its HF_HOME,
     ACCELERATE_USE_CPU, ...)."""

@@ -414,7 +414,7 @@ def test_resume_of_a_checkpoint_at_a_one_part_relative_path(env, data, run, tmp_
 
 def test_resume_latest_of_a_folder_without_checkpoints(env, data, tmp_path):
     refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--resume", "latest", "--output_dir",
-            tmp_path / "out", needle="has no checkpoints")
+            tmp_path / "out", needle="has no checkpoints", decoded=True)  # found after the data is read
 
 
 @pytest.mark.parametrize("tampered", [{"step": "3"}, {"max_eval_acc": 5.0}, {"wall_s": -1e9}, {"pieces": 10**15},

@@ -36,6 +36,9 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
     if cfg.resume and cfg.resume != "latest":  # a checkpoint folder: it continues its own run, or a new one
         checkpoint = find_checkpoint(None, cfg.resume).resolve()
         its_run = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else None
+        recorded = read_json(Path(output_dir) / "config.json") if output_dir else None
+        if isinstance(recorded, dict) and Path(recorded.get("checkpoint_dir") or "/").resolve() == checkpoint.parent:
+            its_run = Path(output_dir).resolve()  # a checkpoint in the run's --checkpoint_dir
         if output_dir is None and not (its_run and is_run(its_run)):
             raise RecipeError(f"--resume {cfg.resume} is not in a run's checkpoints/ folder, so there is no run to "
                               "continue in: add --output_dir NEW_FOLDER to continue it there as a new run")
@@ -116,7 +119,8 @@ def check_entries(folder: Path) -> None:
         if not entry.is_file(follow_symlinks=False):
             kind = "a symbolic link" if entry.is_symlink() else "a FIFO, socket or device, not a regular file"
             raise RecipeError(f"{entry.path!r} is {kind}: nothing in a run folder is written or read through one (it "
-                              "may lead outside the run, or block): replace it by a copy of the file, or delete it")
+                              "may lead outside the run, or block): replace it by a copy of the file, or delete it "
+                              "(checkpoints on another disk: --checkpoint_dir DIR)")
 
 
 _LOCKS: dict[Path, int] = {}  # run folder -> its open descriptor, locked while this process runs in it
