@@ -53,7 +53,9 @@ def test_one_command_makes_a_project_that_runs_its_readme_and_a_metric_is_one_ed
     assert all("eval_top2" in row and row["eval_top2"] >= row["eval_acc"] for row in rows if "eval_loss" in row)
     summary, config = read_json(run / "summary.json"), read_json(run / "config.json")
     assert summary["pieces"] == 2 and config["recipe"] == "my_project" and config["data"] == str(data)
-    assert len((project / "predictions.csv").read_text().splitlines()) == 4  # a header and a row per image
+    # a header and a row per image, in the run's folder (the project's own folder keeps its files)
+    assert len((run / "predictions-my_photos.csv").read_text().splitlines()) == 4
+    assert "wrote runs/RUN/predictions-my_photos.csv (3 images)" in outputs[2]
     evaluated = json.loads(outputs[3].strip().splitlines()[-1])
     table = outputs[4].splitlines()  # the runs table, a metric_sums entry among its columns
     assert len(outputs) == 5 and "eval_top2" in table[0]
