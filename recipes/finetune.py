@@ -3,7 +3,7 @@ through the frozen layers), then the whole network with a lower learning rate fo
 
 `--model` is any torchvision classification builder but googlenet and inception_v3 (resnet18, resnet50,
 efficientnet_b0, squeezenet1_1, convnext_tiny, vit_b_16, ...), `--weights` its pretrained weights (DEFAULT, a name
-such as IMAGENET1K_V1, or none), read by torchvision's own loader from its cache, $TORCH_HOME/hub/checkpoints/. Your
+such as IMAGENET1K_V1, or none), torchvision's file, read from its cache, $TORCH_HOME/hub/checkpoints/. Your
 photos (an imagefolder, parquet, a hub id or any format the recipes read) are preprocessed as the weights were.
 
 Result: with ImageNet weights, not measured (no download here). Pretrained on the real Fashion-MNIST, then 120 steps
@@ -174,26 +174,34 @@ def make_model(num_classes: int, cfg: Config | None = None) -> nn.Module:
 
 
 def load_pretrained(model: nn.Module, cfg: Config) -> None:
-    """--weights into every layer but the new classifier, through torchvision's loader: the file in its cache, else
-    downloaded there; read with weights_only=True (tensors only: a file that would run code is refused)."""
+    """--weights into every layer but the new classifier: torchvision's file for them, in its cache (downloaded there
+    if missing), read from that exact file with weights_only=True (tensors only: a file that would run code is
+    refused). Not through torch.hub's loader: a zip of one entry is its legacy format, extracted beside the file under
+    the name inside it, which could overwrite another cached file or make folders."""
     if cfg.weights == "none":
         return
     weights = chosen_weights(cfg.model, cfg.weights)
     file = Path(torch.hub.get_dir()) / "checkpoints" / Path(urlparse(weights.url).path).name
-    if file.exists():  # a cached file from anywhere: a regular file, no compressed entry, bounded by its size
-        Checkpoints.check_archive(file)
     try:
-        state = weights.get_state_dict(progress=False, weights_only=True)
+        if not file.exists():
+            file.parent.mkdir(parents=True, exist_ok=True)
+            torch.hub.download_url_to_file(weights.url, str(file), progress=False)
+        Checkpoints.check_archive(file)  # from anywhere: a regular file, no compressed entry, bounded by its size
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except RecipeError:
+        raise
     except Exception as error:
         where = "cannot be read" if file.is_file() else f"is not there and could not be downloaded from {weights.url}"
         raise RecipeError(f"--weights {weights}: {file} {where} ({type(error).__name__}): download it where the "
                           "internet is reachable and copy it there (or set TORCH_HOME), or pass --weights none"
                           ) from None
     head = classifier_name(model) + "."  # new, for your classes
-    if wrong := mismatch(model.state_dict(), {k: tuple(v.shape) for k, v in state.items()}, skip=head):
+    shapes = {k: tuple(v.shape) for k, v in state.items() if isinstance(k, str) and isinstance(v, torch.Tensor)
+              } if isinstance(state, dict) else {}  # a state dict's names and tensors, whatever else the file holds
+    if wrong := mismatch(model.state_dict(), shapes, skip=head):
         raise RecipeError(f"--weights: {file} holds another model's weights ({wrong}): delete it to download "
                           f"{cfg.model}'s again")
-    model.load_state_dict({k: v for k, v in state.items() if not k.startswith(head)}, strict=False)
+    model.load_state_dict({k: state[k] for k in shapes if not k.startswith(head)}, strict=False)
 
 
 def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:

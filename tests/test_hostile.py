@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torchvision
 from safetensors.torch import save_file
 
 from shared.data import CACHE_DIR
@@ -187,6 +188,22 @@ def test_compressed_weights_are_not_inflated(env, run, tmp_path, claim):
     refused(env, tmp_path, "predict", "--weights", pt, "--recipe", "cifar_cnn", "--classes", ",".join("abcdefghij"),
             "--images", tmp_path, "--output", tmp_path / "out" / "p.csv",
             needle="which torch.save never writes: they could inflate to any size, so it is not loaded", launched=True)
+
+
+@pytest.mark.parametrize("entry", ["resnet50-11ad3fa6.pth", "sub/dir/planted.pth"])
+def test_a_cached_weights_file_in_torch_hubs_legacy_zip_format_is_not_extracted(env, data, tmp_path, entry):
+    """A zip of one entry at torchvision's cache path is torch.hub's legacy format: torch.hub extracted the entry
+    beside it under the entry's own name (over the user's cached ResNet-50 weights, or into new folders) and
+    finetune.py trained on it. Read as the exact file, it is no torch.save file: one line, nothing written."""
+    cache = tmp_path / "home" / "hub" / "checkpoints"
+    cache.mkdir(parents=True)
+    (cache / "resnet50-11ad3fa6.pth").write_bytes(b"the user's cached ResNet-50 weights")
+    torch.save(torchvision.models.resnet18().state_dict(), tmp_path / "resnet18.pth")
+    with zipfile.ZipFile(cache / "resnet18-f37072fd.pth", "w") as archive:
+        archive.write(tmp_path / "resnet18.pth", entry)
+    refused(env, tmp_path, "finetune", "--data", data, "--image_size", "32", *SHORT, "--output_dir", tmp_path / "out",
+            needle="resnet18-f37072fd.pth cannot be read (", decoded=True,
+            variables={"TORCH_HOME": str(tmp_path / "home")})
 
 
 @pytest.mark.slow  # launched: inflated, it would take gigabytes
