@@ -235,10 +235,11 @@ class PickledArray:
     """An array as NumPy pickles it: _reconstruct(ndarray, ...), then its state (shape, dtype, the bytes). Only uint8
     arrays in C order whose bytes are all in the file: a shape never allocates more than the file holds."""
 
+    array = None  # until its state comes: also made without __init__ (NEWOBJ), or never given a state (no BUILD)
+
     def __init__(self, cls, shape=(0,), typecode=b"b"):
         if cls is not NDArrayName:
             raise pickle.UnpicklingError("it would build an array of another class")
-        self.array = None
 
     def __setstate__(self, state):
         _, shape, dtype, fortran_order, raw = state if isinstance(state, tuple) and len(state) == 5 else [None] * 5

@@ -567,6 +567,17 @@ def test_cifar_pickles_that_lie(env, tmp_path, key, value, needle):
             cwd=tmp_path, launched=isinstance(value, ShapedArray) or "numpy.ndarray" in needle)
 
 
+def test_a_cifar_array_reconstructed_without_its_state(env, tmp_path):
+    """NEWOBJ of NumPy's _reconstruct with no BUILD after it: an array stand-in never given its shape or bytes (an
+    AttributeError's traceback before)."""
+    folder = cifar_python_folder(tmp_path / "cifar-10-batches-py", random_splits((3, 32, 32)),
+                                 [str(i) for i in range(10)])
+    (folder / "data_batch_2").write_bytes(b"\x80\x02}(X\x04\x00\x00\x00datacnumpy.core.multiarray\n_reconstruct\n)"
+                                          b"\x81u.")
+    refused(env, tmp_path, "cifar_cnn", "--data", folder, *SHORT, "--output_dir", tmp_path / "out",
+            needle="data_batch_2: its 'data' is not uint8 rows of 3,072 bytes")
+
+
 @pytest.mark.parametrize("names, needle", [
     (laughs(), "has no 'label_names' list of up to 256 names"),
     ([str(i) for i in range(9)] + [10**20000], "has no 'label_names' list of up to 256 names"),
