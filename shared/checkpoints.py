@@ -9,6 +9,7 @@ run killed mid-save leaves the previous checkpoint as the newest. The learning r
 import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
 import time
@@ -23,7 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from shared.errors import RecipeError, first_line
-from shared.limits import replacing
+from shared.limits import check_pickle, replacing
 from shared.resume import check_resume, find_checkpoint, list_checkpoints, read_json
 from shared.stopping import StopOnSignals
 from shared.tracking.folder import check_entries, new_folder
@@ -220,14 +221,18 @@ class Checkpoints(StopOnSignals):
         try:
             with zipfile.ZipFile(path) as archive:
                 entries = archive.infolist()
-        except (zipfile.BadZipFile, OSError, ValueError) as error:
-            raise RecipeError(f"{str(path)!r} is a damaged zip archive ({first_line(error)[:100]}): pass the file "
-                              "torch.save wrote") from None
-        packed = [entry.filename for entry in entries if entry.compress_type != zipfile.ZIP_STORED]
-        if packed or sum(entry.file_size for entry in entries) > path.stat().st_size:
-            raise RecipeError(f"{str(path)!r} holds {'compressed entries' if packed else 'entries larger than itself'}"
-                              f" ({(packed or [entries[0].filename])[0]}), which torch.save never writes: they could "
-                              "inflate to any size, so it is not loaded; pass the file torch.save wrote")
+                packed = [entry.filename for entry in entries if entry.compress_type != zipfile.ZIP_STORED]
+                if packed or sum(entry.file_size for entry in entries) > path.stat().st_size:
+                    what = "compressed entries" if packed else "entries larger than itself"
+                    raise RecipeError(f"{str(path)!r} holds {what} ({(packed or [entries[0].filename])[0]}), which "
+                                      "torch.save never writes: they could inflate to any size, so it is not loaded; "
+                                      "pass the file torch.save wrote")
+                for entry in entries:  # torch.load unpickles it: bounded as a CIFAR pickle is (check_pickle)
+                    if entry.filename.split("/")[-1] == "data.pkl":
+                        check_pickle(archive.read(entry))
+        except (zipfile.BadZipFile, OSError, ValueError, pickle.UnpicklingError) as error:
+            raise RecipeError(f"{str(path)!r} is a damaged zip archive or holds a pickle that is refused "
+                              f"({first_line(error)[:100]}): pass the file torch.save wrote") from None
 
     @staticmethod
     def initial_weights(model, cfg, classes: list[str]) -> str | None:

@@ -6,6 +6,8 @@ listed in docs/troubleshooting.md."""
 import contextlib
 import math
 import os
+import pickle
+import pickletools
 import resource
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +16,8 @@ from shared.errors import RecipeError, first_line
 
 MAX_FILE_BYTES = 4 * 2**30  # one dataset file: 4 GiB (the real MNIST family's largest is under 1 GiB)
 MAX_PARQUET_RATIO = 100  # what a parquet file may inflate to, times its size (a bomb: 70,000 times)
+MAX_PICKLE_OPS = 2_000_000  # operations in a pickle: CIFAR-100's train file has about 300,000
+MAX_PICKLE_LONGS = 4_096  # integers past 32 bits in a pickle: a checkpoint's Python RNG state holds 625, CIFAR's none
 
 
 def free_memory(cgroups: Path = Path("/sys/fs/cgroup")) -> float:
@@ -66,6 +70,22 @@ def replacing(path: Path) -> Iterator[Path]:
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)  # after a failed write: a full disk, pieces read from a damaged file
+
+
+def check_pickle(raw: bytes) -> None:
+    """Before an unpickler runs `raw` (a CIFAR pickle, a torch.save file's data.pkl): each length it claims checked
+    against the bytes that follow (genops: the C unpickler allocates first); at most MAX_PICKLE_OPS operations, counted
+    as they come, and memo indexes below that (the C unpickler grows its memo to twice the index: 4.6 GB at 2^28); at
+    most MAX_PICKLE_LONGS integers past 32 bits, the only dict keys or set items whose hashes can be made to collide
+    (a dict of 100,000 of them took minutes to build)."""
+    longs = 0
+    for count, (opcode, arg, _) in enumerate(pickletools.genops(raw), start=1):
+        memo = arg if opcode.name in ("PUT", "BINPUT", "LONG_BINPUT") else 0
+        longs += type(arg) is int and abs(arg) >= 2**31
+        if count > MAX_PICKLE_OPS or memo > MAX_PICKLE_OPS:
+            raise pickle.UnpicklingError(f"more than {MAX_PICKLE_OPS:,} pickle operations or memo entries")
+        if longs > MAX_PICKLE_LONGS:
+            raise pickle.UnpicklingError(f"more than {MAX_PICKLE_LONGS:,} integers past 32 bits")
 
 
 def check_size(path: Path, size: int) -> None:

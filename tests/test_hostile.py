@@ -578,6 +578,42 @@ def test_a_cifar_array_reconstructed_without_its_state(env, tmp_path):
             needle="data_batch_2: its 'data' is not uint8 rows of 3,072 bytes")
 
 
+def colliding_keys(count: int) -> bytes:
+    """A pickled dict of `count` integer keys of one hash (k * (2^61 - 1)), written opcode by opcode: building the dict
+    here would take as long as the attack."""
+    keys = [(k * (2**61 - 1)).to_bytes(16, "little") for k in range(1, count + 1)]
+    return b"\x80\x02}(" + b"".join(b"\x8a\x10" + key + b"K\x00" for key in keys) + b"u."
+
+
+@pytest.mark.parametrize("raw, needle", [
+    # LONG_BINPUT 2^27: the C unpickler grew its memo to 2^28 slots, zeroed (2.5 GB), before it read on
+    (b"\x80\x02}r" + struct.pack("<I", 2**27) + b".", "more than 2,000,000 pickle operations or memo entries"),
+    # 2,200,000 operations, then no opcode at all: refused at the limit, without walking on
+    (b"\x80\x02" + b"N0" * 1_100_000 + b"\xff.", "more than 2,000,000 pickle operations or memo entries"),
+    (colliding_keys(30_000), "more than 4,096 integers past 32 bits"),  # 21 s to build; 100,000: past 90 s
+], ids=["memo index", "operations", "colliding keys"])
+def test_cifar_pickles_that_would_cost_what_they_claim(env, tmp_path, raw, needle):
+    folder = cifar_python_folder(tmp_path / "cifar-10-batches-py", random_splits((3, 32, 32)),
+                                 [str(i) for i in range(10)])
+    (folder / "data_batch_2").write_bytes(raw)
+    refused(env, tmp_path, "cifar_cnn", "--data", folder, *SHORT, "--output_dir", tmp_path / "out",
+            needle=f"data_batch_2 is not a plain CIFAR pickle, refused ({needle}")
+
+
+def test_a_checkpoint_pickle_of_colliding_keys_is_refused_before_torch_load(env, data, run, tmp_path):
+    """The same dict as a checkpoint's data.pkl: torch's weights_only unpickler took 94-120 s, then a traceback."""
+    out = unfinished(run, tmp_path)
+    pickled = out / "checkpoints" / "step_4" / "custom_checkpoint_0.pkl"
+    with zipfile.ZipFile(pickled) as archive:
+        entries = [(info.filename, archive.read(info)) for info in archive.infolist()]
+    with zipfile.ZipFile(pickled, "w") as archive:  # stored entries, as torch.save writes them
+        for name, content in entries:
+            archive.writestr(name, colliding_keys(30_000) if name.endswith("/data.pkl") else content)
+    refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--output_dir", out, "--resume", "latest",
+            needle="custom_checkpoint_0.pkl' is a damaged zip archive or holds a pickle that is refused (more than "
+                   "4,096 integers past 32 bits)", decoded=True)
+
+
 @pytest.mark.parametrize("names, needle", [
     (laughs(), "has no 'label_names' list of up to 256 names"),
     ([str(i) for i in range(9)] + [10**20000], "has no 'label_names' list of up to 256 names"),
