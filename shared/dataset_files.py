@@ -63,6 +63,10 @@ class DatasetFiles:
             if not file.is_file():  # a FIFO would block the first read forever
                 raise RecipeError(f"{str(file)!r} is not a regular file (a FIFO, socket, device or folder): replace "
                                   "it by the downloaded file")
+        for split in ("train", "test"):  # its files together, before any is read: they become one array
+            files = self.files[split]
+            check_size(files[0] if len(files) == 1 else files[0].parent / f"{split} files",
+                       sum(file.stat().st_size for file in files))
         if self.kind in CIFAR_PICKLED:
             return read_pickled_cifar_splits(self.kind, self.files)
         return read_idx_splits(self.files) if self.kind == "idx" else read_cifar_splits(self.kind, self.files)
@@ -167,10 +171,7 @@ def read_cifar_splits(kind: str, files: dict[str, list[Path]]):
                           "download the dataset again")
     record, splits = label_bytes + 3 * 32 * 32, {}
     for split in ("train", "test"):
-        # The split's files together, before any is read: they become one array (CIFAR-10's train split is 5 files).
-        sizes = {path: path.stat().st_size for path in files[split]}
-        check_size(files[split][0] if len(sizes) == 1 else files[split][0].parent / f"{split} files",
-                   sum(sizes.values()))
+        sizes = {path: path.stat().st_size for path in files[split]}  # together within the limit: DatasetFiles.read
         rows = []
         for path, size in sizes.items():
             if size == 0 or size % record:

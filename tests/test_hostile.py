@@ -600,6 +600,18 @@ def test_cifar_pickles_that_would_cost_what_they_claim(env, tmp_path, raw, needl
             needle=f"data_batch_2 is not a plain CIFAR pickle, refused ({needle}")
 
 
+def test_a_cifar_pickled_splits_files_are_bounded_together(env, tmp_path):
+    """Five files of 900 MiB (sparse: no disk used), each within the limit, 4.4 GiB together: refused before any is
+    read, naming the split (two files reached 3.2 GB before, and the refusal blamed a good one)."""
+    folder = cifar_python_folder(tmp_path / "cifar-10-batches-py", random_splits((3, 32, 32)),
+                                 [str(i) for i in range(10)])
+    for i in range(1, 6):
+        with open(folder / f"data_batch_{i}", "wb") as f:
+            f.truncate(900 * 2**20)
+    refused(env, tmp_path, "cifar_cnn", "--data", folder, *SHORT, "--output_dir", tmp_path / "out",
+            needle="cifar-10-batches-py/train files claims 4,718,592,000 bytes of data, over the 4 GiB")
+
+
 def test_a_checkpoint_pickle_of_colliding_keys_is_refused_before_torch_load(env, data, run, tmp_path):
     """The same dict as a checkpoint's data.pkl: torch's weights_only unpickler took 94-120 s, then a traceback."""
     out = unfinished(run, tmp_path)
