@@ -133,18 +133,18 @@ class Checkpoints(StopOnSignals):
             # -2, -3 after the name for branches from one step in one second; a read-only abandoned/ (a run folder
             # from elsewhere) makes nothing, and the first move fails, before anything moved
             aside = Path(new_folder(f"{self.run_dir}/abandoned/after_step_{step}-{time.strftime('%Y%m%d-%H%M%S')}"))
-            try:
+            try:  # the copies first, which need room on the disk; then the moves, renames within it, which need none
+                for name in ("metrics.jsonl", "config.json"):
+                    if (self.run_dir / name).exists():
+                        shutil.copy2(self.run_dir / name, aside / name)
                 for path in later + [self.run_dir / name for name in ("model.safetensors", "summary.json",
                                                                        "curves.png", "confusion_matrix.png")]:
                     if path.exists():
                         os.replace(path, aside / path.name)
-                for name in ("metrics.jsonl", "config.json"):
-                    if (self.run_dir / name).exists():
-                        shutil.copy2(self.run_dir / name, aside / name)
             except OSError as error:
                 raise RecipeError(f"moving the run's later history aside into {aside} failed ({error.strerror}): "
                                   f"{aside.parent} must be a folder you can write in (and the run's folders too), "
-                                  "then resume again; nothing was deleted") from None
+                                  "with room on its disk, then resume again; nothing was deleted") from None
             print(f"{checkpoint} is older than the run's newest checkpoint ({later[-1].name}): this is a new branch "
                   f"of the run; the later history ({', '.join(p.name for p in later)}) moved to {aside}")
         self.accelerator.wait_for_everyone()

@@ -59,6 +59,9 @@ def parse_config(cls: type, argv: list[str] | None = None):
     for name, value in args.items():  # NaN passes every `< 0` check, and ended as a NaN loss ("lower --lr")
         if isinstance(value, float) and not (math.isfinite(value) or name == "max_grad_norm" and value == math.inf):
             parser.error(f"--{name} must be a finite number, got {value}")
+        if isinstance(value, str) and re.search("[\udc80-\udcff]", value):  # bytes Python could not read as UTF-8
+            parser.error(f"--{name} {value!r} is not UTF-8 (a name in another encoding, which datasets, safetensors "
+                         "and matplotlib refuse): rename it in UTF-8")
     try:
         return cls(**args)
     except ValueError as error:

@@ -49,7 +49,12 @@ def walk(folder: Path, skip: Path | None = None) -> Iterator[os.DirEntry]:
     RecursionError."""
     folders = [Path(folder)]
     while folders:
-        with os.scandir(folders.pop()) as entries:
+        try:
+            entries = os.scandir(folders.pop())
+        except OSError as error:  # a tree deeper than the system's path limit (4,096 bytes), a folder you may not read
+            raise RecipeError(f"cannot list the folders under {folder} ({error.strerror}): move the files nearer the "
+                              "root, or make their folders readable") from None
+        with entries:
             for entry in entries:
                 if not entry.is_dir(follow_symlinks=False):
                     yield entry

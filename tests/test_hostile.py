@@ -8,6 +8,7 @@ those are in the slow tier."""
 
 from __future__ import annotations
 
+import errno
 import gzip
 import hashlib
 import json
@@ -261,8 +262,24 @@ def test_a_branch_that_cannot_be_moved_aside_is_one_line_and_nothing_moves(env, 
     before = snapshot(out)
     refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--max_steps", "6", "--output_dir", out, "--resume",
             out / "checkpoints" / "step_2", needle="must be a folder you can write in (and the run's folders too), "
-            "then resume again; nothing was deleted")
+            "with room on its disk, then resume again; nothing was deleted")
     assert snapshot(out) == before
+
+
+def test_a_full_disk_during_a_branch_moves_nothing(env, data, run, tmp_path, monkeypatch):
+    """The copies into abandoned/ need room on the disk, and they came after the moves: a full disk left the later
+    checkpoints moved aside and the run's copies missing. The copies come first now; the moves, renames, need none."""
+    out = tmp_path / "out"
+    shutil.copytree(run, out)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(shutil, "copy2", full_disk)
+    refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--max_steps", "6", "--output_dir", out, "--resume",
+            out / "checkpoints" / "step_2", needle="failed (No space left on device): ")
+    assert [p.name for p in sorted((out / "checkpoints").iterdir())] == [f"step_{n}" for n in range(1, 5)]
+    assert (out / "curves.png").exists() and (out / "summary.json").exists() and (out / "model.safetensors").exists()
 
 
 def test_the_resume_report_compares_with_the_configuration_that_wrote_the_checkpoint(env, data, run, tmp_path):
@@ -323,6 +340,31 @@ def test_a_link_in_a_run_folder_is_refused_before_anything_is_written(env, data,
     refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--output_dir", out, *flag,
             needle=f"{str(out / name)!r} is a symbolic link: nothing in a run folder is written or read through one")
     assert snapshot(out) == before and os.path.lexists(out / name) and (target == "none") != outside.exists()
+
+
+@pytest.mark.parametrize("how", ["resume", "overwrite"])
+def test_hard_links_in_a_run_folder_keep_their_other_names_bytes(env, data, run, tmp_path, how):
+    """A hard link cannot be told from the file: every file a run writes whole is written under a temporary name and
+    renamed over it, every file it removes is unlinked, and it appends only to files this launch made (metrics.jsonl
+    is rewritten under a new name at a resume first; TensorBoard starts a new event file): the link's other name, a
+    file outside the run, keeps its bytes. (Before, curves.png and confusion_matrix.png were rewritten in place.)"""
+    out = unfinished(run, tmp_path) if how == "resume" else tmp_path / "out"
+    if how == "overwrite":
+        shutil.copytree(run, out)
+    (out / "tensorboard").mkdir()
+    (out / "tensorboard" / "events.out.tfevents.planted").write_bytes(b"events")
+    names = ["metrics.jsonl", "config.json", "summary.json", "curves.png", "confusion_matrix.png",
+             "checkpoints/step_1/model.safetensors", "tensorboard/events.out.tfevents.planted"]
+    names += ["model.safetensors"] if how == "overwrite" else []
+    (tmp_path / "outside").mkdir()
+    for name in names:
+        os.link(out / name, tmp_path / "outside" / name.replace("/", "_"))
+    before = snapshot(tmp_path / "outside")
+    flags = ("--resume", "latest", "--max_steps", "6") if how == "resume" else ("--overwrite",)
+    ok(run_here("cifar_cnn", "--data", data, "--output_dir", out, *SHORT[:-2], "--tracker", "tensorboard", *flags,
+                "--checkpoint_every", "1", "--keep_checkpoints", "1"))
+    assert snapshot(tmp_path / "outside") == before
+    assert not (out / "checkpoints" / "step_1").exists() and (out / "model.safetensors").exists()
 
 
 def test_wandbs_own_links_are_allowed(env, data, run, tmp_path):
@@ -790,6 +832,47 @@ def test_predict_walks_a_tree_1500_folders_deep(env, run, tmp_path, deep_tree):
     ok(run_here("predict", "--weights", run / "model.safetensors", "--recipe", "cifar_cnn", "--images",
                 tmp_path / "photos", "--output", csv))
     assert len(csv.read_text().splitlines()) == 2
+
+
+def past_path_max(root: Path) -> Path:
+    """root/<255 d's>/... 17 folders deep, past the system's path limit (4,096 bytes), made through each folder's
+    descriptor: no path that long can be passed to mkdir."""
+    root.mkdir(parents=True, exist_ok=True)
+    folder = os.open(root, os.O_RDONLY)
+    for _ in range(17):
+        os.mkdir("d" * 255, dir_fd=folder)
+        below = os.open("d" * 255, os.O_RDONLY, dir_fd=folder)
+        os.close(folder)
+        folder = below
+    os.close(folder)
+    return root
+
+
+@pytest.mark.parametrize("where", ["predict --images", "a resumed run's folder"])
+def test_a_tree_deeper_than_the_path_limit_is_one_line(env, data, run, tmp_path, tmp_path_factory, where):
+    """os.scandir's ENAMETOOLONG was a traceback. (Outside tmp_path: the matrix's snapshot could not walk it.)"""
+    deep = tmp_path_factory.mktemp("deep")
+    if where == "predict --images":
+        (tmp_path / "out").mkdir()
+        args = ("predict", "--weights", run / "model.safetensors", "--recipe", "cifar_cnn", "--images",
+                past_path_max(deep), "--output", tmp_path / "out" / "p.csv")
+    else:
+        shutil.copytree(run, deep / "run")
+        past_path_max(deep / "run" / "notes")
+        args = ("cifar_cnn", "--data", data, *SHORT, "--output_dir", deep / "run", "--resume", "latest")
+    refused(env, tmp_path, *args, needle=f"cannot list the folders under {deep}", decoded=True)
+    assert not (deep / "run" / "checkpoints" / "step_5").exists()
+
+
+@pytest.mark.parametrize("flag", ["--data", "--output_dir"])
+def test_a_name_that_is_not_utf8_is_one_line(env, tmp_path, flag):
+    """Bytes of another encoding: datasets and safetensors' cache ended in tracebacks, and a run folder's name trained
+    a whole run, then failed in matplotlib."""
+    name = f"{tmp_path}/caf\udce9"  # how Python reads the Latin-1 name b"caf\xe9" from a command line
+    args = {"--data": ("--data", name, "--output_dir", tmp_path / "out"), "--output_dir": ("--synthetic",
+            "--output_dir", name)}[flag]
+    refused(env, tmp_path, "cifar_cnn", *args, *SHORT, status=2, needle=f"error: {flag} '{tmp_path}/caf\\udce9' is "
+            "not UTF-8 (a name in another encoding, which datasets, safetensors and matplotlib refuse): rename it")
 
 
 @pytest.mark.parametrize("output, needle", [("missing/p.csv", "its folder does not exist"), ("", "a folder")],

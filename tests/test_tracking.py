@@ -212,6 +212,32 @@ def test_runs_table_of_folders_from_anywhere_is_rows_or_one_line(tmp_path, deep_
     assert missing.returncode == 1 and missing.stderr.startswith("error: ") and "Traceback" not in missing.stderr
 
 
+def test_runs_table_of_hostile_run_folders_writes_and_prints_only_the_table(tmp_path):
+    """--markdown was written through a RUNS.md link planted in a run folder, into the file it points to; a summary's
+    terminal escapes were printed raw, and a metric's name made a row of its own; a tree past the path limit was a
+    traceback."""
+    from test_hostile import past_path_max
+
+    runs = tmp_path / "runs"
+    (runs / "a").mkdir(parents=True)
+    (runs / "a" / "summary.json").write_text(json.dumps({"steps": 3, "data": "\x1b]0;owned\x07",
+                                                         "x |\n| forged | row": 1.0}))
+    outside = tmp_path / "outside.md"
+    outside.write_text("mine")
+    (runs / "a" / "RUNS.md").symlink_to(outside)
+    table = subprocess.run([sys.executable, "-m", "tools.runs", str(runs), "--markdown", str(runs / "a" / "RUNS.md")],
+                           cwd=ROOT, capture_output=True, text=True)
+    assert table.returncode == 0 and outside.read_text() == "mine", table.stderr[-2000:]
+    assert "\x1b" not in table.stdout and table.stdout.count("\n") == 3  # the header, its rule, one row
+    assert "| x \\|\\n\\| forged \\| row |" in table.stdout and "| \\x1b]0;owned\\x07 |" in table.stdout
+    assert not (runs / "a" / "RUNS.md").is_symlink() and table.stdout in (runs / "a" / "RUNS.md").read_text()
+    past_path_max(runs / "deep")
+    deep = subprocess.run([sys.executable, "-m", "tools.runs", str(runs)], cwd=ROOT, capture_output=True, text=True)
+    assert deep.returncode == 1 and deep.stderr == (f"error: cannot list the folders under {runs} (File name too "
+                                                    "long): move the runs nearer the root, or make their folders "
+                                                    "readable\n")
+
+
 def test_runs_table_reads_the_older_name_of_max_eval_acc(tmp_path):
     from tools.runs import collect
 

@@ -4,13 +4,14 @@ a plot (for eyes)."""
 from __future__ import annotations
 
 import csv
+import re
 from pathlib import Path
 
 
 def markdown_table(rows: list[dict], columns: list[str] | None = None) -> str:
     """A GitHub markdown table; floats get 3 significant digits, missing values a dash."""
     columns = columns or list(dict.fromkeys(key for row in rows for key in row))
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines = ["| " + " | ".join(map(escaped, columns)) + " |", "|" + "---|" * len(columns)]
     for row in rows:
         lines.append("| " + " | ".join(_cell(row.get(column)) for column in columns) + " |")
     return "\n".join(lines) + "\n"
@@ -29,7 +30,13 @@ def _cell(value) -> str:
         return "-"
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) < 1e4 else f"{value:,.0f}"
-    return str(value)
+    return escaped(str(value))
+
+
+def escaped(text: str) -> str:
+    """Text from a run folder (from anywhere) fit for a terminal and a table: control characters (a terminal's escape
+    sequences, a newline) written as escapes, and `|` as `\\|`: a value can neither drive a terminal nor make a row."""
+    return re.sub(r"[\x00-\x1f\x7f-\x9f]", lambda m: repr(m.group())[1:-1], text).replace("|", "\\|")
 
 
 def write_report(rows: list[dict], stem: Path, title: str, x: str, ys: list[str], group: str | None = None,

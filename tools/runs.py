@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from tools.report import markdown_table
+from tools.report import escaped, markdown_table
 
 MAX_JSON_BYTES = 2**24  # a summary.json or config.json: a few KB, up to about 2 MB with 100,000 class names
 COLUMNS = ["run", "recipe", "state", "data", "launch", "world_size", "precision", "global_batch", "epochs",
@@ -99,16 +99,25 @@ def main(argv: list[str] | None = None) -> int:
     if not args.folder.is_dir():
         print(f"error: {args.folder} is no folder: pass a run folder or a folder of runs (e.g. runs/)", file=sys.stderr)
         return 1
-    rows = collect(args.folder)
+    try:
+        rows = collect(args.folder)
+    except OSError as error:  # a tree deeper than the system's path limit (4,096 bytes), a folder you may not read
+        print(f"error: cannot list the folders under {args.folder} ({error.strerror}): move the runs nearer the root, "
+              "or make their folders readable", file=sys.stderr)
+        return 1
     if not rows:
         print(f"error: no finished runs (summary.json) under {args.folder}", file=sys.stderr)
         return 1
     table = markdown_table(rows, columns(rows))
     print(table, end="")
     if args.markdown:
-        try:
-            args.markdown.write_text(f"Runs under `{args.folder}`:\n\n{table}")
+        partial = args.markdown.with_name(f"{args.markdown.name}.tmp{os.getpid()}")
+        try:  # under a temporary name, renamed into place: never written through a link planted at the name
+            partial.unlink(missing_ok=True)
+            partial.write_text(f"Runs under `{escaped(str(args.folder))}`:\n\n{table}")
+            os.replace(partial, args.markdown)
         except OSError as error:
+            partial.unlink(missing_ok=True)
             print(f"error: cannot write --markdown {args.markdown} ({error.strerror}): pass a file path in a "
                   "writable folder", file=sys.stderr)
             return 1

@@ -36,9 +36,11 @@ class WandB(WandBTracker):
                 mode = "offline"
         import wandb
 
-        # silent: wandb's own dozen lines at the start and a table at the end; where the run is, said once in start()
+        # silent: wandb's own dozen lines at the start and a table at the end; where the run is, said once in start().
+        # Online but unreachable, wandb waited 90 s before start() could fall back to offline: 10 s, unless set.
+        timeout = {} if "WANDB_INIT_TIMEOUT" in os.environ else {"init_timeout": 10}
         super().__init__(project, dir=str(run_dir), id=run_id, resume="allow", mode=mode, tags=tags,
-                         settings=wandb.Settings(silent=True))
+                         settings=wandb.Settings(silent=True, **timeout))
 
     @on_main_process
     def start(self):
