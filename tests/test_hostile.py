@@ -642,6 +642,16 @@ def test_cifar_pickles_that_would_cost_what_they_claim(env, tmp_path, raw, needl
             needle=f"data_batch_2 is not a plain CIFAR pickle, refused ({needle}")
 
 
+@pytest.mark.slow  # launched: before the fix the interpreter crashed
+def test_a_cifar_pickle_with_a_key_nested_300000_deep(env, tmp_path):
+    """A tuple nested 300,000 deep as a dict key: hashing it crashed the process (SIGSEGV), with no line at all."""
+    folder = cifar_python_folder(tmp_path / "cifar-10-batches-py", random_splits((3, 32, 32)),
+                                 [str(i) for i in range(10)])
+    (folder / "data_batch_2").write_bytes(b"\x80\x02}()" + b"\x85" * 300_000 + b"K\x00u.")  # (((),),...): 0
+    refused(env, tmp_path, "cifar_cnn", "--data", folder, *SHORT, "--output_dir", tmp_path / "out",
+            needle="data_batch_2 is not a plain CIFAR pickle, refused (more than 50,000 tuples)", launched=True)
+
+
 def test_a_cifar_pickled_splits_files_are_bounded_together(env, tmp_path):
     """Five files of 900 MiB (sparse: no disk used), each within the limit, 4.4 GiB together: refused before any is
     read, naming the split (two files reached 3.2 GB before, and the refusal blamed a good one)."""
