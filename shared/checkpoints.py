@@ -13,7 +13,6 @@ import pickle
 import re
 import shutil
 import time
-import zipfile
 from pathlib import Path
 
 import torch
@@ -28,6 +27,10 @@ from shared.limits import check_pickle, replacing
 from shared.resume import check_resume, find_checkpoint, list_checkpoints, read_json
 from shared.stopping import StopOnSignals
 from shared.tracking.folder import check_entries, new_folder
+
+# A torch.save file's data.pkl: names, shapes and dtypes, 80-230 bytes a tensor (maxvit_t's: 133 KB for 582), and a
+# few KB of Python values (a checkpoint's RNG states: 8 KB). Much more is not what torch.save writes of a state.
+MAX_PICKLE_BYTES, MAX_PICKLE_BYTES_PER_TENSOR = 2**16, 2**10
 
 
 def plain_name(key: str) -> str:
@@ -90,8 +93,8 @@ class Checkpoints(StopOnSignals):
             return None
         checkpoint = find_checkpoint(self.folder, self.cfg.resume)
         check_entries(checkpoint)  # --checkpoint_dir: outside the run folder its open_run checked
-        for pickled in sorted(checkpoint.glob("*.pkl")) + sorted(checkpoint.glob("*.bin")):
-            Checkpoints.check_archive(pickled)
+        for pickled in sorted(path for path in checkpoint.iterdir() if path.suffix in (".pkl", ".bin", ".pt")):
+            Checkpoints.check_archive(pickled, fix="resume from another checkpoint")
             try:  # accelerate loads registered objects with weights_only=False: refuse what weights_only would
                 accelerate_load(pickled, map_location="cpu")
             except Exception as error:
@@ -210,29 +213,38 @@ class Checkpoints(StopOnSignals):
                           "continue with --resume latest") from None
 
     @staticmethod
-    def check_archive(path: Path) -> None:
-        """Before torch.load: torch.save writes a zip of stored (uncompressed) entries, so a compressed entry, or
-        entries claiming more bytes than the file holds, could only inflate it, to any size: refused. A file that is
-        no zip is torch's format before 1.6 (torchvision's oldest downloads), left to torch.load."""
+    def check_archive(path: Path, fix: str = "pass the file torch.save wrote") -> None:
+        """Before torch.load, what it would allocate and unpickle, bounded, as torch.load itself reads the file: through
+        torch's zip reader where the file starts as a zip does, else as torch's format before 1.6 (torchvision's oldest
+        downloads: five pickles, then the tensors' bytes). Python's zipfile is not asked: an archive with two central
+        directories reads as two archives to the two readers. torch.save stores its entries uncompressed, so together
+        they claim fewer bytes than the file holds; more could only inflate, to any size. Each pickle is checked as a
+        CIFAR pickle is (check_pickle), and data.pkl holds a few hundred bytes a tensor, not more."""
         if not path.is_file():  # a FIFO would block the first read
             raise RecipeError(f"{str(path)!r} is not a regular file (a FIFO, socket, device or folder): delete it")
-        if not zipfile.is_zipfile(path):
-            return
         try:
-            with zipfile.ZipFile(path) as archive:
-                entries = archive.infolist()
-                packed = [entry.filename for entry in entries if entry.compress_type != zipfile.ZIP_STORED]
-                if packed or sum(entry.file_size for entry in entries) > path.stat().st_size:
-                    what = "compressed entries" if packed else "entries larger than itself"
-                    raise RecipeError(f"{str(path)!r} holds {what} ({(packed or [entries[0].filename])[0]}), which "
-                                      "torch.save never writes: they could inflate to any size, so it is not loaded; "
-                                      "pass the file torch.save wrote")
-                for entry in entries:  # torch.load unpickles it: bounded as a CIFAR pickle is (check_pickle)
-                    if entry.filename.split("/")[-1] == "data.pkl":
-                        check_pickle(archive.read(entry))
-        except (zipfile.BadZipFile, OSError, ValueError, pickle.UnpicklingError) as error:
-            raise RecipeError(f"{str(path)!r} is a damaged zip archive or holds a pickle that is refused "
-                              f"({first_line(error)[:100]}): pass the file torch.save wrote") from None
+            with open(path, "rb") as f:
+                if f.read(4) != b"PK\x03\x04":  # how torch.load tells the two formats apart
+                    f.seek(0)
+                    for _ in range(5):  # magic number, protocol, system info, the object, its storages' keys
+                        if f.peek(1):  # fewer: no torch.save file, as torch.load says
+                            check_pickle(f)
+                    return
+            archive = torch._C.PyTorchFileReader(str(path))  # torch.load's own reader (private: no public one)
+            records = archive.get_all_records()
+            claimed = sum(archive.get_record_size(name) for name in records)
+            if claimed > path.stat().st_size:
+                raise RecipeError(f"{str(path)!r} holds entries of {claimed:,} bytes in {path.stat().st_size:,}: "
+                                  "compressed or overlapping entries, which torch.save never writes: they could "
+                                  f"inflate to any size, so it is not loaded; {fix}")
+            tensors = sum(name.startswith("data/") for name in records)
+            if archive.get_record_size("data.pkl") > MAX_PICKLE_BYTES + tensors * MAX_PICKLE_BYTES_PER_TENSOR:
+                raise pickle.UnpicklingError(f"a data.pkl of more than {MAX_PICKLE_BYTES_PER_TENSOR:,} bytes for "
+                                             f"each of its {tensors:,} tensors")
+            check_pickle(archive.get_record("data.pkl"))
+        except (RuntimeError, OSError, ValueError, MemoryError, pickle.UnpicklingError) as error:
+            reason = "not an archive torch.save wrote" if isinstance(error, RuntimeError) else first_line(error)[:100]
+            raise RecipeError(f"{str(path)!r} is damaged or holds a pickle that is refused ({reason}): {fix}") from None
 
     @staticmethod
     def initial_weights(model, cfg, classes: list[str]) -> str | None:

@@ -14,6 +14,7 @@ allocates. `.read()` returns {"train": (images, labels), "test": ...}, uint8 (N,
 class names.
 """
 
+import functools
 import gzip
 import hashlib
 import io
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 from shared.errors import RecipeError, first_line
-from shared.limits import MAX_FILE_BYTES, check_pickle, check_size
+from shared.limits import check_pickle, check_size
 
 FASHION_MNIST = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
                  "Ankle boot"]
@@ -218,6 +219,7 @@ class PickledDtype:
         pass  # byte order and alignment: nothing to say for single bytes, and other types are refused
 
 
+@functools.cache  # one copy of each text however often the pickle reuses it (8 of a 400 MB text: 3.3 GB); per file
 def latin1_bytes(text, encoding) -> bytes:
     if not (isinstance(text, str) and encoding in ("latin1", "latin-1")):
         raise pickle.UnpicklingError("a _codecs.encode that is not bytes written as latin-1 text")
@@ -226,7 +228,7 @@ def latin1_bytes(text, encoding) -> bytes:
 
 def array_from_buffer(buffer, dtype, shape, order) -> "PickledArray":
     array = PickledArray(NDArrayName)
-    array.__setstate__((1, shape, dtype, order != "C", bytes(buffer) if isinstance(buffer, bytearray) else buffer))
+    array.__setstate__((1, shape, dtype, order != "C", buffer))
     return array
 
 
@@ -242,21 +244,21 @@ class PickledArray:
 
     def __setstate__(self, state):
         _, shape, dtype, fortran_order, raw = state if isinstance(state, tuple) and len(state) == 5 else [None] * 5
-        raw = raw.encode("latin1") if isinstance(raw, str) else raw  # Python 2 wrote the bytes as a str
+        raw = latin1_bytes(raw, "latin1") if isinstance(raw, str) else raw  # Python 2 wrote the bytes as a str
         if not (isinstance(dtype, PickledDtype) and dtype.kind in ("u1", "uint8", b"u1") and not fortran_order
-                and isinstance(raw, bytes) and isinstance(shape, tuple) and len(shape) <= 4
+                and isinstance(raw, (bytes, bytearray)) and isinstance(shape, tuple) and len(shape) <= 4
                 and all(type(n) is int and 0 <= n <= len(raw) for n in shape) and len(raw) == math.prod(shape)):
             raise pickle.UnpicklingError("an array that is not uint8 bytes of its own shape")
         self.array = np.frombuffer(raw, np.uint8).reshape(shape)
 
 
 def read_pickled_batch(path: Path) -> dict:
-    """A CIFAR pickle as a dict with str keys, read whole first (bounded by MAX_FILE_BYTES), checked (check_pickle)
+    """A CIFAR pickle as a dict with str keys, read whole first (bounded by check_size), checked (check_pickle)
     before any operation is run."""
     try:
-        check_size(path, path.stat().st_size)
+        check_size(path, size := path.stat().st_size)
         with open(path, "rb") as f:
-            raw = f.read(MAX_FILE_BYTES + 1)
+            raw = f.read(size)  # the size checked, not a bound (read allocates what it is asked for: 4 GiB, untouched)
         check_pickle(raw)
         batch = CifarUnpickler(io.BytesIO(raw), encoding="latin1").load()  # Python 2 wrote its strings as latin-1
     except RecipeError:
@@ -265,6 +267,8 @@ def read_pickled_batch(path: Path) -> dict:
         raise RecipeError(f"{path} is not a plain CIFAR pickle, refused ({first_line(error)[:200]}): download the "
                           "dataset again, or use its binary version; a file you made: pickle a dict of 'data' (a NumPy "
                           "uint8 array, a row of 3,072 bytes per image) and 'labels' (a list of ints)") from None
+    finally:
+        latin1_bytes.cache_clear()
     if not isinstance(batch, dict):
         raise RecipeError(f"{path} holds a {type(batch).__name__}, not a CIFAR batch (a dict): download it again")
     # Keys and names are str when Python 2 wrote them (read as latin-1), bytes when Python 3 wrote bytes
@@ -278,10 +282,12 @@ def as_text(value):
 def read_pickled_cifar_splits(kind: str, files: dict[str, list[Path]]):
     _, _, names_key, labels_key = CIFAR_PICKLED[kind]
     classes = read_pickled_batch(files["names"][0]).get(names_key)
-    classes = [as_text(name) for name in classes] if isinstance(classes, list) and len(classes) <= 256 else None
-    if not (classes and all(isinstance(name, str) and len(name) <= 100 for name in classes)):
+    # Lengths first: a list may name one long text 256 times, and each decode would copy it
+    if not (isinstance(classes, list) and 0 < len(classes) <= 256
+            and all(isinstance(name, (str, bytes)) and len(name) <= 100 for name in classes)):
         raise RecipeError(f"{files['names'][0]} has no '{names_key}' list of up to 256 names of up to 100 characters: "
                           "download the dataset again")
+    classes = [as_text(name) for name in classes]
     splits = {}
     for split in ("train", "test"):
         images, labels = [], []

@@ -11,13 +11,16 @@ from __future__ import annotations
 import errno
 import gzip
 import hashlib
+import io
 import json
 import os
 import pickle
+import re
 import shutil
 import struct
 import subprocess
 import sys
+import tracemalloc
 import zipfile
 import zlib
 from pathlib import Path
@@ -28,7 +31,10 @@ import torch
 import torchvision
 from safetensors.torch import save_file
 
+from shared.checkpoints import Checkpoints
 from shared.data import CACHE_DIR
+from shared.dataset_files import find_dataset_files
+from shared.errors import RecipeError
 
 from conftest import ROOT, assert_bitwise_equal, launch, ok, read_jsonl, run_here, weights
 from tiny_data import (
@@ -203,17 +209,19 @@ def test_a_cached_weights_file_in_torch_hubs_legacy_zip_format_is_not_extracted(
     with zipfile.ZipFile(cache / "resnet18-f37072fd.pth", "w") as archive:
         archive.write(tmp_path / "resnet18.pth", entry)
     refused(env, tmp_path, "finetune", "--data", data, "--image_size", "32", *SHORT, "--output_dir", tmp_path / "out",
-            needle="resnet18-f37072fd.pth cannot be read (", decoded=True,
+            needle="resnet18-f37072fd.pth' is damaged or holds a pickle that is refused (not an archive torch.save "
+                   "wrote)", decoded=True,
             variables={"TORCH_HOME": str(tmp_path / "home")})
 
 
 @pytest.mark.slow  # launched: inflated, it would take gigabytes
 def test_a_compressed_checkpoint_file_is_not_inflated(env, data, run, tmp_path):
-    """A 2.9 MB custom_checkpoint_0.pkl reached 3.5 GB on resume."""
+    """A 2.9 MB custom_checkpoint_0.pkl reached 3.5 GB on resume. Here 200 MB of zeros in 0.2 MB."""
     out = unfinished(run, tmp_path)
-    zip_bomb(out / "checkpoints" / "step_4" / "custom_checkpoint_0.pkl")
+    (out / "checkpoints" / "step_4" / "custom_checkpoint_0.pkl").write_bytes(saved({"pad": torch.zeros(50_000_000)},
+                                                                                  deflated=True))
     refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--output_dir", out, "--resume", "latest",
-            needle="custom_checkpoint_0.pkl' holds compressed entries (", launched=True, decoded=True)
+            needle="custom_checkpoint_0.pkl' holds entries of ", launched=True, decoded=True)
 
 
 # ------------------------------------------------------------------ resumes that would delete or mix histories
@@ -652,6 +660,34 @@ def test_a_cifar_pickle_with_a_key_nested_300000_deep(env, tmp_path):
             needle="data_batch_2 is not a plain CIFAR pickle, refused (more than 50,000 tuples)", launched=True)
 
 
+def reused_text(count: int, names: bool) -> bytes:
+    """A CIFAR pickle of one 2 MB latin-1 text, written once and used `count` times: as _codecs.encode's argument for
+    `count` keys (each call would copy it), or (`names`) as the bytes of every class name (each decode would)."""
+    text = ("\xe9" * 2**21).encode()  # BINUNICODE: UTF-8, 2 bytes a character
+    first = b"c_codecs\nencode\nq\x01X" + struct.pack("<I", len(text)) + text + b"q\x02X\x06\x00\x00\x00latin1\x86R"
+    if names:  # {'label_names': [bytes, bytes, ...]}, the same object each time
+        return b"\x80\x02}X\x0b\x00\x00\x00label_names](" + first + b"q\x03" + b"h\x03" * (count - 1) + b"es."
+    return b"\x80\x02}(" + b"".join(b"X\x04\x00\x00\x00" + f"k{i:03}".encode() + (
+        first if i == 0 else b"h\x01h\x02X\x06\x00\x00\x00latin1\x86R") for i in range(count)) + b"u."
+
+
+@pytest.mark.parametrize("file, names", [("data_batch_2", False), ("batches.meta", True)], ids=["encode", "names"])
+def test_a_cifar_pickle_that_reuses_one_long_text_copies_it_at_most_once(tmp_path, file, names):
+    """One 2 MB text used 256 times: every encode (a 400 MB text 8 times reached 3.3 GB) or decode copied it, 512 MB
+    before; now each text costs its size once, and the file is refused."""
+    folder = cifar_python_folder(tmp_path / "cifar-10-batches-py", random_splits((3, 32, 32)),
+                                 [str(i) for i in range(10)])
+    (folder / file).write_bytes(reused_text(256, names))
+    tracemalloc.start()
+    try:
+        with pytest.raises(RecipeError, match="has no 'label_names' list" if names else "data_batch_2: its 'data'"):
+            find_dataset_files(folder).read()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 * 2**20, f"{peak / 2**20:.0f} MB for a file of {(folder / file).stat().st_size / 2**20:.0f} MB"
+
+
 def test_a_cifar_pickled_splits_files_are_bounded_together(env, tmp_path):
     """Five files of 900 MiB (sparse: no disk used), each within the limit, 4.4 GiB together: refused before any is
     read, naming the split (two files reached 3.2 GB before, and the refusal blamed a good one)."""
@@ -664,18 +700,79 @@ def test_a_cifar_pickled_splits_files_are_bounded_together(env, tmp_path):
             needle="cifar-10-batches-py/train files claims 4,718,592,000 bytes of data, over the 4 GiB")
 
 
-def test_a_checkpoint_pickle_of_colliding_keys_is_refused_before_torch_load(env, data, run, tmp_path):
-    """The same dict as a checkpoint's data.pkl: torch's weights_only unpickler took 94-120 s, then a traceback."""
+def two_central_directories(seen_by_zipfile: bytes, seen_by_torch: bytes) -> bytes:
+    """Two zips in one file, each with its own central directory, and two zip64 end records: Python's zipfile takes
+    the one just before the zip64 locator, torch's reader (miniz) the one the locator points to."""
+    def parts(raw: bytes) -> tuple[bytes, bytes, int]:  # the entries, the central directory, its count
+        end = raw.rindex(b"PK\x05\x06")
+        _, _, _, count, _, size, offset, _ = struct.unpack("<4s4H2LH", raw[end:end + 22])
+        return raw[:offset], raw[offset:offset + size], count
+
+    def zip64_end(count: int, size: int, offset: int) -> bytes:
+        return struct.pack("<4sQ2H2L4Q", b"PK\x06\x06", 44, 45, 45, 0, 0, count, count, size, offset)
+
+    (entries_a, directory_a, count_a), (entries_b, directory_b, count_b) = parts(seen_by_zipfile), parts(seen_by_torch)
+    directory_b, at = bytearray(directory_b), 0
+    while at < len(directory_b):  # torch's entries come after zipfile's: move each record's local header offset
+        name, extra, comment = struct.unpack("<3H", directory_b[at + 28:at + 34])
+        struct.pack_into("<L", directory_b, at + 42, struct.unpack_from("<L", directory_b, at + 42)[0] + len(entries_a))
+        at += 46 + name + extra + comment
+    out = entries_a + entries_b
+    out += directory_b + zip64_end(count_b, len(directory_b), len(out))
+    end_b = len(out) - 56
+    out += directory_a + zip64_end(count_a, len(directory_a), len(out))
+    return out + struct.pack("<4sLQL", b"PK\x06\x07", 0, end_b, 1) + struct.pack(
+        "<4s4H2LH", b"PK\x05\x06", 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0)
+
+
+def saved(obj, deflated: bool = False) -> bytes:
+    """torch.save's bytes of `obj`; `deflated`: its entries rewritten deflated."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    if not deflated:
+        return buffer.getvalue()
+    out = io.BytesIO()
+    with zipfile.ZipFile(buffer) as source, zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as copy:
+        for entry in source.infolist():
+            copy.writestr(entry.filename, source.read(entry))
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("content, needle", [
+    # zipfile saw a 3-float state dict, stored; torch.load read 200 MB of deflated zeros out of 0.9 MB
+    (lambda: two_central_directories(saved({"w": torch.zeros(3)}), saved({"w": torch.zeros(50_000_000)}, True)),
+     "holds entries of 200,000,"),
+    # a file that does not start as a zip is the old format to torch.load, whatever zipfile finds at its end: its
+    # pickles are read (here 5,000 integers past 32 bits as keys), not the archive zipfile checked
+    (lambda: colliding_keys(5_000) + saved({"w": torch.zeros(3)}), "(more than 4,096 integers past 32 bits)"),
+    # a data.pkl of 200 KB for one tensor: no state dict is that
+    (lambda: saved({"w": torch.zeros(3), "note": "x" * 200_000}), "(a data.pkl of more than 1,024 bytes for each of "
+                                                                   "its 1 tensors)"),
+], ids=["two central directories", "stub before the zip", "data.pkl past its tensors"])
+def test_a_torch_file_is_checked_as_torch_load_reads_it(tmp_path, content, needle):
+    path = tmp_path / "weights.pt"
+    path.write_bytes(content())
+    with pytest.raises(RecipeError, match=re.escape(needle)):
+        Checkpoints.check_archive(path)
+
+
+@pytest.mark.parametrize("data_pkl, needle", [
+    (colliding_keys(30_000), "a data.pkl of more than 1,024 bytes for each of its 0 tensors"),
+    (b"\x80\x02}r" + struct.pack("<I", 2**27) + b".", "more than 2,000,000 pickle operations or memo entries"),
+], ids=["colliding keys", "memo index"])
+def test_a_checkpoint_pickle_of_colliding_keys_is_refused_before_torch_load(env, data, run, tmp_path, data_pkl,
+                                                                             needle):
+    """The colliding keys as a checkpoint's data.pkl: torch's weights_only unpickler took 94-120 s, then a traceback.
+    Refused for its size against its tensors; under that size, its pickle is checked as a CIFAR pickle is."""
     out = unfinished(run, tmp_path)
     pickled = out / "checkpoints" / "step_4" / "custom_checkpoint_0.pkl"
     with zipfile.ZipFile(pickled) as archive:
         entries = [(info.filename, archive.read(info)) for info in archive.infolist()]
     with zipfile.ZipFile(pickled, "w") as archive:  # stored entries, as torch.save writes them
         for name, content in entries:
-            archive.writestr(name, colliding_keys(30_000) if name.endswith("/data.pkl") else content)
+            archive.writestr(name, data_pkl if name.endswith("/data.pkl") else content)
     refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--output_dir", out, "--resume", "latest",
-            needle="custom_checkpoint_0.pkl' is a damaged zip archive or holds a pickle that is refused (more than "
-                   "4,096 integers past 32 bits)", decoded=True)
+            needle=f"custom_checkpoint_0.pkl' is damaged or holds a pickle that is refused ({needle})", decoded=True)
 
 
 @pytest.mark.parametrize("names, needle", [
