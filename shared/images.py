@@ -3,7 +3,9 @@ converted to the recipe's channels and size (`to_channels`, `fit`: torchvision's
 says what was converted."""
 
 import io
+import struct
 import warnings
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +34,8 @@ def decode(file: bytes | str | Path, channels: int, where: str) -> tuple[torch.T
                                   "hold without clipping or guessing a range: scale the images to 8-bit L or RGB")
             own = 1 if image.mode in ("1", "L", "LA") else 3
             image.load()
+            if image.format == "PNG":
+                check_png_rows(file if isinstance(file, bytes) else Path(file).read_bytes())
             if image.getexif().get(ExifTags.Base.Orientation) is not None:
                 image = ImageOps.exif_transpose(image)
             pixels = np.array(image.convert("L" if channels == 1 else "RGB"))
@@ -42,6 +46,23 @@ def decode(file: bytes | str | Path, channels: int, where: str) -> tuple[torch.T
         raise RecipeError(f"{where} is not a readable image ({type(error).__name__}: {first_line(error)[:120]}): "
                           "remove it or replace it") from None
     return torch.from_numpy(pixels).reshape(*pixels.shape[:2], channels).permute(2, 0, 1), own
+
+
+def check_png_rows(data: bytes) -> None:
+    """PIL ends a PNG where its compressed pixels end, and leaves the rows they lack black: one row of a 9,400 x 9,400
+    image decoded without an error. Its IDAT chunks inflated must make every row (each pass's, if interlaced)."""
+    width, height, depth, colour, _, _, interlaced = struct.unpack(">IIBBBBB", data[16:29])
+    bits = depth * {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}.get(colour, 0)
+    passes = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2))
+    expected = sum(rows * (1 + (cols * bits + 7) // 8) for x, y, dx, dy in (passes if interlaced else [(0, 0, 1, 1)])
+                   if (rows := -(-(height - y) // dy)) > 0 and (cols := -(-(width - x) // dx)) > 0)
+    chunks, at = [], 8
+    while at + 8 <= len(data):
+        length, kind = struct.unpack(">I4s", data[at:at + 8])
+        chunks += [data[at + 8:at + 8 + length]] if kind == b"IDAT" else []
+        at += 12 + length
+    if len(zlib.decompressobj().decompress(b"".join(chunks), expected)) < expected:
+        raise ValueError("image file is truncated: its compressed pixels end before its last row")
 
 
 def read_image(file: bytes | str | Path, image_shape: tuple[int, int, int], where: str) -> torch.Tensor:

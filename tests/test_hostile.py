@@ -871,6 +871,12 @@ def a_truncated_png(folder: Path) -> str:
     return "0.png) is not a readable image"
 
 
+def a_png_of_one_row(folder: Path) -> str:
+    """Its compressed pixels end after the first row: PIL decoded the rest as black, without an error."""
+    png(folder / "0.png", 32, 32, rows=1)
+    return "0.png) is not a readable image (ValueError: image file is truncated: its compressed pixels end before"
+
+
 def text_named_png(folder: Path) -> str:
     (folder / "0.png").write_text("not an image")
     return "0.png) is not a readable image (UnidentifiedImageError"
@@ -882,8 +888,8 @@ def a_thin_image(folder: Path) -> str:  # 1 x 40,000,000 (39 KB), under PIL's li
 
 
 @pytest.mark.parametrize("damage", [pytest.param(a_decompression_bomb, marks=LAUNCHED),
-                                    pytest.param(large_images, marks=LAUNCHED), a_truncated_png, text_named_png,
-                                    pytest.param(a_thin_image, marks=LAUNCHED)])
+                                    pytest.param(large_images, marks=LAUNCHED), a_truncated_png, a_png_of_one_row,
+                                    text_named_png, pytest.param(a_thin_image, marks=LAUNCHED)])
 def test_images_that_lie(env, tmp_path, damage):
     data = imagefolder_dataset(tmp_path / "photos", sizes={"train": 20, "test": 10})
     needle = damage(data / "train" / "class_0")
@@ -900,6 +906,17 @@ def test_predict_refuses_a_decompression_bomb(env, run, tmp_path):
     refused(env, tmp_path, "predict", "--weights", run / "model.safetensors", "--recipe", "cifar_cnn", "--images",
             photos, "--output", tmp_path / "out" / "p.csv", needle="bomb.png has more than 89,478,485 pixels",
             launched=True)
+
+
+def test_predict_refuses_a_png_whose_rows_end_early(env, run, tmp_path):
+    """A 9,400 x 9,400 PNG with one row of pixels decoded as black and got a prediction, exit 0."""
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    png(photos / "thin.png", 9400, 9400, rows=1)
+    (tmp_path / "out").mkdir()
+    refused(env, tmp_path, "predict", "--weights", run / "model.safetensors", "--recipe", "cifar_cnn", "--images",
+            photos, "--output", tmp_path / "out" / "p.csv", needle="thin.png is not a readable image (ValueError: "
+            "image file is truncated: its compressed pixels end before its last row)")
 
 
 @pytest.mark.slow  # launched: the memory limit is the point
