@@ -125,9 +125,14 @@ def image_shape(cfg: Config) -> tuple[int, int, int]:
     return (3, input_sizes(cfg)[0], input_sizes(cfg)[0])
 
 
+def interpolation(cfg: Config) -> str:
+    """How the weights' images were resized: bilinear (resnet18's), bicubic (the EfficientNets', the Swins')."""
+    return chosen_weights(cfg.model, cfg.weights).transforms().interpolation.value
+
+
 def load_data(cfg: Config):
     """(train, test) as uint8 image tensors at image_shape(cfg): the hub, a local folder, or --synthetic."""
-    return load_image_data(cfg.data, image_shape(cfg), cfg.synthetic)
+    return load_image_data(cfg.data, image_shape(cfg), cfg.synthetic, interpolation=interpolation(cfg))
 
 
 def preprocess(images: torch.Tensor, training: bool, cfg: Config) -> torch.Tensor:

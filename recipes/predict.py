@@ -262,6 +262,7 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
     # The size the model was trained at: a recipe with an --image_size flag says it (finetune.py's image_shape), and
     # crops to it on the device from what its preprocess() is given (its crop is the weights' own: it takes cfg)
     shape = recipe.image_shape(recipe_cfg) if hasattr(recipe, "image_shape") else recipe.IMAGE_SHAPE
+    how = recipe.interpolation(recipe_cfg) if hasattr(recipe, "interpolation") else "bilinear"  # its resize filter
     options = {"cfg": recipe_cfg} if "cfg" in inspect.signature(recipe.preprocess).parameters else {}
     root = Path(cfg.images)
     images, skipped = find_images(root)
@@ -278,7 +279,7 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
     k = min(cfg.top_k, len(classes))
     for start in range(0, len(images), cfg.batch_size):
         paths = images[start:start + cfg.batch_size]
-        batch = torch.stack([read_image(p, shape, str(p)) for p in paths]).to(state.device)
+        batch = torch.stack([read_image(p, shape, str(p), how) for p in paths]).to(state.device)
         probabilities = model(recipe.preprocess(batch, training=False, **options)).float().softmax(dim=1)
         top_p, top_i = probabilities.topk(k, dim=1)
         for path, p, i in zip(paths, top_p.tolist(), top_i.tolist()):

@@ -109,20 +109,22 @@ class Source:
 
 
 def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: bool = False,
-                    synthetic_sizes: tuple[int, int] = (50_000, 10_000),
-                    synthetic_classes: int = 10) -> tuple[ImageTensors, ImageTensors]:
-    """(train, test) with images of `image_shape` (C, H, W); the synthetic stand-in has the real set's sizes."""
+                    synthetic_sizes: tuple[int, int] = (50_000, 10_000), synthetic_classes: int = 10,
+                    interpolation: str = "bilinear") -> tuple[ImageTensors, ImageTensors]:
+    """(train, test) with images of `image_shape` (C, H, W), resized with `interpolation` (torchvision's names); the
+    synthetic stand-in has the real set's sizes."""
     if synthetic:
         return make_synthetic(image_shape, *synthetic_sizes, num_classes=synthetic_classes)
     found = find_source(source)  # 1
-    cache = CACHE_DIR / f"{found.key}-{'x'.join(map(str, image_shape))}-{decoder_hash()}.safetensors"
+    how = "" if interpolation == "bilinear" else f"-{interpolation}"
+    cache = CACHE_DIR / f"{found.key}-{'x'.join(map(str, image_shape))}{how}-{decoder_hash()}.safetensors"
     if not cache.exists():
         stored = {}
         if found.files:  # their arrays as stored (each file bounded by its header), and the class names
             stored, found.classes = found.files.read()
         count = sum(len(labels) for _, labels in stored.values()) + sum(map(len, found.splits.values()))
         check_decoded_size(source, count, image_shape)  # 2
-        stored, seen = decode(found, stored, image_shape)  # 3
+        stored, seen = decode(found, stored, image_shape, interpolation)  # 3
         if is_main_process() and (line := images.conversion(image_shape, seen)):
             print(f"{source}: converted the images to this recipe's {'x'.join(map(str, image_shape))} input: {line}",
                   flush=True)
@@ -229,7 +231,7 @@ def find_columns(split: datasets.Dataset, source: str) -> tuple[str, str, list[s
     return image_column, label_column, list(names)
 
 
-def decode(found: Source, stored: dict, image_shape) -> tuple[dict, dict]:
+def decode(found: Source, stored: dict, image_shape, interpolation: str) -> tuple[dict, dict]:
     """Stage 3: every image of both splits in `image_shape` (uint8 (N, C, H, W)) with its label, and what the images
     were (`seen`: channel counts and sizes). Published files are converted as a whole; a dataset's images one at a
     time, decoded here, not by datasets (memory for one image at a time, whatever the files hold; never a file
@@ -246,7 +248,7 @@ def decode(found: Source, stored: dict, image_shape) -> tuple[dict, dict]:
                 image, own_channels = images.decode(file, channels, where)
                 seen["channels"].add(own_channels)
                 seen["sizes"].add(tuple(image.shape[1:]))
-                pixels[i] = images.fit(image, height, width, where)
+                pixels[i] = images.fit(image, height, width, where, interpolation)
             if None in batch[label_column]:
                 raise RecipeError(f"{found.name} '{name}' image {start + batch[label_column].index(None)} has no "
                                   "label: an imagefolder needs a subfolder per class (<split>/<class>/<image>); a "
@@ -263,7 +265,7 @@ def decode(found: Source, stored: dict, image_shape) -> tuple[dict, dict]:
             seen["channels"].add(pixels.shape[1])
             seen["sizes"].add(tuple(pixels.shape[2:]))
             stored[name] = (images.fit(images.to_channels(pixels, channels), height, width,
-                                       f"{found.name} '{name}'").contiguous(), labels)
+                                       f"{found.name} '{name}'", interpolation).contiguous(), labels)
     return stored, seen
 
 

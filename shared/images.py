@@ -65,9 +65,10 @@ def check_png_rows(data: bytes) -> None:
         raise ValueError("image file is truncated: its compressed pixels end before its last row")
 
 
-def read_image(file: bytes | str | Path, image_shape: tuple[int, int, int], where: str) -> torch.Tensor:
+def read_image(file: bytes | str | Path, image_shape: tuple[int, int, int], where: str,
+               interpolation: str = "bilinear") -> torch.Tensor:
     """One image file -> uint8 (C, H, W) of `image_shape`: decoded, then fitted (memory for one image)."""
-    return fit(decode(file, image_shape[0], where)[0], *image_shape[1:], where)
+    return fit(decode(file, image_shape[0], where)[0], *image_shape[1:], where, interpolation)
 
 
 def to_channels(images: torch.Tensor, channels: int) -> torch.Tensor:
@@ -95,9 +96,11 @@ def conversion(image_shape: tuple[int, int, int], seen: dict) -> str:
     return "; ".join(changes)
 
 
-def fit(image: torch.Tensor, height: int, width: int, where: str = "images") -> torch.Tensor:
+def fit(image: torch.Tensor, height: int, width: int, where: str = "images", interpolation: str = "bilinear"
+        ) -> torch.Tensor:
     """uint8 (C, h, w), or a batch (N, C, h, w) -> (..., C, height, width): torchvision's resize of the shorter side
-    (bilinear, with antialiasing) and centre crop, bounded by the free memory first."""
+    (bilinear, or as pretrained weights were resized: bicubic for the EfficientNets', with antialiasing) and centre
+    crop, bounded by the free memory first."""
     h, w = image.shape[-2:]
     if (h, w) == (height, width):
         return image
@@ -107,6 +110,8 @@ def fit(image: torch.Tensor, height: int, width: int, where: str = "images") -> 
     if need > 2**28 and need > free_memory():
         raise RecipeError(f"{where}: images of {w}x{h} pixels, resized to {new_w}x{new_h} before the centre crop, take "
                           f"{need / 2**30:.1f} GiB, more than the free memory: crop them nearer to a square first")
-    from torchvision.transforms.v2 import functional  # here: 2 s of a start, paid only by a decode that resizes
+    from torchvision.transforms import InterpolationMode  # here: 2 s of a start, paid only by a decode that resizes
+    from torchvision.transforms.v2 import functional
 
-    return functional.center_crop(functional.resize(image, [new_h, new_w], antialias=True), [height, width])
+    resized = functional.resize(image, [new_h, new_w], InterpolationMode(interpolation), antialias=True)
+    return functional.center_crop(resized, [height, width])

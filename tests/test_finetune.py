@@ -115,20 +115,22 @@ def test_two_processes_cross_the_boundary_and_resume_exactly_at_it(env, photos, 
     assert_bitwise_equal(weights(resumed), weights(full))
 
 
-def test_evaluation_sees_the_images_as_the_weights_were_evaluated(tmp_path):
-    """Decoded at the weights' resize size, centre-cropped on the device: torchvision's weights.transforms() (resize
-    256, centre crop 224 for resnet18's), not a straight resize to 224."""
+@pytest.mark.parametrize("model, decoded_side", [("resnet18", 256), ("efficientnet_b0", 256), ("swin_t", 232)])
+def test_evaluation_sees_the_images_as_the_weights_were_evaluated(tmp_path, model, decoded_side):
+    """Decoded at the weights' resize size with their filter, centre-cropped on the device: torchvision's
+    weights.transforms() (resize 256 bilinear, centre crop 224 for resnet18's; bicubic for efficientnet_b0's, 232 and
+    bicubic for swin_t's), not a straight resize to 224, nor bilinear for all."""
     photo = tmp_path / "photo.png"
     pixels = torch.randint(0, 256, (300, 420, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     Image.fromarray(pixels.numpy()).save(photo)
-    cfg = finetune.Config()
-    decoded = read_image(photo, finetune.image_shape(cfg), "photo")
-    assert decoded.shape == (3, 256, 256)
+    cfg = finetune.Config(model=model)
+    decoded = read_image(photo, finetune.image_shape(cfg), "photo", finetune.interpolation(cfg))
+    assert decoded.shape == (3, decoded_side, decoded_side)
     ours = finetune.preprocess(decoded[None], training=False, cfg=cfg)
-    theirs = torchvision.models.ResNet18_Weights.DEFAULT.transforms()(Image.open(photo))
-    # The same pixels, but for rounding: transforms() resizes through torchvision's v1 functional, 1 level of 255
-    # apart from its v2 (which shared/images.py's fit reproduces) in 0.5% of them here.
-    one_level = 1 / 255 / min(finetune.chosen_weights("resnet18", "DEFAULT").transforms().std) + 1e-6
+    theirs = finetune.chosen_weights(model, "DEFAULT").transforms()(Image.open(photo))
+    # The same pixels, but for rounding: transforms() resizes a PIL image through PIL, 1 level of 255 apart from
+    # torch's resize of a tensor (which shared/images.py's fit uses) in a few of them here.
+    one_level = 1 / 255 / min(finetune.chosen_weights(model, "DEFAULT").transforms().std) + 1e-6
     torch.testing.assert_close(ours[0], theirs, atol=one_level, rtol=0)
     assert (ours[0] - theirs).abs().gt(1e-6).float().mean() < 0.01
     assert finetune.preprocess(decoded[None], training=True, cfg=cfg).shape == (1, 3, 224, 224)  # the crop too

@@ -120,7 +120,7 @@ def test_a_change_to_the_conversion_code_is_not_served_from_the_old_cache(tmp_pa
     before, _ = data.load_image_data(str(tmp_path / "d"), (3, 32, 32))
     assert before.images.any()
 
-    def fit(image, height, width, where="images"):  # an edited conversion: black images
+    def fit(image, height, width, where="images", interpolation="bilinear"):  # an edited conversion: black images
         return torch.zeros(image.shape[0], height, width, dtype=torch.uint8)
 
     monkeypatch.setattr(images, "fit", fit)  # as an edit of shared/images.py would change it
@@ -138,8 +138,9 @@ def test_fit_gives_torchvisions_pixels_for_any_size():
     for channels, h, w, height, width in [(3, 40, 40, 32, 32), (3, 30, 50, 32, 32), (1, 90, 17, 28, 28),
                                           (3, 7, 5, 32, 32), (1, 33, 31, 28, 28), (3, 64, 48, 24, 32)]:
         image = torch.randint(0, 256, (channels, h, w), dtype=torch.uint8, generator=generator)
-        expected = TF.center_crop(TF.resize(image, [max(height, width)], antialias=True), [height, width])
-        assert torch.equal(fit(image, height, width), expected), (channels, h, w, height, width)
+        for how in (TF.InterpolationMode.BILINEAR, TF.InterpolationMode.BICUBIC):  # resnet18's, efficientnet_b0's
+            expected = TF.center_crop(TF.resize(image, [max(height, width)], how, antialias=True), [height, width])
+            assert torch.equal(fit(image, height, width, "x", how.value), expected), (channels, h, w, height, width)
 
 
 @pytest.mark.parametrize("recipe, shape", [("cifar_cnn", (3, 40, 40)), ("cifar_cnn", (1, 64, 48)),

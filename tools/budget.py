@@ -2,7 +2,7 @@
 
 Code lines as cloc counts them: no blank lines, no comments, no docstrings. For each recipe: the names it imports
 from shared/ (12 at most), the code lines of shared/ in its import path (the modules it imports, those they import in
-turn, and shared/__init__.py: 1,250 at most), its own code lines (270 at most) and its header, the module docstring
+turn, and shared/__init__.py: 1,561 at most), its own code lines (280 at most) and its header, the module docstring
 (20 lines at most); then every shared/ file over 250 code lines.
 """
 
@@ -15,8 +15,8 @@ import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPES = ("cifar_cnn", "resnet18_fmnist", "deep_mlp_ckpt")
-BUDGETS = {"names": 12, "shared": 1250, "recipe": 270, "header": 20, "file": 250}
+RECIPES = sorted(path.stem for path in (ROOT / "recipes").glob("*.py"))
+BUDGETS = {"names": 12, "shared": 1561, "recipe": 280, "header": 20, "file": 250}
 
 
 def code_lines(path: Path) -> int:
