@@ -100,13 +100,15 @@ def check_pickle(raw: bytes | typing.BinaryIO) -> None:
             raise pickle.UnpicklingError(f"more than {MAX_PICKLE_TUPLES:,} tuples")
 
 
-def check_size(path: Path, size: int) -> None:
-    """Refuse a file whose header claims more bytes than MAX_FILE_BYTES or this machine's free memory."""
+def check_size(path: Path, size: int, times: int = 1) -> None:
+    """Refuse a file whose header claims more bytes than MAX_FILE_BYTES, or than this machine's free memory holds
+    `times` over."""
     free = free_memory()
-    if size > min(MAX_FILE_BYTES, free):
+    if size > min(MAX_FILE_BYTES, free / times):
         raise RecipeError(f"{path} claims {size:,} bytes of data, over the {MAX_FILE_BYTES / 2**30:.0f} GiB a dataset "
-                          f"file may hold here (or the {free / 2**30:.1f} GiB of free memory): a damaged or hostile "
-                          "file; download it again")
+                          f"file may hold here (or the {free / 2**30:.1f} GiB of free memory"
+                          f"{f' {times} times over' if times > 1 else ''}): a damaged or hostile file; download it "
+                          "again")
 
 
 def check_decoded_size(source: str, count: int, image_shape: tuple[int, int, int]) -> None:
