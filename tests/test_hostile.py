@@ -911,26 +911,19 @@ def test_images_that_lie(env, tmp_path, damage):
             launched=damage in (a_decompression_bomb, large_images, a_thin_image))
 
 
-@pytest.mark.slow  # launched: a bomb
-def test_predict_refuses_a_decompression_bomb(env, run, tmp_path):
+@pytest.mark.parametrize("side, needle", [
+    pytest.param(30000, "bomb.png has more than 89,478,485 pixels", marks=LAUNCHED),  # launched: a bomb
+    # One row of pixels: PIL decoded the rest as black, and predict.py gave it a prediction, exit 0
+    (9400, "bomb.png is not a readable image (ValueError: image file is truncated: its compressed pixels end before "
+           "its last row)"),
+], ids=["over PIL's limit", "rows end early"])
+def test_predict_refuses_a_png_that_lies(env, run, tmp_path, side, needle):
     photos = tmp_path / "photos"
     photos.mkdir()
-    png(photos / "bomb.png", 30000, 30000, rows=1)
+    png(photos / "bomb.png", side, side, rows=1)
     (tmp_path / "out").mkdir()
     refused(env, tmp_path, "predict", "--weights", run / "model.safetensors", "--recipe", "cifar_cnn", "--images",
-            photos, "--output", tmp_path / "out" / "p.csv", needle="bomb.png has more than 89,478,485 pixels",
-            launched=True)
-
-
-def test_predict_refuses_a_png_whose_rows_end_early(env, run, tmp_path):
-    """A 9,400 x 9,400 PNG with one row of pixels decoded as black and got a prediction, exit 0."""
-    photos = tmp_path / "photos"
-    photos.mkdir()
-    png(photos / "thin.png", 9400, 9400, rows=1)
-    (tmp_path / "out").mkdir()
-    refused(env, tmp_path, "predict", "--weights", run / "model.safetensors", "--recipe", "cifar_cnn", "--images",
-            photos, "--output", tmp_path / "out" / "p.csv", needle="thin.png is not a readable image (ValueError: "
-            "image file is truncated: its compressed pixels end before its last row)")
+            photos, "--output", tmp_path / "out" / "p.csv", needle=needle, launched=side == 30000)
 
 
 @pytest.mark.slow  # launched: the memory limit is the point
