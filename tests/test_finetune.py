@@ -168,6 +168,20 @@ def test_offline_without_the_weights_file_is_one_line(env, photos, tmp_path):
     assert "ResNet18_Weights.IMAGENET1K_V1" in line
 
 
+@pytest.mark.parametrize("zipped", [True, False], ids=["torch.save's zip", "torch's format before 1.6"])
+def test_a_cached_weights_file_in_either_format_torch_load_reads_is_loaded(torch_home, tmp_path, monkeypatch, zipped):
+    """torchvision's older downloads are in torch's format before 1.6, five pickles then the tensors' bytes: checked
+    as torch.load reads them (check_archive), and loaded."""
+    home = tmp_path / "home"
+    (home / "hub" / "checkpoints").mkdir(parents=True)
+    state = torch.load(torch_home / "hub" / "checkpoints" / CACHED, weights_only=True)
+    torch.save(state, home / "hub" / "checkpoints" / CACHED, _use_new_zipfile_serialization=zipped)
+    monkeypatch.setenv("TORCH_HOME", str(home))
+    model = finetune.make_model(3, cfg := finetune.Config())
+    finetune.load_pretrained(model, cfg)
+    assert torch.equal(model.state_dict()["layer1.0.conv1.weight"], state["layer1.0.conv1.weight"])
+
+
 def test_a_cached_weights_file_with_compressed_entries_is_not_inflated(torch_home, tmp_path, monkeypatch):
     """The cache may hold a file from anywhere: deflated entries could inflate to any size in torch.load."""
     from test_hostile import zip_bomb
