@@ -175,7 +175,7 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
         raise RecipeError(f"--weights {path}: no such file: pass a model.safetensors, a .pt/.pth file "
                           "or a checkpoint folder")
     if path.suffix != ".safetensors":
-        Checkpoints.check_archive(path)  # no compressed entry: bounded by the file's size
+        Checkpoints.check_archive(path)  # as torch.load reads it: bounded by the file's size, its pickles checked
     try:  # weights_only: tensors and plain containers only; a pickle that would run code is refused
         with warnings.catch_warnings():  # torch's note on a protocol-4 pickle, before the refusal below
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
