@@ -5,11 +5,11 @@ listed in docs/troubleshooting.md."""
 
 import contextlib
 import math
+import mmap
 import os
 import pickle
 import pickletools
 import resource
-import typing
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -79,14 +79,14 @@ def replacing(path: Path) -> Iterator[Path]:
         partial.unlink(missing_ok=True)  # after a failed write: a full disk, pieces read from a damaged file
 
 
-def check_pickle(raw: bytes | typing.BinaryIO) -> None:
-    """Before an unpickler runs `raw` (a CIFAR pickle, a torch.save file's data.pkl; of a file, its next pickle): each
-    length it claims checked against the bytes that follow (genops: the C unpickler allocates first); at most
-    MAX_PICKLE_OPS operations, counted as they come, and memo indexes below that (the C unpickler grows its memo to
-    twice the index: 4.6 GB at 2^28); at most MAX_PICKLE_LONGS integers past 32 bits, the only dict keys or set items
-    whose hashes can be made to collide (a dict of 100,000 of them took minutes to build); at most MAX_PICKLE_TUPLES
-    tuples and frozensets, so that none is nested deep enough to crash the interpreter when it is hashed as a key
-    (200,000 deep did, here)."""
+def check_pickle(raw: bytes | mmap.mmap) -> None:
+    """Before an unpickler runs `raw` (a CIFAR pickle, a torch.save file's data.pkl; of a file's map, its next
+    pickle): each length it claims checked against the bytes that follow (genops: the C unpickler allocates first); at
+    most MAX_PICKLE_OPS operations, counted as they come, and memo indexes below that (the C unpickler grows its memo
+    to twice the index: 4.6 GB at 2^28); at most MAX_PICKLE_LONGS integers past 32 bits, the only dict keys or set
+    items whose hashes can be made to collide (a dict of 100,000 of them took minutes to build); at most
+    MAX_PICKLE_TUPLES tuples and frozensets, so that none is nested deep enough to crash the interpreter when it is
+    hashed as a key (200,000 deep did, here)."""
     longs = tuples = 0
     for count, (opcode, arg, _) in enumerate(pickletools.genops(raw), start=1):
         memo = arg if opcode.name in ("PUT", "BINPUT", "LONG_BINPUT") else 0

@@ -770,6 +770,22 @@ def test_a_torch_file_is_checked_as_torch_load_reads_it(tmp_path, content, needl
         Checkpoints.check_archive(path)
 
 
+def test_a_torch_file_in_the_old_format_claiming_6_gib_allocates_nothing_first(tmp_path):
+    """torch's format before 1.6 is checked as pickles read from the file: a file's read(n) allocated the 6 GiB a
+    1 KB file claimed before it found them missing. Read through a map of the file, it allocates what is there."""
+    path = tmp_path / "weights.pt"
+    path.write_bytes(b"\x80\x04\x8e" + struct.pack("<Q", 6 * 2**30) + b"x" * 1000)  # BINBYTES8 of 6 GiB
+    tracemalloc.start()
+    try:
+        missing = "(expected 6442450944 bytes in a bytes8, but only 1000 remain)"
+        with pytest.raises(RecipeError, match=re.escape(missing)):
+            Checkpoints.check_archive(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**24, f"{peak / 2**20:.0f} MB allocated"
+
+
 @pytest.mark.parametrize("data_pkl, needle", [
     (colliding_keys(30_000), "a data.pkl of more than 1,024 bytes for each of its 0 tensors"),
     (b"\x80\x02}r" + struct.pack("<I", 2**27) + b".", "more than 2,000,000 pickle operations or memo entries"),
