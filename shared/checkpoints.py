@@ -275,6 +275,9 @@ class Checkpoints(StopOnSignals):
                 keys = {plain_name(key): key for key in f.keys()}
                 shapes = {name: tuple(f.get_slice(key).get_shape()) for name, key in keys.items()}
                 recorded = json.loads((f.metadata() or {}).get("classes", "null"))
+                if not (recorded is None or isinstance(recorded, list) and all(isinstance(c, str) for c in recorded)):
+                    raise RecipeError(f"--init_from {path} records its classes as {str(recorded)[:60]!r}, not a list "
+                                      "of names: pass a model.safetensors written by a run")
                 other_classes = recorded not in (None, classes) and not cfg.keep_classifier
                 wrong = mismatch(expected, shapes, skip=head)
                 if wrong and not cfg.init_partial:

@@ -131,6 +131,19 @@ def test_a_classifier_trained_on_other_class_names_starts_new_unless_kept(source
     assert "25 of 25 tensors loaded; new: none" in kept.stdout
 
 
+@pytest.mark.parametrize("recorded", ["5", '{"a": 1}', '["cat", 7]'])
+def test_class_names_a_file_records_that_are_no_list_of_names_are_one_line(tmp_path, recorded):
+    """A file from anywhere may record anything as its classes: a number ended in a TypeError's traceback."""
+    from recipes import cifar_cnn
+
+    state = cifar_cnn.make_model(10).state_dict()
+    save_file({k: v.contiguous() for k, v in state.items()}, tmp_path / "model.safetensors",
+              metadata={"classes": recorded})
+    cfg = cifar_cnn.Config(init_from=str(tmp_path))
+    with pytest.raises(RecipeError, match=r"records its classes as .*, not a list of names: pass a model.safetensors"):
+        Checkpoints.initial_weights(cifar_cnn.make_model(10), cfg, [f"class_{i}" for i in range(10)])
+
+
 def test_another_architecture_is_refused_or_loaded_in_part_on_request(tmp_path):
     """A ResNet-50 state dict given to finetune.py's resnet18 loaded 98 of 122 tensors and trained."""
     import torchvision
