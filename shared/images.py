@@ -35,7 +35,7 @@ def decode(file: bytes | str | Path, channels: int, where: str) -> tuple[torch.T
             own = 1 if image.mode in ("1", "L", "LA") else 3
             image.load()
             if image.format == "PNG":
-                check_png_rows(file if isinstance(file, bytes) else Path(file).read_bytes())
+                check_png_rows(file)
             if image.getexif().get(ExifTags.Base.Orientation) is not None:
                 image = ImageOps.exif_transpose(image)
             pixels = np.array(image.convert("L" if channels == 1 else "RGB"))
@@ -48,20 +48,25 @@ def decode(file: bytes | str | Path, channels: int, where: str) -> tuple[torch.T
     return torch.from_numpy(pixels).reshape(*pixels.shape[:2], channels).permute(2, 0, 1), own
 
 
-def check_png_rows(data: bytes) -> None:
+def check_png_rows(file: bytes | str | Path) -> None:
     """PIL ends a PNG where its compressed pixels end, and leaves the rows they lack black: one row of a 9,400 x 9,400
-    image decoded without an error. Its IDAT chunks inflated must make every row (each pass's, if interlaced)."""
-    width, height, depth, colour, _, _, interlaced = struct.unpack(">IIBBBBB", data[16:29])
-    bits = depth * {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}.get(colour, 0)
-    passes = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2))
-    expected = sum(rows * (1 + (cols * bits + 7) // 8) for x, y, dx, dy in (passes if interlaced else [(0, 0, 1, 1)])
-                   if (rows := -(-(height - y) // dy)) > 0 and (cols := -(-(width - x) // dx)) > 0)
-    chunks, at = [], 8
-    while at + 8 <= len(data):
-        length, kind = struct.unpack(">I4s", data[at:at + 8])
-        chunks += [data[at + 8:at + 8 + length]] if kind == b"IDAT" else []
-        at += 12 + length
-    if len(zlib.decompressobj().decompress(b"".join(chunks), expected)) < expected:
+    image decoded without an error. Its IDAT chunks inflated must make every row (each pass's, if interlaced): read a
+    piece at a time, up to the last row, never the rest of the file."""
+    with io.BytesIO(file) if isinstance(file, bytes) else open(file, "rb") as f:
+        width, height, depth, colour, _, _, interlaced = struct.unpack(">16xIIBBBBB", f.read(29))
+        bits = depth * {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}.get(colour, 0)
+        adam7 = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2))
+        expected = sum(rows * (1 + (cols * bits + 7) // 8) for x, y, dx, dy in (adam7 if interlaced else [(0, 0, 1, 1)])
+                       if (rows := -(-(height - y) // dy)) > 0 and (cols := -(-(width - x) // dx)) > 0)
+        inflate, made = zlib.decompressobj(), 0
+        f.seek(8)  # the chunks, after the signature
+        while made < expected and len(header := f.read(8)) == 8:
+            left, kind = struct.unpack(">I4s", header)
+            while kind == b"IDAT" and left and made < expected and (piece := f.read(min(left, 2**16))):
+                made += len(inflate.decompress(piece, expected - made))
+                left -= len(piece)
+            f.seek(left + 4, 1)  # the rest of the chunk, then its CRC
+    if made < expected:
         raise ValueError("image file is truncated: its compressed pixels end before its last row")
 
 

@@ -927,6 +927,22 @@ def test_images_that_lie(env, tmp_path, damage):
             launched=damage in (a_decompression_bomb, large_images, a_thin_image))
 
 
+def test_a_png_is_checked_for_its_rows_without_reading_what_follows_them(tmp_path):
+    """A PNG of 32 x 32 pixels followed by 200 MB (sparse: no disk used): the rows' check read the whole file."""
+    from shared import images
+
+    photo = png(tmp_path / "long.png", 32, 32)
+    with open(photo, "ab") as f:
+        f.truncate(200 * 2**20)
+    tracemalloc.start()
+    try:
+        assert images.decode(photo, 1, "long.png")[0].shape == (1, 32, 32)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**24, f"{peak / 2**20:.0f} MB allocated"
+
+
 @pytest.mark.parametrize("side, needle", [
     pytest.param(30000, "bomb.png has more than 89,478,485 pixels", marks=LAUNCHED),  # launched: a bomb
     # One row of pixels: PIL decoded the rest as black, and predict.py gave it a prediction, exit 0
