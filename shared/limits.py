@@ -13,6 +13,8 @@ import resource
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
+
 from shared.errors import RecipeError, first_line
 
 MAX_FILE_BYTES = 4 * 2**30  # one dataset file: 4 GiB (the real MNIST family's largest is under 1 GiB)
@@ -25,11 +27,9 @@ MAX_PICKLE_TUPLES = 50_000  # tuples and frozensets: a state dict has about 4 a 
 def free_memory(cgroups: Path = Path("/sys/fs/cgroup")) -> float:
     """Bytes this process may still allocate: the memory the system has available (page cache counts as free, as in
     `free`), within the limit of its cgroup and of every cgroup above it (cgroup v2: a container's or a SLURM job's
-    memory limit), and within its address-space limit (`ulimit -v`). Infinity where the system does not say (macOS)."""
-    room = [math.inf]
-    with contextlib.suppress(OSError, ValueError, KeyError):
-        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-        room.append(int(meminfo["MemAvailable"].split()[0]) * 1024)
+    memory limit), and within its address-space limit (`ulimit -v`). psutil (accelerate's) reads the system's figures
+    (on Linux, MemAvailable in /proc/meminfo) and this process's address space, on macOS too."""
+    room = [psutil.virtual_memory().available]
     with contextlib.suppress(OSError, ValueError, StopIteration):
         lines = Path("/proc/self/cgroup").read_text().splitlines()
         group = cgroups / next(line[3:] for line in lines if line.startswith("0::")).strip("/")
@@ -39,9 +39,8 @@ def free_memory(cgroups: Path = Path("/sys/fs/cgroup")) -> float:
                 used = int((folder / "memory.current").read_text()) - int(stat["inactive_file"])
                 room.append(int((folder / "memory.max").read_text()) - used)
     limit = resource.getrlimit(resource.RLIMIT_AS)[0]
-    with contextlib.suppress(OSError, ValueError):
-        if limit != resource.RLIM_INFINITY:
-            room.append(limit - int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE"))
+    if limit != resource.RLIM_INFINITY:
+        room.append(limit - psutil.Process().memory_info().vms)
     return max(min(room), 0)
 
 
