@@ -98,10 +98,11 @@ def describe_weights(cfg: Config) -> dict:
             return {k: json.loads(about[k]) if k in ("flags", "classes") else about[k] for k in about}
         except (ValueError, RecursionError):  # not the recipes' metadata: --recipe and --classes say what it is
             return {}
-    run_config = path.resolve().parent.parent / "config.json"  # runs/<run>/checkpoints/step_<N>
-    if path.is_dir() and path.resolve().parent.name == "checkpoints" and run_config.is_file():
-        config = read_json(run_config)  # None if damaged: as a bare state dict, --recipe and --classes say what it is
-        if isinstance(config, dict):
+    if path.is_dir():  # a checkpoint (or a run) folder: the config.json saved in it, which --checkpoint_dir's have
+        older = [path.resolve().parent.parent / "config.json"] if path.resolve().parent.name == "checkpoints" else []
+        # older checkpoints: their run's beside checkpoints/; none readable: --recipe and --classes say what it is
+        config = next((c for c in map(read_json, [path / "config.json", *older]) if isinstance(c, dict)), None)
+        if config:
             return {"recipe": config.get("recipe"), "flags": config, "classes": config.get("classes")}
     return {}
 
@@ -304,11 +305,12 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
 
 
 def default_output(weights: Path, images: Path) -> Path:
-    """predictions-<images>.csv in the run the weights belong to: beside a model.safetensors or .pt, in the run of a
-    checkpoint folder (never the checkpoint), never in the working folder (a repository)."""
+    """predictions-<images>.csv in the run the weights belong to: beside a model.safetensors or .pt; for a checkpoint,
+    in its run (checkpoints/step_<N>) or beside it (--checkpoint_dir), never in the checkpoint, which a later save may
+    prune; never in the working folder (a repository)."""
     folder = weights if weights.is_dir() else weights.parent
-    if folder.parent.name == "checkpoints":
-        folder = folder.parent.parent
+    if (folder / "custom_checkpoint_0.pkl").is_file():  # what every checkpoint holds (Progress)
+        folder = folder.parent.parent if folder.parent.name == "checkpoints" else folder.parent
     return folder / f"predictions-{images.stem if images.is_file() else images.resolve().name}.csv"
 
 

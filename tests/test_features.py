@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import csv
 import json
+import shutil
 
 import pytest
 import torch
@@ -133,18 +134,25 @@ def test_predict_writes_a_row_per_image_and_agrees_with_the_runs_evaluation(env,
 
 
 def test_predict_writes_beside_the_weights_by_default_and_says_where(env, run, folder, tmp_path):
-    """It wrote predictions.csv into the working folder (the repository), and a second call needed --overwrite."""
+    """It wrote predictions.csv into the working folder (the repository), and a second call needed --overwrite. A
+    checkpoint in a --checkpoint_dir (no run around it) named no classes, and the CSV went into the checkpoint, which
+    a later save prunes with it."""
     out, _ = run
     root, _ = folder
-    copy = tmp_path / "run"
+    copy, scratch = tmp_path / "run", tmp_path / "scratch"
     (copy / "checkpoints").mkdir(parents=True)
     (copy / "checkpoints" / "step_12").symlink_to(out / "checkpoints" / "step_12")
+    shutil.copytree(out / "checkpoints" / "step_12", scratch / "step_12")  # its own config.json, as every save's
     expected = copy / f"predictions-{root.name}.csv"
-    for weights in (out / "model.safetensors", out / "model.safetensors", copy / "checkpoints" / "step_12"):
+    for weights in (out / "model.safetensors", out / "model.safetensors", copy / "checkpoints" / "step_12",
+                    scratch / "step_12"):
         written = out / f"predictions-{root.name}.csv" if weights.name == "model.safetensors" else expected
+        written = scratch / expected.name if weights.parent == scratch else written
         result = predict(env, "--weights", weights, "--images", root)
         assert result.returncode == 0 and f"wrote {written} (" in result.stdout, result.stderr
     assert expected.is_file() and not (copy / "checkpoints" / "step_12" / expected.name).exists()
+    assert (scratch / expected.name).read_text() == expected.read_text()  # the same classes, from its config.json
+    assert not (scratch / "step_12" / expected.name).exists()
 
 
 def test_predict_bad_input_is_one_line_and_keeps_what_is_on_disk(env, run, folder, tmp_path):
