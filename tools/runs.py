@@ -43,7 +43,7 @@ def read_json(path: Path) -> dict:
 
 def summaries(folder: Path) -> list[Path]:
     """Every summary.json under `folder`, without following links; not recursive (rglob is, in Python 3.11): a tree
-    thousands of folders deep is walked all the same."""
+    thousands of folders deep is walked all the same. shared/limits.py's walk, without importing torch."""
     found, folders = [], [folder]
     while folders:
         with os.scandir(folders.pop()) as entries:
@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table, end="")
     if args.markdown:
         partial = args.markdown.with_name(f"{args.markdown.name}.tmp{os.getpid()}")
+        # shared/limits.py's `replacing`, written out: importing shared/ would import torch into this small tool
         try:  # under a temporary name, renamed into place: never written through a link planted at the name
             partial.unlink(missing_ok=True)
             partial.write_text(f"Runs under `{escaped(str(args.folder))}`:\n\n{table}")
