@@ -29,12 +29,10 @@ from urllib.parse import urlparse
 
 import torch
 import torch.nn.functional as F
-import torchvision
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import GradientAccumulationPlugin, broadcast, set_seed
 from torch import nn
 from torch.utils.data import DataLoader
-from torchvision.ops import roi_align
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it
@@ -42,7 +40,12 @@ from shared import augment, schedule, speed, tracking  # augmentation; lr, EMA; 
 from shared.checkpoints import Checkpoints, Progress, mismatch
 from shared.config import RunConfig
 from shared.data import EpochOrder, load_image_data
-from shared.errors import RecipeError, one_line_errors
+from shared.errors import RecipeError, check_torchvision, one_line_errors
+
+with one_line_errors():
+    check_torchvision()  # one built for another torch would end the import below in a traceback
+import torchvision
+from torchvision.ops import roi_align
 
 RECIPE = "finetune"
 # Every torchvision classification builder but two, whose training outputs include auxiliary classifiers' (a tuple)
@@ -369,7 +372,7 @@ def train(cfg: Config) -> None:
         for param in backbone:
             param.requires_grad_(not frozen)
         for module in model.modules() if frozen else []:
-            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            if isinstance(module, nn.BatchNorm2d):  # what every torchvision classifier normalizes with
                 module.eval()
         order.set_position(progress.epoch, progress.samples_into_epoch)  # this epoch's order, from the first unseen one
         bar = tqdm(train_loader, desc=f"epoch {progress.epoch + 1}/{math.ceil(run_epochs)}", disable=not show_bar,

@@ -6,11 +6,13 @@ rank 0 alone prints. Programming errors keep their traceback: those are for whoe
 """
 
 import errno
+import importlib.util
 import os
 import re
 import sys
 import traceback
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from accelerate import PartialState
@@ -70,8 +72,36 @@ def in_collective(error: RuntimeError) -> bool:
             or isinstance(error, torch.distributed.DistError) or "gloo" in str(error))
 
 
+def check_torchvision() -> None:
+    """A torchvision built for another torch (another release, or a CUDA build beside a CPU one) is one line, before
+    anything imports it: its compiled operators do not load, and `import torchvision` ends in a traceback ("operator
+    torchvision::nms does not exist"). Loaded here as torchvision's extension.py loads them, through torch."""
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or spec.origin is None:
+        return  # not installed: the import that needs it says so
+    folder = Path(spec.origin).parent
+    for library in sorted(folder.glob("_C*")):  # _C.so; _C_stable.so in the newer releases
+        if library.suffix not in (".so", ".pyd", ".dylib"):
+            continue
+        try:
+            torch.ops.load_library(library)
+        except OSError:
+            text = (folder / "version.py").read_text() if (folder / "version.py").is_file() else ""
+            found = re.search(r"^__version__ = '([^']+)'", text, re.MULTILINE)
+            version = found.group(1) if found else "(of an unknown version)"
+            release, _, build = torch.__version__.partition("+")
+            index = ""
+            if build.startswith(("cpu", "cu", "rocm")):  # a build from PyTorch's own index: the same index's
+                index = f" --index-url https://download.pytorch.org/whl/{build}"
+            fix = f"pip uninstall -y torchvision && pip install torch=={release} torchvision{index}"
+            raise RecipeError(f"torchvision {version} was not built for torch {torch.__version__}: its compiled "
+                              f"operators ({library.name}) do not load; install the torchvision built for it: {fix}"
+                              ) from None
+
+
 def check_launch() -> None:
     """Start the process group, and stop launches that would run, but not as the user thinks."""
+    check_torchvision()
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):  # what a launcher sets for each process
         if not os.environ.get(name, "0").isdigit():
             raise RecipeError(f"the environment sets {name}={os.environ[name]!r}, not a count of processes: unset it "

@@ -100,3 +100,10 @@ def test_bf16_on_a_cpu_without_its_instructions_says_so_in_one_line(tmp_path, ca
         "several times slower than float32: accelerate_configs/cpu.yaml is faster"]
     (tmp_path / "cpuinfo").write_text("Features\t: fp asimd bf16\n")  # ARM: no x86 flags, nothing said
     assert speed.cpu_has_bf16(tmp_path / "cpuinfo") and speed.cpu_has_bf16(tmp_path / "missing")
+
+
+def test_the_throughput_benchmarks_dynamo_setting_exists_on_this_torch():
+    """benchmarks/throughput.py raises torch._dynamo.config.recompile_limit (private: no public setting; docs/tests.md)
+    when imported. A torch that renamed it fails here: the quick tier runs on the floors and on the pins."""
+    importlib.import_module("throughput")
+    assert torch._dynamo.config.recompile_limit == 64

@@ -109,3 +109,28 @@ def test_what_a_recipe_uses_from_shared_is_what_the_docs_list():
     assert listed["imported"] == imported and len(imported) == 11
     assert listed["functions"] == called["functions"] and len(called["functions"]) == 13
     assert listed["methods"] == called["methods"] and len(called["methods"]) == 13
+
+
+# Underscore names of this project's own, and the standard library's: not a dependency's private API.
+OWN_PRIVATE = {"os._exit", "stopping.StopOnSignals._agree_to_stop", "folder._LOCKS"}
+
+
+def test_every_private_name_of_a_dependency_the_code_uses_is_listed_in_docs_tests_md():
+    """A private name of torch, torchvision, accelerate or datasets may change in any release: each one that the
+    recipes, shared/, the benchmarks or the test harness use is listed in docs/tests.md with the quick-tier test that
+    runs it, on the floors and on the pins."""
+    listed = (ROOT / "docs" / "tests.md").read_text()
+    files = [*ROOT.glob("recipes/*.py"), *ROOT.glob("shared/**/*.py"), *ROOT.glob("benchmarks/*.py"),
+             ROOT / "tests" / "conftest.py"]
+    used = set()
+    for file in files:
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                used.add((f"{ast.unparse(node.value)}.{node.attr}", node.attr, file.relative_to(ROOT).as_posix()))
+            elif isinstance(node, ast.ImportFrom) and node.module and "._" in node.module:
+                private = "_" + node.module.split("._")[1].split(".")[0]  # torch.utils._python_dispatch
+                used.add((node.module, private, file.relative_to(ROOT).as_posix()))
+    missing = [(name, file) for name, private, file in sorted(used)
+               if name not in OWN_PRIVATE and not name.startswith(("self.", "cls.")) and private not in listed]
+    assert not missing, f"private names used but not listed in docs/tests.md: {missing}"
+    assert len(used) > 10  # the walk found the ones listed today

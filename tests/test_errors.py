@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.util
+import re
 import resource
 import shutil
 import subprocess
@@ -22,6 +24,8 @@ import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file
+
+from shared.errors import RecipeError
 
 from conftest import ROOT, assert_bitwise_equal, launch, ok, read_json, read_jsonl, run_here, weights
 from tiny_data import cifar_binary_dataset, image_splits, text_dataset
@@ -70,6 +74,50 @@ def test_an_error_is_one_line_in_a_launch(env, tmp_path, entry, args, needle):
                         config="cpu", launcher_args=("-q",))
     one_line(result, needle)
     assert not (tmp_path / "run").exists()  # a start that fails leaves no folder
+
+
+def fake_torchvision(folder: Path, version: str = "0.28.0+cu130") -> Path:
+    """A torchvision whose compiled operators do not load with this torch, as a CUDA build's do not beside a CPU
+    torch: `import torchvision` fails as theirs does."""
+    package = folder / "torchvision"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text('raise RuntimeError("operator torchvision::nms does not exist")\n')
+    (package / "version.py").write_text(f"__version__ = '{version}'\ngit_version = '0'\n")
+    (package / "_C.so").write_bytes(b"not a library of this torch")
+    return package
+
+
+def test_a_torchvision_built_for_another_torch_is_one_line_naming_the_pair(tmp_path, monkeypatch):
+    from shared.errors import check_torchvision
+
+    check_torchvision()  # the pair installed here: its operators load
+    package = fake_torchvision(tmp_path)
+    monkeypatch.setitem(sys.modules, "torchvision", type(sys)("torchvision"))  # what find_spec reads first
+    sys.modules["torchvision"].__spec__ = importlib.util.spec_from_file_location("torchvision", package / "__init__.py")
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
+    with pytest.raises(RecipeError, match=re.escape(
+            "torchvision 0.28.0+cu130 was not built for torch 2.13.0+cpu: its compiled operators (_C.so) do not load; "
+            "install the torchvision built for it: pip uninstall -y torchvision && pip install torch==2.13.0 "
+            "torchvision --index-url https://download.pytorch.org/whl/cpu")):
+        check_torchvision()
+
+
+@pytest.mark.slow  # launched: the import it stops fails in the process
+@pytest.mark.parametrize("recipe", ["finetune", "cifar_cnn", "predict"])
+def test_a_launch_with_a_torchvision_built_for_another_torch_is_one_line(env, tmp_path, recipe):
+    """finetune.py imports torchvision at its start, the others when a decode resizes or a recipe is loaded: the line
+    comes before either, and no run folder is made."""
+    fake_torchvision(tmp_path / "site")
+    variables = dict(env, PYTHONPATH=str(tmp_path / "site"), HF_HUB_OFFLINE="1")
+    if recipe == "predict":
+        args = ["--weights", str(tmp_path / "model.safetensors"), "--images", str(tmp_path), "--recipe", "cifar_cnn"]
+        result = subprocess.run([sys.executable, "recipes/predict.py", *args], cwd=ROOT, env=variables,
+                                capture_output=True, text=True, timeout=300)
+    else:
+        result = launch(variables, recipe, "--synthetic", "--tracker", "none", "--output_dir", str(tmp_path / "run"),
+                        config="cpu", launcher_args=("-q",))
+    one_line(result, "torchvision 0.28.0+cu130 was not built for torch", "its compiled operators (_C.so) do not load")
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("recipe", [*RECIPES, "finetune", "predict"])

@@ -770,6 +770,21 @@ def test_a_torch_file_is_checked_as_torch_load_reads_it(tmp_path, content, needl
         Checkpoints.check_archive(path)
 
 
+def test_a_torch_files_entry_sizes_are_those_of_the_central_directory_torchs_reader_read(tmp_path):
+    """check_archive takes the sizes from the central directory torch's reader read (through DirectoryReads), with
+    the reader's names and offsets: on an honest file, the sizes Python's zipfile reads. torch 2.11 has no public
+    or private call that gives them (2.12 added get_record_size)."""
+    from shared.checkpoints import DirectoryReads
+
+    path = tmp_path / "weights.pt"
+    torch.save({"w": torch.zeros(1000), "b": torch.ones(3)}, path)
+    with DirectoryReads(path) as file:
+        sizes = file.entry_sizes(torch._C.PyTorchFileReader(file))
+    with zipfile.ZipFile(path) as archive:
+        assert sizes == {info.filename.split("/", 1)[1]: info.file_size for info in archive.infolist()}
+    assert sizes["data/0"] == 4000 and len(file.directories) == 1
+
+
 def test_a_torch_file_in_the_old_format_claiming_6_gib_allocates_nothing_first(tmp_path):
     """torch's format before 1.6 is checked as pickles read from the file: a file's read(n) allocated the 6 GiB a
     1 KB file claimed before it found them missing. Read through a map of the file, it allocates what is there."""

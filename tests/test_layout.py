@@ -115,7 +115,7 @@ INTENDED = {
     + for param in backbone:
     + param.requires_grad_(not frozen)
     + for module in model.modules() if frozen else []:
-    + if isinstance(module, nn.modules.batchnorm._BatchNorm):
+    + if isinstance(module, nn.BatchNorm2d):  # what every torchvision classifier normalizes with
     + module.eval()
     - for group in optimizer.param_groups:
     - group["lr"] = lr
