@@ -169,8 +169,9 @@ def fits(value, kind) -> bool:
 
 
 def load_weights(model: torch.nn.Module, path: str | Path) -> None:
-    """Load a .safetensors file, a torch.save'd state dict (plain or under 'model'/'state_dict'/'model_state_dict',
-    keys prefixed 'module.' or '_orig_mod.') or an accelerate checkpoint folder into `model`, on any device."""
+    """Load a .safetensors file, a torch.save'd state dict (plain, under 'model'/'state_dict'/'model_state_dict' or
+    the one key whose value is one; keys prefixed 'module.' or '_orig_mod.') or an accelerate checkpoint folder into
+    `model`, on any device."""
     path = Path(path) / "model.safetensors" if Path(path).is_dir() else Path(path)
     if not path.is_file():  # missing, or a FIFO that would block the read
         raise RecipeError(f"--weights {path}: no such file: pass a model.safetensors, a .pt/.pth file "
@@ -195,6 +196,13 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
     for key in ("model_state_dict", "state_dict", "model"):
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]
+    if isinstance(state, dict) and not all(isinstance(value, torch.Tensor) for value in state.values()):
+        nested = [value for value in state.values() if is_state_dict(value)]  # {"model_dict": ..., "epoch": 3}
+        state = nested[0] if len(nested) == 1 else state
+    if not is_state_dict(state):
+        keys = f" (its keys: {', '.join(map(str, list(state)[:5]))[:200]})" if isinstance(state, dict) else ""
+        raise RecipeError(f"--weights {path} holds no state dict, names to tensors{keys}: pass a .pt of "
+                          "model.state_dict(), alone or under 'model', 'state_dict' or 'model_state_dict'")
     state = {plain_name(k): v for k, v in state.items()}
     expected = model.state_dict()
     if wrong := mismatch(expected, {k: tuple(v.shape) for k, v in state.items()}):
@@ -204,6 +212,11 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
         raise RecipeError(f"--weights {path} holds NaN or infinite weights (a run that diverged): pass an earlier "
                           "checkpoint's weights, or train again with a lower --lr")
     model.load_state_dict({k: state[k] for k in expected})
+
+
+def is_state_dict(value) -> bool:
+    return isinstance(value, dict) and bool(value) and all(
+        isinstance(key, str) and isinstance(tensor, torch.Tensor) for key, tensor in value.items())
 
 
 def find_images(root: Path) -> tuple[list[Path], list[Path]]:

@@ -352,6 +352,7 @@ def layouts(run: Path, folder: Path) -> dict[str, Path]:
     save("wrapped_model.pt", {"model": state, "epoch": 3, "optimizer": {"state": {}, "param_groups": []}})
     save("wrapped_state_dict.pt", {"state_dict": {f"module.{k}": v for k, v in state.items()}, "epoch": 3})
     save("wrapped_model_state_dict.pt", {"model_state_dict": state, "epoch": 3, "optimizer_state_dict": {}})
+    save("wrapped_under_another_key.pt", {"model_dict": state, "epoch": 3})  # the one state dict it holds
     files["weights.safetensors"] = folder / "weights.safetensors"
     save_file(state, files["weights.safetensors"])
     files["accelerate_checkpoint_folder"] = run / "checkpoints" / "step_20"
@@ -416,6 +417,20 @@ def test_weights_of_another_model_name_the_first_mismatch(tmp_path):
     state["0.weight"] = torch.zeros(16, 3, 5, 5)
     save_file(state, path)
     with pytest.raises(RecipeError, match=r"'0.weight' is \(16, 3, 5, 5\) in the file, \(32, 3, 5, 5\) in the model"):
+        load_weights(make_model(10), path)
+
+
+@pytest.mark.parametrize("content, keys", [
+    ({"model": [1, 2], "epoch": 3}, " (its keys: model, epoch)"),
+    ({"a": {"w": torch.zeros(1)}, "b": {"w": torch.zeros(1)}}, " (its keys: a, b)"),  # two: which one is not guessed
+    ([torch.zeros(1)], ""),
+], ids=["no tensors", "two state dicts", "a list"])
+def test_a_torch_file_that_holds_no_state_dict_is_one_line(tmp_path, content, keys):
+    """It ended in an AttributeError's traceback ('dict' object has no attribute 'shape')."""
+    path = tmp_path / "weights.pt"
+    torch.save(content, path)
+    with pytest.raises(RecipeError, match=re.escape(f"holds no state dict, names to tensors{keys}: pass a .pt of "
+                                                    "model.state_dict(), alone or under 'model'")):
         load_weights(make_model(10), path)
 
 
