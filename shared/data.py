@@ -223,7 +223,14 @@ def find_columns(split: datasets.Dataset, source: str) -> tuple[str, str, list[s
                           "more (one class, or a folder below the classes, gives no labels); otherwise add a "
                           "ClassLabel column, or an integer column named 'label'")
     feature = features[label_column]
-    count = feature.num_classes if isinstance(feature, datasets.ClassLabel) else max(split.unique(label_column)) + 1
+    if isinstance(feature, datasets.ClassLabel):
+        count = feature.num_classes
+    else:  # integers: classes 0 to the largest; a missing label is named with its image when the split is decoded
+        labels = [label for label in split.unique(label_column) if label is not None]
+        count = max(labels, default=0) + 1
+        if count < 1:
+            raise RecipeError(f"{source}: its '{label_column}' column holds no label of 0 or more (e.g. "
+                              f"{min(labels)}): number the classes from 0")
     if count > MAX_CLASSES:  # before a name is made for each: one label of 2^40 asked for a 4 GB list
         raise RecipeError(f"{source}: its '{label_column}' column makes {count:,} classes, over the {MAX_CLASSES:,} a "
                           "recipe trains: fix the labels (they number the classes from 0)")

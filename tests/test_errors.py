@@ -240,6 +240,20 @@ def test_labels_outside_the_class_range(env, tmp_path):
              "labels outside 0..9", "(e.g. -1)")
 
 
+@pytest.mark.parametrize("labels, needle", [
+    ([0, 1, None, 1], "'train' image 2 has no label"),  # ended in a TypeError's traceback, counting the classes
+    ([-1, -1, -1, -1], "its 'label' column holds no label of 0 or more (e.g. -1): number the classes from 0"),
+], ids=["a missing label", "every label -1"])
+def test_an_integer_label_column_with_a_missing_or_negative_label_is_one_line(env, tmp_path, labels, needle):
+    features = datasets.Features({"img": datasets.Image(), "label": datasets.Value("int64")})
+    image = Image.fromarray(np.zeros((32, 32, 3), dtype=np.uint8))
+    datasets.DatasetDict(
+        train=datasets.Dataset.from_dict({"img": [image] * 4, "label": labels}, features=features),
+        test=datasets.Dataset.from_dict({"img": [image] * 2, "label": [0, 1]}, features=features),
+    ).save_to_disk(str(tmp_path / "d"))
+    one_line(run_here("cifar_cnn", "--data", str(tmp_path / "d"), "--tracker", "none"), needle)
+
+
 def test_empty_split(env, tmp_path):
     # datasets itself refuses to load an empty split from parquet; its reason is passed on.
     folder = tmp_path / "d"
