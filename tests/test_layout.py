@@ -238,3 +238,17 @@ def test_new_project_refuses_a_place_it_cannot_be(tmp_path, place):
                             capture_output=True, text=True)
     assert result.returncode == 2 and len(result.stderr.splitlines()) == 1 and "Traceback" not in result.stderr
     assert not target.exists() and (tmp_path / "a_file").read_text() == "mine"
+
+
+def test_the_budget_counts_what_a_copier_reads(tmp_path):
+    """tools.budget: tokens without comments, docstrings and layout; an import inside a function is opt-in."""
+    from tools import budget
+
+    file = tmp_path / "x.py"
+    file.write_text('"""Its docstring."""\n\nimport os  # a comment\n\n\ndef f(a):\n    """Doc."""\n    return a + 1\n'
+                    "\n\ndef g():\n    from shared.images import read_image\n    return read_image\n")
+    assert budget.tokens(file) == 12 + 13  # import os; def f(a): return a + 1; def g(): from ... return read_image
+    assert budget.shared_imports(file) == ({ROOT / "shared" / "__init__.py"}, {ROOT / "shared" / "images.py"})
+    file.write_text("from shared import tracking\nfrom shared.errors import RecipeError\n")
+    assert budget.shared_imports(file)[0] == {ROOT / "shared" / name for name in (
+        "__init__.py", "tracking/__init__.py", "errors.py")}

@@ -3,5 +3,5 @@
     measure  step timing and the CUDA memory breakdown
     report   markdown + CSV + PNG tables
     runs     `python -m tools.runs runs/`: a table comparing finished runs
-    budget   `python -m tools.budget`: names each recipe imports from shared/, lines in its import path
+    budget   `python -m tools.budget`: the tokens of each recipe, its default path and the opt-in modules
 """

@@ -1,13 +1,16 @@
-"""The layout budgets of docs/style.md, counted: `python -m tools.budget` (exit status 1 when one is exceeded).
+"""What a copier reads, counted against the budgets of docs/style.md: `python -m tools.budget` (exit status 1 over one).
 
-Code lines as cloc counts them: no blank lines, no comments, no docstrings. For each recipe: the names it imports
-from shared/ (12 at most), the code lines of shared/ in its import path (the modules it imports, those they import in
-turn, and shared/__init__.py: 1,561 at most), its own code lines (280 at most) and its header, the module docstring
-(20 lines at most); then every shared/ file over 250 code lines.
+Python tokens: every token but comments, docstrings and layout (newlines, indents). Counted for each recipe:
+- its own tokens (3,000 at most) and its header, the module docstring (20 lines at most);
+- its default path: the shared/ modules it imports at module level, those they import at module level in turn, and
+  shared/__init__.py (11,000 tokens at most, in 10 files at most);
+and once, the opt-in modules: the shared/ modules that only a function imports, where only some runs or inputs need
+them (4,000 tokens at most, together). `--files` also lists each file's tokens.
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import io
 import sys
@@ -16,60 +19,83 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(path.stem for path in (ROOT / "recipes").glob("*.py"))
-BUDGETS = {"names": 12, "shared": 1561, "recipe": 280, "header": 20, "file": 250}
+BUDGETS = {"recipe": 3_000, "header": 20, "default path": 11_000, "default files": 10, "opt-in": 4_000}
+LAYOUT = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)
 
 
-def code_lines(path: Path) -> int:
-    """Lines that hold code: not blank, not only a comment, not part of a docstring."""
+def tokens(path: Path) -> int:
+    """Python tokens that are not comments, docstrings or layout."""
     source = path.read_text()
     docstrings = set()
     for node in ast.walk(ast.parse(source)):
         body = getattr(node, "body", None)
         if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(
                 getattr(body[0], "value", None), ast.Constant) and isinstance(body[0].value.value, str):
-            docstrings.update(range(body[0].lineno, body[0].end_lineno + 1))
-    lines = set()
-    for token in tokenize.generate_tokens(io.StringIO(source).readline):
-        if token.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
-                              tokenize.ENDMARKER):
-            lines.update(n for n in range(token.start[0], token.end[0] + 1) if n not in docstrings)
-    return len(lines)
+            docstrings.add((body[0].lineno, body[0].col_offset))
+    return sum(1 for token in tokenize.generate_tokens(io.StringIO(source).readline)
+               if token.type not in LAYOUT and not (token.type == tokenize.STRING and token.start in docstrings))
 
 
-def shared_imports(path: Path) -> tuple[list[str], set[Path]]:
-    """The names `path` imports from shared/, and the shared/ files those come from."""
-    names, files = [], set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "shared":
-            for alias in node.names:
-                names.append(alias.name)
-                module = ROOT / f"{node.module}.{alias.name}".replace(".", "/")  # `from shared import tracking`
-                parent = ROOT / node.module.replace(".", "/")
-                files.add(next(file for file in (module.with_suffix(".py"), module / "__init__.py",
-                                                 parent.with_suffix(".py"), parent / "__init__.py") if file.exists()))
-    return names, files
+def module_file(module: str) -> Path | None:
+    """shared.x.y -> shared/x/y.py, or its package's __init__.py."""
+    base = ROOT / module.replace(".", "/")
+    return next((file for file in (base.with_suffix(".py"), base / "__init__.py") if file.exists()), None)
+
+
+def shared_imports(path: Path) -> tuple[set[Path], set[Path]]:
+    """The shared/ files `path` imports: (at module level, inside a function)."""
+    found = ({ROOT / "shared" / "__init__.py"}, set())
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ImportFrom) and (child.module or "").split(".")[0] == "shared":
+                for alias in child.names:  # `from shared import tracking` names a module, `from shared.x import f` not
+                    file = module_file(f"{child.module}.{alias.name}") or module_file(child.module)
+                    found[in_function].add(file)
+            elif isinstance(child, ast.Import):
+                found[in_function].update(filter(None, (module_file(alias.name) for alias in child.names
+                                                        if alias.name.split(".")[0] == "shared")))
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+    visit(ast.parse(path.read_text()), False)
+    return found
+
+
+def default_path(script: Path) -> set[Path]:
+    """The shared/ files importing `script` loads: its module-level imports, transitively."""
+    path, todo = set(), set(shared_imports(script)[0])
+    while todo:
+        file = todo.pop()
+        if file not in path:
+            path.add(file)
+            todo |= shared_imports(file)[0]
+    return path
 
 
 def main() -> None:
-    over = []
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--files", action="store_true", help="also list each shared/ file's tokens")
+    args = parser.parse_args()
+    over, default_files = [], set()
     for recipe in RECIPES:
         script = ROOT / "recipes" / f"{recipe}.py"
-        names, todo = shared_imports(script)
-        path = {ROOT / "shared" / "__init__.py"}
-        while todo:
-            file = todo.pop()
-            if file not in path:
-                path.add(file)
-                todo |= shared_imports(file)[1]
-        counts = {"names": len(names), "shared": sum(code_lines(file) for file in path),
-                  "recipe": code_lines(script), "header": len((ast.get_docstring(ast.parse(script.read_text()),
-                                                                                 clean=False) or "").splitlines())}
-        print(f"{recipe}: {counts['names']} names from shared/; {counts['shared']} code lines of shared/ in its "
-              f"import path ({len(path)} files); {counts['recipe']} code lines; a {counts['header']}-line header")
-        over += [f"{recipe}: {key} {value} > {BUDGETS[key]}" for key, value in counts.items() if value > BUDGETS[key]]
-    for file in sorted((ROOT / "shared").rglob("*.py")):
-        if (length := code_lines(file)) > BUDGETS["file"]:
-            over.append(f"{file.relative_to(ROOT)}: {length} code lines > {BUDGETS['file']}")
+        path = default_path(script)
+        default_files |= path
+        counts = {"recipe": tokens(script), "default path": sum(map(tokens, path)), "default files": len(path),
+                  "header": len((ast.get_docstring(ast.parse(script.read_text()), clean=False) or "").splitlines())}
+        print(f"{recipe}: {counts['recipe']:,} tokens; its default path {counts['default path']:,} tokens in "
+              f"{counts['default files']} files of shared/; a {counts['header']}-line header")
+        over += [f"{recipe}: {key} {value:,} > {BUDGETS[key]:,}"
+                 for key, value in counts.items() if value > BUDGETS[key]]
+    opt_in = sorted(set((ROOT / "shared").rglob("*.py")) - default_files)
+    total = sum(map(tokens, opt_in))
+    print(f"opt-in modules: {total:,} tokens in {len(opt_in)} files ({', '.join(f.stem for f in opt_in) or 'none'})")
+    if total > BUDGETS["opt-in"]:
+        over.append(f"opt-in modules: {total:,} > {BUDGETS['opt-in']:,}")
+    if args.files:
+        for file in sorted((ROOT / "shared").rglob("*.py")):
+            where = "default path" if file in default_files else "opt-in"
+            print(f"  {file.relative_to(ROOT)}: {tokens(file):,} tokens ({where})")
     print("\n".join(f"over budget: {line}" for line in over) or "every budget met")
     sys.exit(1 if over else 0)
 
