@@ -1,8 +1,8 @@
 """Image-classification data as uint8 tensors, a split as one tensor served a whole batch at a time (ImageTensors),
 in the resumable order of EpochOrder. load_image_data runs four stages in order, each in its own file:
 
-1. the source (here; published files in shared/dataset_files.py): a hub id, a save_to_disk, parquet or imagefolder
-   folder, IDX files or CIFAR's files; its splits, their sizes and the class names;
+1. the source (here; published files in shared/dataset_files.py, imported only for a folder): a hub id, a
+   save_to_disk, parquet or imagefolder folder, IDX files or CIFAR's files; its splits, their sizes and the class names;
 2. the bounds (shared/limits.py): both splits' images, converted, must fit in the free memory;
 3. the decoding (shared/images.py): each image into the recipe's channels and size, once (one line says what was
    converted, with the sizes found);
@@ -31,12 +31,13 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from shared import images
-from shared.dataset_files import DatasetFiles, find_dataset_files
 from shared.errors import RecipeError, first_line, is_main_process
 from shared.limits import check_decoded_size, check_parquet_files, replacing
 
 if TYPE_CHECKING:  # for the annotations only
     import datasets
+
+    from shared.dataset_files import DatasetFiles
 
 MAX_CLASSES = 100_000  # a label column's classes: ImageNet-21k's 21,841 fit, a label of 2^40 does not
 # Beside datasets' own cache (its config.HF_DATASETS_CACHE, found as datasets finds it: datasets is imported only
@@ -135,10 +136,14 @@ def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: b
 def find_source(source: str) -> Source:
     """Published files in a folder, else a dataset: checked as far as can be without decoding an image (a bad first
     image is one line at once)."""
-    path = Path(source).expanduser()
-    if path.is_dir() and (files := find_dataset_files(path)):
+    path, files = Path(source).expanduser(), None
+    if path.is_dir():  # the published formats (IDX, CIFAR's files) are an opt-in module: what no dataset needs
+        from shared import dataset_files
+
+        files = dataset_files.find_dataset_files(path)
+    if files:
         stamps = [(str(file.resolve()), file.stat().st_size, file.stat().st_mtime_ns) for file in files.all_files()]
-        readers = inspect.getsource(inspect.getmodule(DatasetFiles))  # they name the classes kept in the cache too
+        readers = inspect.getsource(dataset_files)  # they name the classes kept in the cache too
         return Source(source, "files-" + hashlib.sha256(json.dumps([stamps, readers]).encode()).hexdigest()[:16],
                       files=files)
     import datasets

@@ -55,7 +55,8 @@ def shared_imports(path: Path) -> tuple[set[Path], set[Path]]:
             elif isinstance(child, ast.Import):
                 found[in_function].update(filter(None, (module_file(alias.name) for alias in child.names
                                                         if alias.name.split(".")[0] == "shared")))
-            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
+            if not (isinstance(child, ast.If) and ast.unparse(child.test) == "TYPE_CHECKING"):  # annotations only
+                visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
 
     visit(ast.parse(path.read_text()), False)
     return found
