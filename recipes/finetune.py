@@ -194,7 +194,9 @@ def load_pretrained(model: nn.Module, cfg: Config) -> None:
         if not file.exists():
             file.parent.mkdir(parents=True, exist_ok=True)
             torch.hub.download_url_to_file(weights.url, str(file), progress=False)
-        Checkpoints.check_archive(file)  # from anywhere: a regular file, bounded by its size, its pickles checked
+        from shared.pickles import check_archive  # files from anywhere, checked: an opt-in module
+
+        check_archive(file)  # from anywhere: a regular file, bounded by its size, its pickles checked
         state = torch.load(file, map_location="cpu", weights_only=True)
     except RecipeError:
         raise

@@ -44,7 +44,7 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it
-from shared.checkpoints import Checkpoints, mismatch, plain_name
+from shared.checkpoints import mismatch, plain_name
 from shared.config import parse_config
 from shared.errors import RecipeError, check_launch, first_line, one_line_errors
 from shared.images import read_image
@@ -177,7 +177,9 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
         raise RecipeError(f"--weights {path}: no such file: pass a model.safetensors, a .pt/.pth file "
                           "or a checkpoint folder")
     if path.suffix != ".safetensors":
-        Checkpoints.check_archive(path)  # as torch.load reads it: bounded by the file's size, its pickles checked
+        from shared.pickles import check_archive  # files from anywhere, checked: an opt-in module
+
+        check_archive(path)  # as torch.load reads it: bounded by the file's size, its pickles checked
     try:  # weights_only: tensors and plain containers only; a pickle that would run code is refused
         with warnings.catch_warnings():  # torch's note on a protocol-4 pickle, before the refusal below
             warnings.filterwarnings("ignore", message="Detected pickle protocol")

@@ -4,9 +4,10 @@ in tools/, outside the recipes' path):
 - config: flags from the Config dataclass, a field's comment its --help
 - data: datasets and published files -> uint8 tensors, decoded once and cached; a split served a batch at a time,
   in the resumable epoch order
-- dataset_files: IDX files and CIFAR's binary and Python versions, read as published (pickles run nothing)
+- dataset_files: IDX files and CIFAR's binary and Python versions, read as published (opt-in: imported for a folder)
 - images: one image file decoded, images converted to the recipe's channels and size
 - limits: what a file from anywhere may claim (free memory, file, decoded and decompressed sizes), a folder's walk
+- pickles: a CIFAR pickle or a file for torch.load from anywhere, checked before it is unpickled (opt-in)
 - augment: whole-batch augmentation on the device
 - schedule: the learning rate and the EMA's decay as functions of the step
 - tracking: the run folder, wandb and TensorBoard, readable run files and pictures, the training window

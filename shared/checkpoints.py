@@ -7,16 +7,11 @@ run killed mid-save leaves the previous checkpoint as the newest. The learning r
 """
 
 import hashlib
-import io
 import json
-import mmap
 import os
-import pickle
 import re
 import shutil
-import struct
 import time
-import zipfile
 from pathlib import Path
 
 import torch
@@ -27,14 +22,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from shared.errors import RecipeError, first_line
-from shared.limits import check_pickle, replacing
+from shared.limits import replacing
 from shared.resume import check_resume, find_checkpoint, list_checkpoints, read_json
 from shared.stopping import StopOnSignals
 from shared.tracking.folder import check_entries, new_folder
-
-# A torch.save file's data.pkl: names, shapes and dtypes, 80-230 bytes a tensor (maxvit_t's: 133 KB for 582), and a
-# few KB of Python values (a checkpoint's RNG states: 8 KB). Much more is not what torch.save writes of a state.
-MAX_PICKLE_BYTES, MAX_PICKLE_BYTES_PER_TENSOR = 2**16, 2**10
 
 
 def plain_name(key: str) -> str:
@@ -95,10 +86,12 @@ class Checkpoints(StopOnSignals):
         checkpoint can run code. On another number of processes than the checkpoint's, every process is re-seeded."""
         if not self.cfg.resume:
             return None
+        from shared.pickles import check_archive  # files from anywhere, checked: an opt-in module
+
         checkpoint = find_checkpoint(self.folder, self.cfg.resume)
         check_entries(checkpoint)  # --checkpoint_dir: outside the run folder its open_run checked
         for pickled in sorted(path for path in checkpoint.iterdir() if path.suffix in (".pkl", ".bin", ".pt")):
-            Checkpoints.check_archive(pickled, fix="resume from another checkpoint")
+            check_archive(pickled, fix="resume from another checkpoint")
             try:  # accelerate loads registered objects with weights_only=False: refuse what weights_only would
                 accelerate_load(pickled, map_location="cpu")
             except Exception as error:
@@ -217,44 +210,6 @@ class Checkpoints(StopOnSignals):
                           "continue with --resume latest") from None
 
     @staticmethod
-    def check_archive(path: Path, fix: str = "pass the file torch.save wrote") -> None:
-        """Before torch.load, what it would allocate and unpickle, bounded, as torch.load itself reads the file: through
-        torch's zip reader where the file starts as a zip does, else as torch's format before 1.6 (torchvision's oldest
-        downloads: five pickles, then the tensors' bytes). The entries' sizes are read from the central directory
-        torch's reader read (`DirectoryReads`), not from another reader's: an archive with two central directories
-        reads as two archives to two readers. torch.save stores its entries uncompressed, so together they claim fewer
-        bytes than the file holds; more could only inflate, to any size. Each pickle is checked as a CIFAR pickle is
-        (check_pickle), and data.pkl holds a few hundred bytes a tensor, not more."""
-        if not path.is_file():  # a FIFO would block the first read
-            raise RecipeError(f"{str(path)!r} is not a regular file (a FIFO, socket, device or folder): delete it")
-        try:
-            with DirectoryReads(path) as file:
-                if file.read(4) != b"PK\x03\x04":  # how torch.load tells the two formats apart
-                    # Through a map of the file: a length a pickle claims reads no more than the file holds (a
-                    # file's read(n) allocates n first: 6 GiB for a claim in a 1 KB file)
-                    with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as pickles:
-                        for _ in range(5):  # magic number, protocol, system info, the object, its storages' keys
-                            if pickles.tell() < len(pickles):  # fewer: no torch.save file, as torch.load says
-                                check_pickle(pickles)
-                    return
-                file.seek(0)
-                archive = torch._C.PyTorchFileReader(file)  # torch.load's own reader (private: no public one)
-                sizes = file.entry_sizes(archive)
-                claimed = sum(sizes.values())
-                if claimed > path.stat().st_size:
-                    raise RecipeError(f"{str(path)!r} holds entries of {claimed:,} bytes in {path.stat().st_size:,}: "
-                                      "compressed or overlapping entries, which torch.save never writes: they could "
-                                      f"inflate to any size, so it is not loaded; {fix}")
-                tensors = sum(name.startswith("data/") for name in sizes)
-                if sizes.get("data.pkl", 0) > MAX_PICKLE_BYTES + tensors * MAX_PICKLE_BYTES_PER_TENSOR:
-                    raise pickle.UnpicklingError(f"a data.pkl of more than {MAX_PICKLE_BYTES_PER_TENSOR:,} bytes for "
-                                                 f"each of its {tensors:,} tensors")
-                check_pickle(archive.get_record("data.pkl"))
-        except (RuntimeError, OSError, ValueError, MemoryError, pickle.UnpicklingError) as error:
-            reason = "not an archive torch.save wrote" if isinstance(error, RuntimeError) else first_line(error)[:100]
-            raise RecipeError(f"{str(path)!r} is damaged or holds a pickle that is refused ({reason}): {fix}") from None
-
-    @staticmethod
     def initial_weights(model, cfg, classes: list[str]) -> str | None:
         """--init_from: a model.safetensors of this model (or the one in a run or checkpoint folder), loaded into it.
         Its classifier (the model's last layer) starts new where the file's was trained on other classes than the
@@ -309,44 +264,6 @@ class Checkpoints(StopOnSignals):
         PartialState().print(f"--init_from {path}: {len(loaded)} of {len(expected)} tensors loaded; new: "
                              f"{', '.join(new) if new else 'none'}{why}")
         return digest.hexdigest()
-
-
-class DirectoryReads(io.FileIO):
-    """A file that torch's zip reader reads through, keeping each read that starts as a zip's central directory does:
-    the reader (miniz, in every torch) reads the directory it then uses in one read, when it opens the archive. Its
-    record sizes are otherwise not public (torch 2.12 added PyTorchFileReader.get_record_size; 2.11 lacks it)."""
-
-    def __init__(self, path: Path):
-        super().__init__(path, "rb")
-        self.directories = []
-
-    def readinto(self, buffer) -> int:  # how torch's reader reads a Python file object
-        count = super().readinto(buffer)
-        if bytes(buffer[:4]) == b"PK\x01\x02":
-            self.directories.append(bytes(buffer[:count]))
-        return count
-
-    def entry_sizes(self, archive) -> dict[str, int]:
-        """Each record's uncompressed size (what torch.load allocates for it), from the central directory the reader
-        read: a read here whose names and local header offsets are the reader's (of several such, the largest size
-        any claims). Parsed by Python's zipfile behind an end record that says where it is, so that zip64's sizes are
-        read as miniz reads them. None: a RuntimeError, as torch's reader says that a file is not its archive."""
-        records, sizes = archive.get_all_records(), {}
-        for directory in self.directories:
-            end = struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, 0, 0, len(directory), 0, 0)
-            try:
-                with zipfile.ZipFile(io.BytesIO(directory + end)) as zipped:
-                    entries = zipped.infolist()
-            except (zipfile.BadZipFile, ValueError, struct.error, EOFError):  # not a whole directory
-                continue
-            named = {entry.filename.split("/", 1)[-1]: entry for entry in entries}
-            if len(named) == len(entries) == len(records) and all(
-                    name in named and named[name].header_offset == archive.get_record_header_offset(name)
-                    for name in records):
-                sizes = {name: max(sizes.get(name, 0), entry.file_size) for name, entry in named.items()}
-        if not sizes:
-            raise RuntimeError("no central directory of the reader's records was read")
-        return sizes
 
 
 def mismatch(expected: dict[str, torch.Tensor], shapes: dict[str, tuple], skip: str = "\0") -> str:

@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from shared.errors import RecipeError, first_line
-from shared.limits import check_pickle, check_size
+from shared.limits import check_size
+from shared.pickles import check_pickle
 
 FASHION_MNIST = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
                  "Ankle boot"]

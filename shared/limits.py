@@ -5,10 +5,7 @@ listed in docs/troubleshooting.md."""
 
 import contextlib
 import math
-import mmap
 import os
-import pickle
-import pickletools
 import resource
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,9 +16,6 @@ from shared.errors import RecipeError, first_line
 
 MAX_FILE_BYTES = 4 * 2**30  # one dataset file: 4 GiB (the real MNIST family's largest is under 1 GiB)
 MAX_PARQUET_RATIO = 100  # what a parquet file may inflate to, times its size (a bomb: 70,000 times)
-MAX_PICKLE_OPS = 2_000_000  # operations in a pickle: CIFAR-100's train file has about 300,000
-MAX_PICKLE_LONGS = 4_096  # integers past 32 bits in a pickle: a checkpoint's Python RNG state holds 625, CIFAR's none
-MAX_PICKLE_TUPLES = 50_000  # tuples and frozensets: a state dict has about 4 a tensor (ResNet-50's 1,174)
 
 
 def free_memory(cgroups: Path = Path("/sys/fs/cgroup")) -> float:
@@ -76,27 +70,6 @@ def replacing(path: Path) -> Iterator[Path]:
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)  # after a failed write: a full disk, pieces read from a damaged file
-
-
-def check_pickle(raw: bytes | mmap.mmap) -> None:
-    """Before an unpickler runs `raw` (a CIFAR pickle, a torch.save file's data.pkl; of a file's map, its next
-    pickle): each length it claims checked against the bytes that follow (genops: the C unpickler allocates first); at
-    most MAX_PICKLE_OPS operations, counted as they come, and memo indexes below that (the C unpickler grows its memo
-    to twice the index: 4.6 GB at 2^28); at most MAX_PICKLE_LONGS integers past 32 bits, the only dict keys or set
-    items whose hashes can be made to collide (a dict of 100,000 of them took minutes to build); at most
-    MAX_PICKLE_TUPLES tuples and frozensets, so that none is nested deep enough to crash the interpreter when it is
-    hashed as a key (200,000 deep did, here)."""
-    longs = tuples = 0
-    for count, (opcode, arg, _) in enumerate(pickletools.genops(raw), start=1):
-        memo = arg if opcode.name in ("PUT", "BINPUT", "LONG_BINPUT") else 0
-        longs += type(arg) is int and abs(arg) >= 2**31
-        tuples += opcode.name.startswith("TUPLE") or opcode.name == "FROZENSET"
-        if count > MAX_PICKLE_OPS or memo > MAX_PICKLE_OPS:
-            raise pickle.UnpicklingError(f"more than {MAX_PICKLE_OPS:,} pickle operations or memo entries")
-        if longs > MAX_PICKLE_LONGS:
-            raise pickle.UnpicklingError(f"more than {MAX_PICKLE_LONGS:,} integers past 32 bits")
-        if tuples > MAX_PICKLE_TUPLES:
-            raise pickle.UnpicklingError(f"more than {MAX_PICKLE_TUPLES:,} tuples")
 
 
 def check_size(path: Path, size: int, times: int = 1) -> None:

@@ -32,10 +32,10 @@ import torchvision
 from safetensors.torch import save_file
 
 from shared import limits
-from shared.checkpoints import Checkpoints
 from shared.data import CACHE_DIR
 from shared.dataset_files import find_dataset_files, read_pickled_batch
 from shared.errors import RecipeError
+from shared.pickles import DirectoryReads, check_archive
 
 from conftest import ROOT, assert_bitwise_equal, launch, ok, read_jsonl, run_here, weights
 from tiny_data import (
@@ -767,15 +767,13 @@ def test_a_torch_file_is_checked_as_torch_load_reads_it(tmp_path, content, needl
     path = tmp_path / "weights.pt"
     path.write_bytes(content())
     with pytest.raises(RecipeError, match=re.escape(needle)):
-        Checkpoints.check_archive(path)
+        check_archive(path)
 
 
 def test_a_torch_files_entry_sizes_are_those_of_the_central_directory_torchs_reader_read(tmp_path):
     """check_archive takes the sizes from the central directory torch's reader read (through DirectoryReads), with
     the reader's names and offsets: on an honest file, the sizes Python's zipfile reads. torch 2.11 has no public
     or private call that gives them (2.12 added get_record_size)."""
-    from shared.checkpoints import DirectoryReads
-
     path = tmp_path / "weights.pt"
     torch.save({"w": torch.zeros(1000), "b": torch.ones(3)}, path)
     with DirectoryReads(path) as file:
@@ -794,7 +792,7 @@ def test_a_torch_file_in_the_old_format_claiming_6_gib_allocates_nothing_first(t
     try:
         missing = "(expected 6442450944 bytes in a bytes8, but only 1000 remain)"
         with pytest.raises(RecipeError, match=re.escape(missing)):
-            Checkpoints.check_archive(path)
+            check_archive(path)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
