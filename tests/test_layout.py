@@ -252,3 +252,18 @@ def test_the_budget_counts_what_a_copier_reads(tmp_path):
     file.write_text("from shared import tracking\nfrom shared.errors import RecipeError\n")
     assert budget.shared_imports(file)[0] == {ROOT / "shared" / name for name in (
         "__init__.py", "tracking/__init__.py", "errors.py")}
+
+
+@pytest.mark.slow  # what a new process imports
+def test_a_recipe_imports_no_opt_in_module_when_it_starts():
+    """The opt-in modules (tools.budget: imported only inside a function) stay out of a recipe's start: IDX and
+    CIFAR's files, the checks on pickles and torch files, the pictures and matplotlib."""
+    from tools import budget
+
+    opt_in = sorted(set((ROOT / "shared").rglob("*.py")) - budget.default_path(ROOT / "recipes" / "cifar_cnn.py"))
+    modules = [".".join(file.relative_to(ROOT).with_suffix("").parts) for file in opt_in]
+    assert {"shared.dataset_files", "shared.pickles", "shared.tracking.pictures"} <= set(modules)
+    probe = "import sys; import recipes.cifar_cnn; print([m for m in sys.argv[1:] if m in sys.modules])"
+    result = subprocess.run([sys.executable, "-c", probe, *modules, "matplotlib"], cwd=ROOT, capture_output=True,
+                            text=True)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr

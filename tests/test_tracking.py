@@ -287,7 +287,7 @@ def test_pictures_are_drawn_from_tensors_on_any_device(tmp_path, on_the_gpu):
     from accelerate import Accelerator
 
     from shared.data import ImageTensors
-    from shared.tracking.run_files import save_pictures
+    from shared.tracking.pictures import save_pictures
 
     images = torch.randint(0, 256, (12, 3, 8, 8), dtype=torch.uint8)
     labels, predictions = torch.arange(12) % 3, torch.arange(12) % 2
@@ -328,7 +328,7 @@ def test_the_curves_show_the_metrics_and_nothing_of_the_summary(tmp_path, monkey
     """The summary's row, logged at the run's end, holds train_s: it was drawn as a metric in curves.png."""
     import matplotlib.axes
 
-    from shared.tracking.run_files import plot_curves
+    from shared.tracking.pictures import plot_curves
 
     labels, plot = [], matplotlib.axes.Axes.plot
     monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda ax, *args, **kwargs: (

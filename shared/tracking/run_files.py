@@ -1,99 +1,22 @@
 """The run's files readable without any service: config.json (at init_trackers), metrics.jsonl (one line per
 accelerator.log), summary.json (the last value of every key, like wandb's run summary) and curves.png (at
-end_training), written as an accelerate tracker (`RunFiles`); and the confusion matrix (`save_pictures`)."""
+end_training, drawn by shared/tracking/pictures.py), written as an accelerate tracker (`RunFiles`)."""
 
 import json
-from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-import numpy as np
-import torch
 from accelerate.tracking import GeneralTracker
-from PIL import Image
 
 from shared.errors import RecipeError
 from shared.limits import replacing
 
 MAX_ROW_BYTES = 2**20  # one line of metrics.jsonl: a few hundred bytes as a run writes them
-MAX_MATRIX_CLASSES = 1_000  # above, a confusion matrix is no picture to read, and 10^5 classes take 80 GB
-
-
-def pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display needed
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def is_point(row: dict) -> bool:
     """A training or an evaluation point of a curve; not the summary, logged once at the end with one value a key."""
     return "train_loss" in row or "eval_loss" in row
-
-
-def plot_curves(rows: Iterable[dict], path: Path, title: str) -> None:
-    """Loss, the recipe's metrics (train and eval) and the gradient norm against the optimizer step. One pass over the
-    rows, keeping only the numbers drawn."""
-    series, metrics = defaultdict(list), set()
-    for row in rows:
-        for key, value in row.items():
-            if key.startswith(("train_", "eval_", "grad_norm")) and type(value) in (int, float):  # no text, no bool
-                series[key].append((row["step"], value))
-                # train_<name> and eval_<name> of each of metric_sums, from the training and evaluation points: not
-                # the summary's train_s (the run's training time), which is no metric
-                if is_point(row) and "loss" not in key and key not in ("eval_samples", "grad_norm"):
-                    metrics.add(key)
-    plt = pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for ax, keys, ylabel in zip(axes, (("train_loss", "eval_loss"), sorted(metrics), ("grad_norm",)),
-                                ("loss", "metric (a fraction)", "gradient L2 norm, before clipping")):
-        for key in keys:
-            if series[key]:
-                ax.plot(*zip(*series[key]), marker="o" if key.startswith("eval") else None, markersize=3, label=key)
-        ax.set(xlabel="optimizer step", ylabel=ylabel, ylim=(0, 1) if ylabel.startswith("metric") else None)
-        ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    with replacing(path) as partial:
-        fig.savefig(partial, dpi=100, format="png")
-    plt.close(fig)
-
-
-def save_pictures(accelerator, run_dir: Path, test_set, predictions: torch.Tensor, step: int) -> None:
-    """confusion_matrix.png in the run folder, and as an image in wandb or TensorBoard. `gather_for_metrics` keeps
-    the test set's order, so prediction i belongs to test image i."""
-    if not accelerator.is_main_process or len(test_set.classes) > MAX_MATRIX_CLASSES:
-        return
-    plt = pyplot()
-    # On the CPU whatever device each came from (--data_on_device keeps the test set on the GPU), for NumPy and PNGs.
-    labels, predictions, classes, k = test_set.labels.cpu(), predictions.cpu(), test_set.classes, len(test_set.classes)
-    counts = torch.bincount(labels * k + predictions, minlength=k * k).reshape(k, k).double()
-    fractions = (counts / counts.sum(dim=1, keepdim=True).clamp(min=1)).numpy()  # rows: true class
-    figure, ax = plt.subplots(figsize=(4 + 0.5 * min(k, 20),) * 2)
-    ax.imshow(fractions, cmap="Blues", vmin=0, vmax=1)
-    if k <= 20:  # readable names and numbers; 100 classes would only be noise
-        ax.set_xticks(range(k), classes, rotation=90)
-        ax.set_yticks(range(k), classes)
-        for (i, j), fraction in np.ndenumerate(fractions):
-            if counts[i, j]:
-                ax.text(j, i, f"{fraction:.2f}", ha="center", va="center", fontsize=7,
-                        color="white" if fraction > 0.5 else "black")
-    ax.set(xlabel="predicted", ylabel="true", title=f"confusion matrix: {int(counts.trace())} of {len(labels)} right")
-    figure.tight_layout()  # the class names need it
-    figure.canvas.draw()  # drawn once: the PNG and the trackers' image are these pixels (savefig would draw again)
-    pixels = np.asarray(figure.canvas.buffer_rgba())[..., :3].copy()  # (H, W, 3) uint8
-    plt.close(figure)
-    with replacing(Path(run_dir) / "confusion_matrix.png") as partial:
-        Image.fromarray(pixels).save(partial, format="PNG")
-    for tracker in accelerator.trackers:
-        if tracker.name == "wandb":
-            tracker.log_images({"confusion_matrix": [pixels]}, step=step)
-        elif tracker.name == "tensorboard":
-            tracker.log_images({"confusion_matrix": pixels[None]}, step=step, dataformats="NHWC")
 
 
 class RunFiles(GeneralTracker):
@@ -124,6 +47,8 @@ class RunFiles(GeneralTracker):
 
     def finish(self):
         write_json(self.run_dir / "summary.json", {**self.summary, **self.labels})
+        from shared.tracking.pictures import plot_curves  # matplotlib: an opt-in module
+
         plot_curves(read_rows(self.metrics), self.run_dir / "curves.png",
                     self.run_dir.name + (" (SYNTHETIC DATA)" if self.labels else ""))
 
