@@ -30,7 +30,8 @@ def data(tmp_path_factory):
 
 
 def final_state(run) -> dict:
-    """The trained weights and the EMA's, from the last checkpoint (model.safetensors holds whichever is better)."""
+    """The trained weights and the EMA's, from the last checkpoint (the run folder's model.safetensors holds the EMA's
+    under --ema: the average is the model, never picked by its test accuracy)."""
     checkpoint = run / "checkpoints" / "step_8"
     ema = ema_state(checkpoint)
     return {**load_file(checkpoint / "model.safetensors"), **{f"ema.{k}": v for k, v in ema.items()}}

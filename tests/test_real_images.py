@@ -129,7 +129,9 @@ def test_a_change_to_the_conversion_code_is_not_served_from_the_old_cache(tmp_pa
     assert len(list((tmp_path / "cache").glob("*-3x32x32-*.safetensors"))) == 2
 
 def test_fit_gives_torchvisions_pixels_for_any_size():
-    """shared/data.py resizes without torchvision (its import cost 1.3 s a start): the same pixels, bit for bit."""
+    """fit's own part is the shorter side's new length, which it passes to torchvision's resize as both sides (the
+    longer one kept in proportion, rounded down), then the centre crop: the same pixels, bit for bit, as torchvision's
+    resize of the shorter side to one length, what the pretrained weights' own transforms() do."""
     import torchvision.transforms.v2.functional as TF
 
     from shared.images import fit
