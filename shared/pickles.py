@@ -21,6 +21,9 @@ MAX_PICKLE_TUPLES = 50_000  # tuples and frozensets: a state dict has about 4 a 
 # A torch.save file's data.pkl: names, shapes and dtypes, 80-230 bytes a tensor (maxvit_t's: 133 KB for 582), and a
 # few KB of Python values (a checkpoint's RNG states: 8 KB). Much more is not what torch.save writes of a state.
 MAX_PICKLE_BYTES, MAX_PICKLE_BYTES_PER_TENSOR = 2**16, 2**10
+# Its records: a tensor each, and 6 more (ResNet-50's state dict: 326; Adam's state of 1,000 parameters: 3,006).
+# Parsed here as Python objects, a million empty ones took 0.7 GB and 10 s more than torch.load itself.
+MAX_RECORDS = 100_000
 
 
 def check_pickle(raw: bytes | mmap.mmap) -> None:
@@ -103,6 +106,9 @@ class DirectoryReads(io.FileIO):
         any claims). Parsed by Python's zipfile behind an end record that says where it is, so that zip64's sizes are
         read as miniz reads them. None: a RuntimeError, as torch's reader says that a file is not its archive."""
         records, sizes = archive.get_all_records(), {}
+        if len(records) > MAX_RECORDS:
+            raise pickle.UnpicklingError(f"{len(records):,} records, more than the {MAX_RECORDS:,} a file of weights "
+                                         "or a checkpoint may hold here")
         for directory in self.directories:
             end = struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, 0, 0, len(directory), 0, 0)
             try:

@@ -783,6 +783,19 @@ def test_a_torch_files_entry_sizes_are_those_of_the_central_directory_torchs_rea
     assert sizes["data/0"] == 4000 and len(file.directories) == 1
 
 
+def test_a_torch_file_of_more_records_than_the_limit_is_refused_before_its_directory_is_parsed(tmp_path, monkeypatch):
+    """A 106 MB file of a million empty records took 12 s and 1.4 GB to check (torch.load: 1.6 s, 0.7 GB): refused
+    from the reader's count of them, before Python's zipfile makes an object of each."""
+    from shared import pickles
+
+    path = tmp_path / "weights.pt"
+    torch.save({f"w{i}": torch.zeros(1) for i in range(6)}, path)  # 6 tensors: 12 records
+    pickles.check_archive(path)
+    monkeypatch.setattr(pickles, "MAX_RECORDS", 10)
+    with pytest.raises(RecipeError, match=re.escape("(12 records, more than the 10 a file of weights or a checkpoint")):
+        pickles.check_archive(path)
+
+
 def test_a_torch_file_in_the_old_format_claiming_6_gib_allocates_nothing_first(tmp_path):
     """torch's format before 1.6 is checked as pickles read from the file: a file's read(n) allocated the 6 GiB a
     1 KB file claimed before it found them missing. Read through a map of the file, it allocates what is there."""
