@@ -53,7 +53,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import ProfileKwargs
-from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from shared import graphs
 
 RECIPES = ("cifar_cnn", "resnet18_fmnist", "deep_mlp_ckpt")
 FASHION_MNIST = "/usr/share/datasets/fashion-mnist"  # Debian's dataset-fashion-mnist
@@ -173,14 +174,14 @@ class Speed:
                 "setup_s": first - train_start - marks["load_data_s"], "runs_before_in_process": runs_before,
                 "new_process": False}
 
-    def time_to_accuracy_new_process(self) -> dict:
+    def time_to_accuracy_new_process(self, seed: int, flags: tuple = ()) -> dict:
         epochs = 1 if self.args.dry_run else GPU_EPOCHS
-        folder = self.runs / "resnet18_fmnist-tta-new-process"
+        folder = self.runs / "-".join(["resnet18_fmnist-tta-new-process", str(seed), *(f.lstrip("-") for f in flags)])
         config = ROOT / "accelerate_configs" / ("cpu.yaml" if self.args.dry_run else "bf16.yaml")
         command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
                    str(ROOT / "recipes" / "resnet18_fmnist.py"), *map(str, self.small(GPU_SETTING["flags"])),
-                   "--data", self.args.fashion_mnist, "--epochs", str(epochs), "--seed", "0", "--tracker", "none",
-                   "--output_dir", str(folder), "--overwrite"]
+                   "--data", self.args.fashion_mnist, "--epochs", str(epochs), "--seed", str(seed), "--tracker",
+                   "none", "--output_dir", str(folder), "--overwrite", *flags]
         env = {key: value for key, value in os.environ.items() if key != "ACCELERATE_MIXED_PRECISION"}  # the config's
         self.log.flush()
         start = time.perf_counter()
@@ -189,8 +190,9 @@ class Speed:
         summary = json.loads((folder / "summary.json").read_text())
         return {"recipe": "resnet18_fmnist", "data": self.args.fashion_mnist, "target": TARGET,
                 "reached": summary["eval_acc"], "met": summary["eval_acc"] >= TARGET, "seconds": summary["wall_s"],
-                "epochs": epochs, "seed": 0, "evaluations": [row["eval_acc"] for row in read_rows(folder)
-                                                             if "eval_acc" in row],
+                "train_s": summary["train_s"], "start_s": summary["start_s"], "finish_s": summary["finish_s"],
+                "epochs": epochs, "seed": seed, "flags": list(flags),
+                "evaluations": [row["eval_acc"] for row in read_rows(folder) if "eval_acc" in row],
                 "process_s": process_s, "new_process": True}
 
     def speed(self, name: str, setting: str, precision: str, ema: bool = False, flag: str | None = None,
@@ -241,7 +243,9 @@ class Speed:
         schedule = {"wait": wait, "warmup": warmup, "active": active, "repeat": 1}
         profiler = ProfileKwargs(activities=["cpu", "cuda"] if cuda else ["cpu"], schedule_option=schedule,
                                  on_trace_ready=summarize).build()
-        hook = register_optimizer_step_post_hook(lambda *_: profiler.step())  # a profiler step per optimizer step
+        # A profiler step per training step (a replayed CUDA graph runs no optimizer hook: the step's own call)
+        call = graphs.CapturedStep.__call__
+        graphs.CapturedStep.__call__ = lambda step, *batch: (call(step, *batch), profiler.step())[0]
         profiler.start()
         try:
             flags = [*self.small(GPU_SETTING["flags"]), *self.data(), "--max_steps", wait + warmup + active + 2,
@@ -249,7 +253,7 @@ class Speed:
             self.train("resnet18_fmnist", flags, GPU_SETTING["precision"], "resnet18_fmnist-profile")
         finally:
             profiler.stop()
-            hook.remove()
+            graphs.CapturedStep.__call__ = call
         return found
 
 
@@ -300,16 +304,21 @@ def main() -> None:
     args.out = args.out or str(default_out())
     speed = Speed(args)
     print(f"gpu_speed on {speed.results['device']}, torch {torch.__version__}: {speed.out}", flush=True)
-    speed.measure("time_to_accuracy", f"resnet18_fmnist to {TARGET}, a new process", speed.time_to_accuracy_new_process)
+    # The README's GPU line as a user runs it, a process each; then without the CUDA graph; then in this process.
     for seed in range(1 if args.dry_run else args.seeds):
-        speed.measure("time_to_accuracy", f"resnet18_fmnist to {TARGET}, seed {seed}", speed.time_to_accuracy, seed)
+        speed.measure("time_to_accuracy", f"resnet18_fmnist to {TARGET}, a new process, seed {seed}",
+                      speed.time_to_accuracy_new_process, seed)
+    speed.measure("time_to_accuracy", f"resnet18_fmnist to {TARGET}, a new process, --no-cuda_graph",
+                  speed.time_to_accuracy_new_process, 0, ("--no-cuda_graph",))
+    speed.measure("time_to_accuracy", f"resnet18_fmnist to {TARGET}, seed 0", speed.time_to_accuracy, 0)
     for name in args.recipes:
         for precision, ema in (("bf16", False), ("float32", False), ("bf16", True)):
             speed.measure("rows", f"{name} gpu {precision}{' ema' * ema}", speed.speed, name, "gpu", precision, ema)
-    speed.measure("profile", "profile", speed.profile)
-    for flag, precision in (("--cudnn_benchmark", "bf16"), ("--no-data_on_device", "bf16"), ("--no-tf32", "float32")):
+    for flag, precision in (("--no-cuda_graph", "bf16"), ("--no-cuda_graph", "float32"), ("--cudnn_benchmark", "bf16"),
+                            ("--no-data_on_device", "bf16"), ("--no-tf32", "float32")):
         speed.measure("rows", f"resnet18_fmnist gpu {precision} {flag}", speed.speed, "resnet18_fmnist", "gpu",
                       precision, False, flag)
+    speed.measure("profile", "profile", speed.profile)
     for name in args.recipes:
         for precision in ("float32", "bf16") if args.dry_run else ("float32", "bf16", "fp16"):  # a CPU refuses fp16
             speed.measure("rows", f"{name} default {precision}", speed.speed, name, "default", precision)

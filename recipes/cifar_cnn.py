@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it
-from shared import augment, schedule, speed, tracking  # augmentation; lr, EMA; run files and pictures
+from shared import augment, graphs, schedule, speed, tracking  # augmentation; CUDA graphs; lr, EMA; run files
 from shared.checkpoints import Checkpoints, Progress
 from shared.config import RunConfig
 from shared.data import EpochOrder, load_image_data
@@ -86,11 +86,14 @@ def make_model(num_classes: int, cfg: Config | None = None) -> nn.Sequential:
     # normalization, on a quarter of the pixels. It makes an image's output depend on the rest of its batch, so 2
     # processes x b no longer equal 1 x 2b exactly.
     channels, height, width = IMAGE_SHAPE
-    norm = nn.BatchNorm2d if (cfg or Config()).batch_norm else (lambda _: nn.Identity())
+    batch_norm = (cfg or Config()).batch_norm
+    norm = nn.BatchNorm2d if batch_norm else (lambda _: nn.Identity())
+    # A conv's bias adds one number per channel, which the max-pool passes through and BatchNorm's mean subtracts
+    # again: with BatchNorm it is dead weight (and 3 gradient reductions a step).
     return nn.Sequential(
-        nn.Conv2d(channels, 32, 5, padding=2), nn.MaxPool2d(2), norm(32), nn.ReLU(),  # 32 x 32 -> 16 x 16
-        nn.Conv2d(32, 32, 5, padding=2), nn.MaxPool2d(2), norm(32), nn.ReLU(),  # -> 8 x 8
-        nn.Conv2d(32, 64, 5, padding=2), nn.MaxPool2d(2), norm(64), nn.ReLU(),  # -> 4 x 4
+        nn.Conv2d(channels, 32, 5, padding=2, bias=not batch_norm), nn.MaxPool2d(2), norm(32), nn.ReLU(),  # -> 16 x 16
+        nn.Conv2d(32, 32, 5, padding=2, bias=not batch_norm), nn.MaxPool2d(2), norm(32), nn.ReLU(),  # -> 8 x 8
+        nn.Conv2d(32, 64, 5, padding=2, bias=not batch_norm), nn.MaxPool2d(2), norm(64), nn.ReLU(),  # -> 4 x 4
         nn.Flatten(),  # 64 channels x 4 x 4 = 1024 features for 32 x 32 images
         nn.Linear(64 * (height // 8) * (width // 8), 64), nn.ReLU(),
         nn.Linear(64, num_classes),
@@ -223,6 +226,23 @@ def train(cfg: Config) -> None:
     checkpoints.check_resume_and_branch(config, progress)
     accelerator.init_trackers(RECIPE, config=config)
 
+    def train_step(images, labels):  # one batch; on one GPU, a CUDA graph of it is replayed (shared/graphs.py)
+        with accelerator.accumulate(model):  # DDP syncs gradients only on the last batch of each accumulation
+            inputs = preprocess(images, cfg.augment)
+            if cfg.channels_last:  # after preprocessing: the crop's gather returns a plain NCHW tensor
+                inputs = inputs.contiguous(memory_format=torch.channels_last)
+            logits = model(inputs)
+            loss = loss_fn(logits, labels)
+            accelerator.backward(loss)  # scaled by 1/grad_accum, so accumulated gradients are a mean
+            grad_norm = None
+            if accelerator.sync_gradients:  # the gradient is complete: accumulated, averaged over processes
+                # One bad batch can take a step large enough to kill every ReLU; the clip bounds it.
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            optimizer.step()  # does nothing until the last batch of the accumulation
+            optimizer.zero_grad()
+        return loss.detach(), logits.detach(), grad_norm
+
+    step = graphs.CapturedStep(train_step, optimizer, graphs.graph_setting(accelerator, cfg))
     progress.pieces += 1  # this launch is one more piece of the run (saved with each checkpoint, in the summary)
     window = tracking.TrainWindow(accelerator, progress)  # train_* points, and the run's time across its pieces
     show_bar = accelerator.is_local_main_process and sys.stderr.isatty()
@@ -236,22 +256,10 @@ def train(cfg: Config) -> None:
             if progress.step == total_steps:
                 break
             lr = schedule.one_cycle_lr(progress.step, total_steps, cfg.lr)  # a function of the step, no state
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            with accelerator.accumulate(model):  # DDP syncs gradients only on the last batch of each accumulation
-                inputs = preprocess(images, cfg.augment)
-                if cfg.channels_last:  # after preprocessing: the crop's gather returns a plain NCHW tensor
-                    inputs = inputs.contiguous(memory_format=torch.channels_last)
-                logits = model(inputs)
-                loss = loss_fn(logits, labels)
-                accelerator.backward(loss)  # scaled by 1/grad_accum, so accumulated gradients are a mean
-                if accelerator.sync_gradients:  # the gradient is complete: accumulated, averaged over processes
-                    # One bad batch can take a step large enough to kill every ReLU; the clip bounds it.
-                    window.add_grad_norm(accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
-                optimizer.step()  # does nothing until the last batch of the accumulation
-                optimizer.zero_grad()
+            step.set_lr(lr)
+            loss, logits, grad_norm = step(images, labels)
             progress.samples_into_epoch += len(labels) * accelerator.num_processes
-            window.add(loss, metric_sums(logits.detach(), labels), len(labels))  # summed on the device: no sync
+            window.add(loss, metric_sums(logits, labels), len(labels), grad_norm)  # summed on the device: no sync
             if not accelerator.sync_gradients:
                 continue
             if ema is not None:

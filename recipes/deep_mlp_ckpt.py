@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it
-from shared import augment, schedule, speed, tracking  # augmentation; lr, EMA; run files and pictures
+from shared import augment, graphs, schedule, speed, tracking  # augmentation; CUDA graphs; lr, EMA; run files
 from shared.checkpoints import Checkpoints, Progress
 from shared.config import RunConfig
 from shared.data import EpochOrder, load_image_data
@@ -254,6 +254,21 @@ def train(cfg: Config) -> None:
     checkpoints.check_resume_and_branch(config, progress)
     accelerator.init_trackers(RECIPE, config=config)
 
+    def train_step(images, labels):  # one batch; on one GPU, a CUDA graph of it is replayed (shared/graphs.py)
+        with accelerator.accumulate(model):  # DDP syncs gradients only on the last batch of each accumulation
+            logits = model(preprocess(images))
+            loss = loss_fn(logits, labels)
+            accelerator.backward(loss)  # scaled by 1/grad_accum, so accumulated gradients are a mean
+            grad_norm = None
+            if accelerator.sync_gradients:  # the gradient is complete: accumulated, averaged over processes
+                # Adam scales each step by the gradient's own size, so the clip changed nothing measurable here
+                # (0.281 on real photos either way); it bounds the step after a rare outlier batch.
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            optimizer.step()  # does nothing until the last batch of the accumulation
+            optimizer.zero_grad()
+        return loss.detach(), logits.detach(), grad_norm
+
+    step = graphs.CapturedStep(train_step, optimizer, graphs.graph_setting(accelerator, cfg))
     progress.pieces += 1  # this launch is one more piece of the run (saved with each checkpoint, in the summary)
     window = tracking.TrainWindow(accelerator, progress)  # train_* points, and the run's time across its pieces
     show_bar = accelerator.is_local_main_process and sys.stderr.isatty()
@@ -267,20 +282,10 @@ def train(cfg: Config) -> None:
             if progress.step == total_steps:
                 break
             lr = schedule.one_cycle_lr(progress.step, total_steps, cfg.lr)  # a function of the step, no state
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            with accelerator.accumulate(model):  # DDP syncs gradients only on the last batch of each accumulation
-                logits = model(preprocess(images))
-                loss = loss_fn(logits, labels)
-                accelerator.backward(loss)  # scaled by 1/grad_accum, so accumulated gradients are a mean
-                if accelerator.sync_gradients:  # the gradient is complete: accumulated, averaged over processes
-                    # Adam scales each step by the gradient's own size, so the clip changed nothing measurable here
-                    # (0.281 on real photos either way); it bounds the step after a rare outlier batch.
-                    window.add_grad_norm(accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
-                optimizer.step()  # does nothing until the last batch of the accumulation
-                optimizer.zero_grad()
+            step.set_lr(lr)
+            loss, logits, grad_norm = step(images, labels)
             progress.samples_into_epoch += len(labels) * accelerator.num_processes
-            window.add(loss, metric_sums(logits.detach(), labels), len(labels))  # summed on the device: no sync
+            window.add(loss, metric_sums(logits, labels), len(labels), grad_norm)  # summed on the device: no sync
             if not accelerator.sync_gradients:
                 continue
             if ema is not None:

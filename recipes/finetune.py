@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it
-from shared import augment, schedule, speed, tracking  # augmentation; lr, EMA; run files and pictures
+from shared import augment, graphs, schedule, speed, tracking  # augmentation; the step; lr, EMA; run files
 from shared.checkpoints import Checkpoints, Progress, mismatch
 from shared.config import RunConfig
 from shared.data import EpochOrder, load_image_data
@@ -363,6 +363,29 @@ def train(cfg: Config) -> None:
     checkpoints.check_resume_and_branch(config, progress)
     accelerator.init_trackers(RECIPE, config=config)
 
+    def train_step(images, labels):  # one batch (shared/graphs.py: never a CUDA graph here, see below)
+        # DDP syncs gradients only on the last batch of each accumulation, and never while frozen (no_sync): it
+        # would wait for the gradients of every layer it wrapped. The classifier's alone are averaged below.
+        with accelerator.accumulate(model), accelerator.no_sync(model) if frozen else contextlib.nullcontext():
+            inputs = preprocess(images, cfg.augment, cfg)
+            if cfg.channels_last:  # after preprocessing: the crop returns a plain NCHW tensor
+                inputs = inputs.contiguous(memory_format=torch.channels_last)
+            logits = model(inputs)
+            loss = loss_fn(logits, labels)
+            accelerator.backward(loss)  # scaled by 1/grad_accum, so accumulated gradients are a mean
+            if frozen and accelerator.sync_gradients:  # the mean over the processes, as DDP's
+                for param in head:
+                    param.grad = accelerator.reduce(param.grad, "mean")
+            grad_norm = None
+            if accelerator.sync_gradients:  # the gradient is complete: accumulated, averaged over processes
+                # One bad batch can take a step large enough to kill every ReLU; the clip bounds it.
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            optimizer.step()  # does nothing until the last batch of the accumulation
+            optimizer.zero_grad()
+        return loss.detach(), logits.detach(), grad_norm
+
+    # Eager: unfreezing changes what the step computes, which a graph captured while frozen would not follow.
+    step = graphs.CapturedStep(train_step, optimizer, graphs.graph_setting(accelerator, cfg) or "the step unfreezes")
     progress.pieces += 1  # this launch is one more piece of the run (saved with each checkpoint, in the summary)
     window = tracking.TrainWindow(accelerator, progress)  # train_* points, and the run's time across its pieces
     show_bar = accelerator.is_local_main_process and sys.stderr.isatty()
@@ -386,25 +409,9 @@ def train(cfg: Config) -> None:
             lr = schedule.one_cycle_lr(progress.step, total_steps, cfg.lr)  # a function of the step, no state
             for group in optimizer.param_groups:  # the pretrained layers: a share of it
                 group["lr"] = lr * cfg.backbone_lr_scale if group["backbone"] else lr
-            # DDP syncs gradients only on the last batch of each accumulation, and never while frozen (no_sync): it
-            # would wait for the gradients of every layer it wrapped. The classifier's alone are averaged below.
-            with accelerator.accumulate(model), accelerator.no_sync(model) if frozen else contextlib.nullcontext():
-                inputs = preprocess(images, cfg.augment, cfg)
-                if cfg.channels_last:  # after preprocessing: the crop returns a plain NCHW tensor
-                    inputs = inputs.contiguous(memory_format=torch.channels_last)
-                logits = model(inputs)
-                loss = loss_fn(logits, labels)
-                accelerator.backward(loss)  # scaled by 1/grad_accum, so accumulated gradients are a mean
-                if frozen and accelerator.sync_gradients:  # the mean over the processes, as DDP's
-                    for param in head:
-                        param.grad = accelerator.reduce(param.grad, "mean")
-                if accelerator.sync_gradients:  # the gradient is complete: accumulated, averaged over processes
-                    # One bad batch can take a step large enough to kill every ReLU; the clip bounds it.
-                    window.add_grad_norm(accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
-                optimizer.step()  # does nothing until the last batch of the accumulation
-                optimizer.zero_grad()
+            loss, logits, grad_norm = step(images, labels)
             progress.samples_into_epoch += len(labels) * accelerator.num_processes
-            window.add(loss, metric_sums(logits.detach(), labels), len(labels))  # summed on the device: no sync
+            window.add(loss, metric_sums(logits, labels), len(labels), grad_norm)  # summed on the device: no sync
             if not accelerator.sync_gradients:
                 continue
             if ema is not None:

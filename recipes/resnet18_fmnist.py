@@ -5,8 +5,10 @@ rate must follow it (--lr_scaling), gradient accumulation makes a bigger batch o
 (--grad_accum), and BatchNorm sees only its own process's images unless synchronized (--sync_bn).
 
 Result: the real Fashion-MNIST (Debian's dataset-fashion-mnist) in cpu_bf16.yaml on a 2-core CPU: test accuracy
-0.951 after the default 30 epochs (seed 0), 0.930 +- 0.001 after 5 (3 seeds; 257 s an epoch); d2l's loop 0.883
-after 5. On one H100 in bf16.yaml, --batch_size 512 --epochs 6: 0.934 in 10.2 s (seed 0; 0.933-0.934 for seeds 1, 2).
+0.951 after the default 30 epochs (seed 0), 0.930 +- 0.001 after 5 (3 seeds; 257 s an epoch; both with d2l's conv
+biases, without them not measured on a CPU); d2l's loop 0.883 after 5. On one H100 in bf16.yaml, --batch_size 512
+--epochs 6, the step a CUDA graph: 0.9338-0.9344 in 7.0-7.2 s of training (seeds 0-2, each a new process; 21-23 s
+from the command; benchmarks/gpu_speed.sh, 2026-11-28).
 More: benchmarks/BENCHMARKS.md.
   accelerate launch --config_file accelerate_configs/cpu_bf16.yaml recipes/resnet18_fmnist.py \
     --data /usr/share/datasets/fashion-mnist
@@ -33,7 +35,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it
-from shared import augment, schedule, speed, tracking  # augmentation; lr, EMA; run files and pictures
+from shared import augment, graphs, schedule, speed, tracking  # augmentation; CUDA graphs; lr, EMA; run files
 from shared.checkpoints import Checkpoints, Progress
 from shared.config import RunConfig
 from shared.data import EpochOrder, load_image_data
@@ -117,9 +119,12 @@ class Residual(nn.Module):
 
     def __init__(self, in_channels: int, out_channels: int, stride: int = 1):
         super().__init__()
+        # No bias on a conv that BatchNorm follows: BatchNorm subtracts each channel's mean, bias included, and adds
+        # its own shift. d2l's convs all have one: 17 of its 20 are dead weight, each one more gradient reduction.
         self.body = nn.Sequential(
-            nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1), nn.BatchNorm2d(out_channels), nn.ReLU(),
-            nn.Conv2d(out_channels, out_channels, 3, padding=1), nn.BatchNorm2d(out_channels))
+            nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(out_channels),
+            nn.ReLU(),
+            nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False), nn.BatchNorm2d(out_channels))
         projects = stride != 1 or in_channels != out_channels
         self.shortcut = nn.Conv2d(in_channels, out_channels, 1, stride=stride) if projects else nn.Identity()
 
@@ -130,7 +135,7 @@ class Residual(nn.Module):
 def make_model(num_classes: int, cfg: Config | None = None) -> nn.Sequential:  # cfg: no model flags here
     # d2l's ResNet-18 with a 3x3 stride-1 stem and no max-pool: 28 x 28 images are small enough.
     return nn.Sequential(
-        nn.Conv2d(IMAGE_SHAPE[0], 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),  # 28 x 28
+        nn.Conv2d(IMAGE_SHAPE[0], 64, 3, padding=1, bias=False), nn.BatchNorm2d(64), nn.ReLU(),  # 28 x 28
         Residual(64, 64), Residual(64, 64),
         Residual(64, 128, stride=2), Residual(128, 128),  # -> 14 x 14
         Residual(128, 256, stride=2), Residual(256, 256),  # -> 7 x 7
@@ -284,6 +289,24 @@ def train(cfg: Config) -> None:
     checkpoints.check_resume_and_branch(config, progress)
     accelerator.init_trackers(RECIPE, config=config)
 
+    def train_step(images, labels):  # one batch; on one GPU, a CUDA graph of it is replayed (shared/graphs.py)
+        with accelerator.accumulate(model):  # DDP syncs gradients only on the last batch of each accumulation
+            inputs = preprocess(images, cfg.augment, cfg.erase)
+            if cfg.channels_last:  # after preprocessing: the crop's gather returns a plain NCHW tensor
+                inputs = inputs.contiguous(memory_format=torch.channels_last)
+            logits = model(inputs)
+            loss = loss_fn(logits, labels)
+            accelerator.backward(loss)  # scaled by 1/grad_accum, so accumulated gradients are a mean
+            grad_norm = None
+            if accelerator.sync_gradients:  # the gradient is complete: accumulated, averaged over processes
+                # Early steps at the peak rate moved the weights faster than BatchNorm's running statistics could
+                # follow (test loss 102 at the peak); the clip bounds each step.
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            optimizer.step()  # does nothing until the last batch of the accumulation
+            optimizer.zero_grad()
+        return loss.detach(), logits.detach(), grad_norm
+
+    step = graphs.CapturedStep(train_step, optimizer, graphs.graph_setting(accelerator, cfg))
     progress.pieces += 1  # this launch is one more piece of the run (saved with each checkpoint, in the summary)
     window = tracking.TrainWindow(accelerator, progress)  # train_* points, and the run's time across its pieces
     show_bar = accelerator.is_local_main_process and sys.stderr.isatty()
@@ -297,23 +320,10 @@ def train(cfg: Config) -> None:
             if progress.step == total_steps:
                 break
             lr = schedule.one_cycle_lr(progress.step, total_steps, peak_lr)  # a function of the step, no state
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            with accelerator.accumulate(model):  # DDP syncs gradients only on the last batch of each accumulation
-                inputs = preprocess(images, cfg.augment, cfg.erase)
-                if cfg.channels_last:  # after preprocessing: the crop's gather returns a plain NCHW tensor
-                    inputs = inputs.contiguous(memory_format=torch.channels_last)
-                logits = model(inputs)
-                loss = loss_fn(logits, labels)
-                accelerator.backward(loss)  # scaled by 1/grad_accum, so accumulated gradients are a mean
-                if accelerator.sync_gradients:  # the gradient is complete: accumulated, averaged over processes
-                    # Early steps at the peak rate moved the weights faster than BatchNorm's running statistics could
-                    # follow (test loss 102 at the peak); the clip bounds each step.
-                    window.add_grad_norm(accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
-                optimizer.step()  # does nothing until the last batch of the accumulation
-                optimizer.zero_grad()
+            step.set_lr(lr)
+            loss, logits, grad_norm = step(images, labels)
             progress.samples_into_epoch += len(labels) * accelerator.num_processes
-            window.add(loss, metric_sums(logits.detach(), labels), len(labels))  # summed on the device: no sync
+            window.add(loss, metric_sums(logits, labels), len(labels), grad_norm)  # summed on the device: no sync
             if not accelerator.sync_gradients:
                 continue
             if ema is not None:

@@ -10,6 +10,7 @@ in tools/, outside the recipes' path):
 - pickles: a CIFAR pickle or a file for torch.load from anywhere, checked before it is unpickled (opt-in)
 - augment: whole-batch augmentation on the device
 - schedule: the learning rate and the EMA's decay as functions of the step
+- graphs: the training step captured once as a CUDA graph and replayed (on one GPU)
 - tracking: the run folder, wandb and TensorBoard, readable run files and pictures, the training window
 - checkpoints: full-state checkpoints, the run's progress, model.safetensors, --init_from
 - stopping: a stop on SIGTERM or Ctrl-C with a checkpoint, and the command that continues the run

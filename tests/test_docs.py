@@ -96,7 +96,7 @@ def test_what_a_recipe_uses_from_shared_is_what_the_docs_list():
     tree = ast.parse((ROOT / "recipes" / "cifar_cnn.py").read_text())
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
                 and (node.module or "").startswith("shared") for alias in node.names}
-    objects = {"checkpoints", "window", "order"}  # Checkpoints(...), tracking.TrainWindow(...), EpochOrder(...)
+    objects = {"checkpoints", "window", "order", "step"}  # Checkpoints, tracking.TrainWindow, EpochOrder, CapturedStep
     called = {"functions": set(), "methods": set()}
     for node in ast.walk(tree):
         function = getattr(node, "func", None)
@@ -112,9 +112,9 @@ def test_what_a_recipe_uses_from_shared_is_what_the_docs_list():
     text = (ROOT / "docs" / "your_project.md").read_text()
     listed = {kind: set(re.findall(r"`([\w.]+)`", text.split(f"- {heading}")[1].split("\n- ")[0]))
               for kind, heading in (("imported", "imported names"), ("functions", "functions called"),
-                                    ("methods", "methods of the three objects"))}
-    assert listed["imported"] == imported and len(imported) == 11
-    assert listed["functions"] == called["functions"] and len(called["functions"]) == 13
+                                    ("methods", "methods of the four objects"))}
+    assert listed["imported"] == imported and len(imported) == 12
+    assert listed["functions"] == called["functions"] and len(called["functions"]) == 14
     assert listed["methods"] == called["methods"] and len(called["methods"]) == 13
 
 

@@ -46,7 +46,9 @@ def test_the_gpu_speed_check_makes_every_measurement_on_the_cpu(env, tmp_path):
         ("cifar_cnn", "gpu", "bf16", True, None), ("cifar_cnn", "default", "float32", False, None),
         ("cifar_cnn", "default", "bf16", False, None), ("resnet18_fmnist", "gpu", "bf16", False, "--cudnn_benchmark"),
         ("resnet18_fmnist", "gpu", "bf16", False, "--no-data_on_device"),
-        ("resnet18_fmnist", "gpu", "float32", False, "--no-tf32")}
+        ("resnet18_fmnist", "gpu", "float32", False, "--no-tf32"),
+        ("resnet18_fmnist", "gpu", "bf16", False, "--no-cuda_graph"),
+        ("resnet18_fmnist", "gpu", "float32", False, "--no-cuda_graph")}
     # Each row is a run of its own, whose config says what it was.
     runs = Path(figures["runs"])
     assert runs == tmp_path / "runs"
@@ -62,11 +64,16 @@ def test_the_gpu_speed_check_makes_every_measurement_on_the_cpu(env, tmp_path):
         (folder,) = runs.glob(f"resnet18_fmnist-gpu-*-{name}")
         config = json.loads((folder / "config.json").read_text())
         assert {key: config[key] for key in changed} == changed, (name, config)
-    run, new = figures["time_to_accuracy"][1], figures["time_to_accuracy"][0]
-    # The README's line in a process of its own, as a user runs it.
-    assert new["new_process"] and RUN <= new.keys() and new["epochs"] == 1 and new["process_s"] > new["seconds"] > 0
-    summary = json.loads((runs / "resnet18_fmnist-tta-new-process" / "summary.json").read_text())
+    new, eager, run = figures["time_to_accuracy"]
+    # The README's line in a process of its own, as a user runs it; then without the CUDA graph (on a CPU: eager both)
+    for found, flags in ((new, []), (eager, ["--no-cuda_graph"])):
+        assert found["new_process"] and RUN <= found.keys() and found["flags"] == flags and found["epochs"] == 1
+        assert found["process_s"] > found["seconds"] > found["train_s"] > 0, found
+        assert 0 < found["start_s"] < found["process_s"] and 0 < found["finish_s"] < found["process_s"], found
+    summary = json.loads((runs / "resnet18_fmnist-tta-new-process-0" / "summary.json").read_text())
     assert new["reached"] == summary["eval_acc"] == new["evaluations"][-1] and summary["world_size"] == 1
+    config = json.loads((runs / "resnet18_fmnist-tta-new-process-0-no-cuda_graph" / "config.json").read_text())
+    assert config["cuda_graph"] is False
     assert not run["new_process"]
     assert RUN <= run.keys() and run["data"] == str(fashion) and run["epochs"] == 1 and run["seed"] == 0, run
     assert run["target"] == 0.93 and 0 <= run["reached"] <= 1 and run["met"] == (run["reached"] >= 0.93)

@@ -109,21 +109,11 @@ INTENDED = {
     + backbone = [p for group in optimizer.param_groups if group["backbone"] for p in group["params"]]
     + head = [p for group in optimizer.param_groups if not group["backbone"] for p in group["params"]]
     + accelerator.print(training_plan(cfg))
-    + # Frozen: the new classifier alone. The pretrained layers need no gradient, so autograd records no backward
-    + # through them (a frozen step is their forward and the classifier's backward); BatchNorm's statistics stay.
-    + frozen = progress.epoch < cfg.freeze_epochs
-    + for param in backbone:
-    + param.requires_grad_(not frozen)
-    + for module in model.modules() if frozen else []:
-    + if isinstance(module, nn.BatchNorm2d):  # what every torchvision classifier normalizes with
-    + module.eval()
-    - for group in optimizer.param_groups:
-    - group["lr"] = lr
+    - def train_step(images, labels):  # one batch; on one GPU, a CUDA graph of it is replayed (shared/graphs.py)
     - with accelerator.accumulate(model):  # DDP syncs gradients only on the last batch of each accumulation
     - inputs = preprocess(images, cfg.augment)
     - if cfg.channels_last:  # after preprocessing: the crop's gather returns a plain NCHW tensor
-    + for group in optimizer.param_groups:  # the pretrained layers: a share of it
-    + group["lr"] = lr * cfg.backbone_lr_scale if group["backbone"] else lr
+    + def train_step(images, labels):  # one batch (shared/graphs.py: never a CUDA graph here, see below)
     + # DDP syncs gradients only on the last batch of each accumulation, and never while frozen (no_sync): it
     + # would wait for the gradients of every layer it wrapped. The classifier's alone are averaged below.
     + with accelerator.accumulate(model), accelerator.no_sync(model) if frozen else contextlib.nullcontext():
@@ -132,6 +122,20 @@ INTENDED = {
     + if frozen and accelerator.sync_gradients:  # the mean over the processes, as DDP's
     + for param in head:
     + param.grad = accelerator.reduce(param.grad, "mean")
+    - step = graphs.CapturedStep(train_step, optimizer, graphs.graph_setting(accelerator, cfg))
+    + # Eager: unfreezing changes what the step computes, which a graph captured while frozen would not follow.
+    + step = graphs.CapturedStep(train_step, optimizer, graphs.graph_setting(accelerator, cfg) or "the step unfreezes")
+    + # Frozen: the new classifier alone. The pretrained layers need no gradient, so autograd records no backward
+    + # through them (a frozen step is their forward and the classifier's backward); BatchNorm's statistics stay.
+    + frozen = progress.epoch < cfg.freeze_epochs
+    + for param in backbone:
+    + param.requires_grad_(not frozen)
+    + for module in model.modules() if frozen else []:
+    + if isinstance(module, nn.BatchNorm2d):  # what every torchvision classifier normalizes with
+    + module.eval()
+    - step.set_lr(lr)
+    + for group in optimizer.param_groups:  # the pretrained layers: a share of it
+    + group["lr"] = lr * cfg.backbone_lr_scale if group["backbone"] else lr
 """,
     ("resnet18_fmnist", "train"): """
     + peak_lr = scaled_lr(cfg, global_batch_size)
@@ -150,13 +154,13 @@ INTENDED = {
     + f"{run_dir}")
     - global_batch_size=global_batch_size, total_steps=total_steps,
     + global_batch_size=global_batch_size, effective_lr=peak_lr, total_steps=total_steps,
-    - lr = schedule.one_cycle_lr(progress.step, total_steps, cfg.lr)  # a function of the step, no state
-    + lr = schedule.one_cycle_lr(progress.step, total_steps, peak_lr)  # a function of the step, no state
     - inputs = preprocess(images, cfg.augment)
     + inputs = preprocess(images, cfg.augment, cfg.erase)
     - # One bad batch can take a step large enough to kill every ReLU; the clip bounds it.
     + # Early steps at the peak rate moved the weights faster than BatchNorm's running statistics could
     + # follow (test loss 102 at the peak); the clip bounds each step.
+    - lr = schedule.one_cycle_lr(progress.step, total_steps, cfg.lr)  # a function of the step, no state
+    + lr = schedule.one_cycle_lr(progress.step, total_steps, peak_lr)  # a function of the step, no state
 """,
     ("deep_mlp_ckpt", "evaluate"): '''
     - """Test loss and accuracy over every process, and the predictions in test-set order. With --tta, also those of

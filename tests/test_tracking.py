@@ -256,13 +256,12 @@ def test_logged_gradient_norm_is_the_mean_of_the_finite_steps():
     from shared.tracking import TrainWindow
 
     window = TrainWindow(Accelerator(cpu=True), Progress())
-    window.add(torch.tensor(0.5), {"acc": torch.tensor(1)}, 2)
+    window.add(torch.tensor(0.5), {"acc": torch.tensor(1)}, 2)  # a batch that completed no step: no norm
     for norm in (2.0, float("inf"), 4.0):
-        window.add_grad_norm(torch.tensor(norm))
+        window.add(torch.tensor(0.5), {"acc": torch.tensor(1)}, 2, torch.tensor(norm))
     point = window.flush(step=3)
     assert point["grad_norm"] == 3.0 and point["train_loss"] == 0.5 and point["train_acc"] == 0.5
-    window.add(torch.tensor(0.5), {"acc": torch.tensor(2)}, 2)
-    window.add_grad_norm(torch.tensor(1.0))
+    window.add(torch.tensor(0.5), {"acc": torch.tensor(2)}, 2, torch.tensor(1.0))
     assert window.flush(step=4)["grad_norm"] == 1.0  # a new window starts from zero
 
 

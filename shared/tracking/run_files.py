@@ -3,6 +3,7 @@ accelerator.log), summary.json (the last value of every key, like wandb's run su
 end_training, drawn by shared/tracking/pictures.py), written as an accelerate tracker (`RunFiles`)."""
 
 import json
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -29,6 +30,7 @@ class RunFiles(GeneralTracker):
         super().__init__()
         self.run_dir, self.run_id, self.labels, self.summary = Path(run_dir), run_id, labels, {}
         self.metrics = self.run_dir / "metrics.jsonl"
+        self.last_evaluation = None  # time.perf_counter() at the last eval_* point
 
     def store_init_configuration(self, values: dict):
         step = values.get("resumed_step")
@@ -44,9 +46,14 @@ class RunFiles(GeneralTracker):
         with self.metrics.open("a") as f:
             f.write(json.dumps({"step": step, **values, **self.labels}) + "\n")
         self.summary.update(values, step=step)  # the last logged step: a run stopped early says where it stopped
+        if "eval_loss" in values:
+            self.last_evaluation = time.perf_counter()
 
     def finish(self):
-        write_json(self.run_dir / "summary.json", {**self.summary, **self.labels})
+        # finish_s: from the last evaluation to here, the weights and pictures saved (curves.png and the other
+        # trackers' ends come after: a second or less)
+        finish_s = None if self.last_evaluation is None else time.perf_counter() - self.last_evaluation
+        write_json(self.run_dir / "summary.json", {**self.summary, "finish_s": finish_s, **self.labels})
         from shared.tracking.pictures import plot_curves  # matplotlib: an opt-in module
 
         plot_curves(read_rows(self.metrics), self.run_dir / "curves.png",

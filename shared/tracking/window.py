@@ -6,6 +6,7 @@ import sys
 import time
 from contextlib import contextmanager
 
+import psutil
 import torch
 
 from shared.errors import RecipeError
@@ -25,19 +26,22 @@ class TrainWindow:
         self.batches = self.samples = self.seconds = 0
         self.started = self.launched = self.last_line = time.perf_counter()
         self.wall_before = progress.wall_s
+        self.first_step_at = None  # time.time() at this launch's first batch
 
-    def add(self, loss: torch.Tensor, metric_sums: dict[str, torch.Tensor], samples: int) -> None:
-        """One batch of this process: its mean loss, the recipe's metrics summed over it, and its size."""
+    def add(self, loss: torch.Tensor, metric_sums: dict[str, torch.Tensor], samples: int,
+            grad_norm: torch.Tensor | None = None) -> None:
+        """One batch of this process: its mean loss, the recipe's metrics summed over it, and its size; and the norm of
+        the gradient before clipping when the batch completed an optimizer step (an infinite one, a step fp16's scaler
+        skips, stays out of the mean)."""
+        self.first_step_at = self.first_step_at or time.time()
         self.losses.append(loss.detach())  # detach: keeping `loss` itself would keep every step's graph alive
         for name, value in metric_sums.items():
             self.sums.setdefault(name, []).append(value.detach())
+        if grad_norm is not None:
+            self.grad_norms.append(grad_norm.detach())
         self.batches += 1
         self.samples += samples * self.accelerator.num_processes
         self.progress.train_samples += samples * self.accelerator.num_processes
-
-    def add_grad_norm(self, grad_norm: torch.Tensor) -> None:
-        """One step's norm before clipping; an infinite one (a step fp16's scaler skips) stays out of the mean."""
-        self.grad_norms.append(grad_norm.detach())
 
     def flush(self, step: int) -> dict:
         """train_loss, train_<metric> for each metric, grad_norm and samples_per_s over the window and all processes;
@@ -92,7 +96,21 @@ class TrainWindow:
         return {"max_eval_acc": progress.max_eval_acc, "steps": progress.step, "epochs": epochs, "data": data,
                 "pieces": progress.pieces, "wall_s": progress.wall_s, "train_s": progress.train_s,
                 "samples_per_s": progress.train_samples / max(progress.train_s, 1e-9), "peak_mem_mb": peak_mem_mb,
-                "world_size": self.accelerator.num_processes, "mixed_precision": self.accelerator.mixed_precision}
+                "world_size": self.accelerator.num_processes, "mixed_precision": self.accelerator.mixed_precision,
+                "start_s": (self.first_step_at or time.time()) - command_started()}
+
+
+def command_started() -> float:
+    """When the command started, as time.time(): under `accelerate launch` its launcher (this process's parent),
+    else this process."""
+    process = psutil.Process()
+    try:
+        parent = process.parent()
+        if parent is not None and any("accelerate" in part for part in parent.cmdline()[:3]):
+            process = parent
+    except psutil.Error:  # the parent gone or not ours to read: this process's own start
+        pass
+    return process.create_time()
 
 
 def total(values: list[torch.Tensor], device=None) -> torch.Tensor:
