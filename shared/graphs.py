@@ -1,15 +1,17 @@
 """One training step captured as a CUDA graph and replayed: on a GPU, a small model's step is mostly the host launching
 hundreds of kernels one by one while the GPU waits (the ResNet at batch 512 on one H100: 497 kernels, the GPU idle
-two thirds of the step). A graph launches the whole step, forward, backward, clip and optimizer, in one call.
+two thirds of the step). A graph launches the whole step, forward, backward, clip and optimizer, in one call: that
+step in bf16 took 8.27 ms instead of 11.26 (benchmarks/BENCHMARKS.md, "The training step as a CUDA graph").
 
 The step is any function of the batch's tensors that returns tensors (or None), with no host sync (`.item()`, a Python
 `if` on a tensor, a blocking copy): torch refuses those inside a capture. The first WARMUP calls run it eagerly (real
 steps, on a side stream as torch's docs ask, so that lazy set-up such as the optimizer's momentum buffers happens
 outside the capture); the next call captures it once, with the batch copied into fixed input tensors and the learning
 rate moved into a tensor on the device that `set_lr` overwrites; every later call copies the batch in and replays.
-Anywhere else (a CPU, several processes, gradient accumulation, fp16's loss scaler, --compile, --no-cuda_graph) the
-step runs eagerly, the same operations as a loop without this file. A capture that fails says so in one line and the
-run goes on eagerly. https://pytorch.org/docs/stable/notes/cuda.html#cuda-graphs
+Anywhere else (a CPU, several processes, gradient accumulation, fp16's loss scaler, --compile, --no-cuda_graph, an
+optimizer that is not capturable, or a reason the recipe gives) the step runs eagerly, the same operations as a loop
+without this file. A capture that fails says so in one line and the run goes on eagerly.
+https://pytorch.org/docs/stable/notes/cuda.html#cuda-graphs
 """
 
 import torch
@@ -38,9 +40,10 @@ class CapturedStep:
         self.calls, self.graph = 0, None
 
     def set_lr(self, lr: float) -> None:
-        """The learning rate of every parameter group for the next step: written into the captured tensor."""
+        """The learning rate of every parameter group for the next step: once captured, written into the tensor the
+        graph reads; before, a number (also over a tensor a checkpoint of a captured run brought back)."""
         for group in self.optimizer.param_groups:
-            if isinstance(group["lr"], torch.Tensor):
+            if self.graph is not None:
                 group["lr"].fill_(lr)  # a kernel on the stream, in order with the replays: no sync
             else:
                 group["lr"] = lr

@@ -47,11 +47,13 @@ def test_the_learning_rate_goes_into_the_captured_tensor_in_place():
     model = nn.Linear(3, 2)
     optimizer = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias]}], lr=0.1, fused=True)
     step = graphs.CapturedStep(lambda: None, optimizer, None)
+    optimizer.param_groups[0]["lr"] = torch.tensor(0.1)  # as a checkpoint of a captured run loads it
     step.set_lr(0.5)  # before a capture: plain numbers, as a loop without graphs sets them
     assert [group["lr"] for group in optimizer.param_groups] == [0.5, 0.5]
     captured = [torch.tensor(0.5), torch.tensor(0.5)]  # what the capture puts there: read by the graph's kernels
     for group, lr in zip(optimizer.param_groups, captured):
         group["lr"] = lr
+    step.graph = object()  # captured
     step.set_lr(0.25)
     assert all(group["lr"] is lr and lr.item() == 0.25 for group, lr in zip(optimizer.param_groups, captured))
 

@@ -51,7 +51,7 @@ class RunFiles(GeneralTracker):
 
     def finish(self):
         # finish_s: from the last evaluation to here, the weights and pictures saved (curves.png and the other
-        # trackers' ends come after: a second or less)
+        # trackers' ends come after it)
         finish_s = None if self.last_evaluation is None else time.perf_counter() - self.last_evaluation
         write_json(self.run_dir / "summary.json", {**self.summary, "finish_s": finish_s, **self.labels})
         from shared.tracking.pictures import plot_curves  # matplotlib: an opt-in module
