@@ -38,6 +38,7 @@ import contextlib
 import gzip
 import importlib
 import json
+import math
 import os
 import signal
 import statistics
@@ -233,12 +234,21 @@ class Speed:
             events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
             steps = [e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep")]
             span_us = max(e["ts"] + e["dur"] for e in steps) - min(e["ts"] for e in steps)
-            work = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]  # one stream
+            work = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
             work_us = sum(e["dur"] for e in work)
+            # The GPU's busy time is the union of its kernels' intervals (kernels on several streams can overlap),
+            # over the GPU's own span: the host's marks of a replayed CUDA graph's steps end before its kernels do.
+            busy_us, end, gpu_span_us = 0.0, -math.inf, 0.0
+            for event in sorted(work, key=lambda e: e["ts"]):
+                busy_us += max(0.0, event["ts"] + event["dur"] - max(end, event["ts"]))
+                end = max(end, event["ts"] + event["dur"])
+            if work:
+                gpu_span_us = end - min(e["ts"] for e in work)
             found.update(path=str(trace), top_ops=str(top), steps=active, wall_ms_per_step=span_us / active / 1000,
                          kernel_ms_per_step=work_us / active / 1000 if cuda else None,
                          kernels_per_step=sum(e["cat"] == "kernel" for e in work) / active if cuda else None,
-                         gpu_idle_share=1 - work_us / span_us if cuda else None)
+                         gpu_ms_per_step=gpu_span_us / active / 1000 if cuda else None,
+                         gpu_idle_share=1 - busy_us / gpu_span_us if cuda and gpu_span_us else None)
 
         schedule = {"wait": wait, "warmup": warmup, "active": active, "repeat": 1}
         profiler = ProfileKwargs(activities=["cpu", "cuda"] if cuda else ["cpu"], schedule_option=schedule,

@@ -50,8 +50,9 @@ def check_run_files(run_dir, *, world_size, steps, test_size, batch_size=8, mixe
     assert summary["steps"] == steps and summary["world_size"] == world_size
     assert summary["eval_acc"] == eval_rows[-1]["eval_acc"]
     assert summary["peak_mem_mb"] > 0 and summary["wall_s"] > 0
-    # This launch's start (from the command to the first step) and finish (from the last evaluation to the summary)
-    assert 0 < summary["start_s"] < 120 and 0 < summary["finish_s"] < 60, summary
+    # This launch's start (from the command, or the process run in, to the first step; launched runs:
+    # test_gpu_speed.py) and finish (from the last evaluation to the summary)
+    assert summary["start_s"] > 0 and 0 < summary["finish_s"] < 60, summary
     assert config["cuda_graph"] is True  # the default; a CPU run's step is eager whatever it says
 
     for name, min_size in {"curves.png": (600, 300), "confusion_matrix.png": (400, 400)}.items():

@@ -95,6 +95,8 @@ def test_offline_wandb_run_holds_the_summary_and_every_point(wandb_run):
     summary, history = wandb_summary_and_history(out)
     expected = read_json(out / "summary.json")
     for key, value in expected.items():
+        if key == "finish_s":  # measured as summary.json is written, after the trackers' last point: its own
+            continue
         assert summary[key] == pytest.approx(value) if isinstance(value, float) else summary[key] == value, key
     logged = [row for row in history if "train_loss" in row]
     metrics = [row for row in read_jsonl(out / "metrics.jsonl") if "train_loss" in row]
