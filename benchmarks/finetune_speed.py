@@ -81,7 +81,7 @@ def main() -> None:
     env = dict(os.environ, TORCH_HOME=str(torch_home), HF_HOME=str(args.out / "hf"), PYTHONUNBUFFERED="1")
     results = []
     for size in args.sizes:
-        decoded = input_sizes(Config(image_size=size))[0]
+        decoded = input_sizes(Config(image_size=size))[0][1]
         data = images(args.out / f"images-{args.images}-{decoded}px", args.images, decoded)
         run = args.out / f"{args.config}-{size}px-b{args.batch_size}"
         steps = args.images // args.batch_size  # an epoch

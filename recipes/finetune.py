@@ -104,7 +104,7 @@ class Config(RunConfig):
 
 
 # ----------------------------------------------------------------------------- data
-IMAGE_SHAPE = (3, 256, 256)  # channels, height, width as decoded for resnet18's weights (image_shape(cfg): any model)
+IMAGE_SHAPE = (3, 256, 256)  # channels, height, width as decoded for resnet18's weights (input_sizes: any model)
 
 
 @functools.cache  # preprocess asks for it every batch
@@ -115,34 +115,28 @@ def chosen_weights(model: str, weights: str) -> torchvision.models.WeightsEnum:
     return choices[weights] if weights not in ("DEFAULT", "none") else choices.DEFAULT
 
 
-def input_sizes(cfg: Config) -> tuple[int, int]:
-    """(decoded side, model input side) in pixels: the weights' resize and centre crop (256 and 224 for resnet18's,
-    232 and 224 for resnet50's V2, 384 and 380 for efficientnet_b4's), scaled to --image_size."""
+def input_sizes(cfg: Config) -> tuple[tuple[int, int, int], int, str]:
+    """(the images as decoded (C, H, W), the model's input side, the resize filter): the weights' resize and centre
+    crop (256 and 224 for resnet18's, 232 and 224 for resnet50's V2, 384 and 380 for efficientnet_b4's) scaled to
+    --image_size, the shorter side resized and centre-cropped to a square; and how the weights' images were resized:
+    bilinear (resnet18's), bicubic (the EfficientNets', the Swins')."""
     transforms = chosen_weights(cfg.model, cfg.weights).transforms()
     crop = cfg.image_size or transforms.crop_size[0]
-    return round(crop * transforms.resize_size[0] / transforms.crop_size[0]), crop
-
-
-def image_shape(cfg: Config) -> tuple[int, int, int]:
-    """The images as decoded: the shorter side resized to the weights' resize size, centre-cropped to a square."""
-    return (3, input_sizes(cfg)[0], input_sizes(cfg)[0])
-
-
-def interpolation(cfg: Config) -> str:
-    """How the weights' images were resized: bilinear (resnet18's), bicubic (the EfficientNets', the Swins')."""
-    return chosen_weights(cfg.model, cfg.weights).transforms().interpolation.value
+    side = round(crop * transforms.resize_size[0] / transforms.crop_size[0])
+    return (3, side, side), crop, transforms.interpolation.value
 
 
 def load_data(cfg: Config):
-    """(train, test) as uint8 image tensors at image_shape(cfg): the hub, a local folder, or --synthetic."""
-    return load_image_data(cfg.data, image_shape(cfg), cfg.synthetic, interpolation=interpolation(cfg))
+    """(train, test) as uint8 image tensors, decoded as input_sizes(cfg) says: the hub, a folder, or --synthetic."""
+    shape, _, resize_filter = input_sizes(cfg)
+    return load_image_data(cfg.data, shape, cfg.synthetic, interpolation=resize_filter)
 
 
 def preprocess(images: torch.Tensor, training: bool, cfg: Config) -> torch.Tensor:
     """uint8 batch on the device, as decoded -> normalized float batch at the model's input size. Training: a random
     resized crop of the whole decoded image, and a flip. Evaluation: the centre crop, as the weights were evaluated
     (resize, then centre crop)."""
-    transforms, (_, size) = chosen_weights(cfg.model, cfg.weights).transforms(), input_sizes(cfg)
+    transforms, (_, size, _) = chosen_weights(cfg.model, cfg.weights).transforms(), input_sizes(cfg)
     if training:
         images = augment.random_flip(random_resized_crop(images, size))
     else:

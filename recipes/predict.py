@@ -275,10 +275,10 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
     model = recipe.make_model(len(classes), recipe_cfg)
     load_weights(model, cfg.weights)  # one line if the file is not this recipe's model
     model.to(state.device).eval()  # float32 and NCHW, whatever --channels_last or precision trained it: same weights
-    # The size the model was trained at: a recipe with an --image_size flag says it (finetune.py's image_shape), and
-    # crops to it on the device from what its preprocess() is given (its crop is the weights' own: it takes cfg)
-    shape = recipe.image_shape(recipe_cfg) if hasattr(recipe, "image_shape") else recipe.IMAGE_SHAPE
-    how = recipe.interpolation(recipe_cfg) if hasattr(recipe, "interpolation") else "bilinear"  # its resize filter
+    # The size the model was trained at and its resize filter: a recipe with an --image_size flag says them
+    # (finetune.py's input_sizes), and crops on the device from what its preprocess() is given (it takes cfg)
+    sized = hasattr(recipe, "input_sizes")
+    shape, _, how = recipe.input_sizes(recipe_cfg) if sized else (recipe.IMAGE_SHAPE, 0, "bilinear")
     options = {"cfg": recipe_cfg} if "cfg" in inspect.signature(recipe.preprocess).parameters else {}
     root = Path(cfg.images)
     images, skipped = find_images(root)
