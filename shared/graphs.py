@@ -21,9 +21,8 @@ WARMUP = 3  # eager steps before the capture (torch's example uses 3)
 
 def graph_setting(accelerator, cfg) -> str | None:
     """Why this run's step runs eagerly, or None if it can be captured."""
-    if not cfg.cuda_graph or accelerator.device.type != "cuda":
-        return "--no-cuda_graph" if accelerator.device.type == "cuda" else "not on a GPU"
-    reasons = {"several processes (DDP's gradient hooks)": accelerator.num_processes > 1,
+    reasons = {"not on a GPU": accelerator.device.type != "cuda", "--no-cuda_graph": not cfg.cuda_graph,
+               "several processes (DDP's gradient hooks)": accelerator.num_processes > 1,
                "--grad_accum above 1": cfg.grad_accum > 1, "fp16 (its loss scaler reads the gradient)":
                accelerator.mixed_precision == "fp16", "--compile": cfg.compile}
     return next((reason for reason, found in reasons.items() if found), None)

@@ -1,6 +1,7 @@
 """`TrainWindow`: training between log points, and the run's time and samples across its pieces."""
 
 import math
+import os
 import resource
 import sys
 import time
@@ -10,6 +11,7 @@ import psutil
 import torch
 
 from shared.errors import RecipeError
+from shared.stopping import launcher_command
 
 HEARTBEAT_S = 30  # without a terminal, TrainWindow.heartbeat prints a line at least this often
 
@@ -101,16 +103,12 @@ class TrainWindow:
 
 
 def command_started() -> float:
-    """When the command started, as time.time(): under `accelerate launch` its launcher (this process's parent),
-    else this process."""
-    process = psutil.Process()
+    """When the command started, as time.time(): under `accelerate launch` its launcher (this process's parent, found
+    as the resume command finds it), else this process."""
     try:
-        parent = process.parent()
-        if parent is not None and any("accelerate" in part for part in parent.cmdline()[:3]):
-            process = parent
-    except psutil.Error:  # the parent gone or not ours to read: this process's own start
-        pass
-    return process.create_time()
+        return psutil.Process(os.getppid() if launcher_command() else os.getpid()).create_time()
+    except psutil.Error:  # the launcher already gone: this process's own start
+        return psutil.Process().create_time()
 
 
 def total(values: list[torch.Tensor], device=None) -> torch.Tensor:
