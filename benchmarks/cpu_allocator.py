@@ -1,4 +1,4 @@
-"""What the recipes' `speed.keep_freed_memory()` is worth on a CPU: the same training steps in fresh processes,
+"""What the recipes' `loop.keep_freed_memory()` is worth on a CPU: the same training steps in fresh processes,
 with glibc's default allocator settings and with freed memory kept for reuse, taking turns.
 
 glibc returns a freed block over 128 KiB (a threshold that grows up to 32 MiB as blocks are freed) to the kernel,
@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from shared.speed import keep_freed_memory  # noqa: E402  (after the path setup)
+from shared.loop import keep_freed_memory  # noqa: E402  (after the path setup)
 
 from throughput import RECIPES, benchmark_data  # noqa: E402
 

@@ -24,7 +24,7 @@ In the order they run (the most wanted first: a run cut short keeps them), until
   over those steps (1 - the trace's kernel, copy and memset time / wall time) and its kernels per step.
 
 The GPU setting (GPU_SETTING): bf16.yaml and --batch_size 512 (the ResNet's learning rate follows the global batch by
-its default --lr_scaling sqrt), on top of the recipes' GPU defaults (shared/speed.py): the data held on the GPU,
+its default --lr_scaling sqrt), on top of the recipes' GPU defaults (shared/loop.py): the data held on the GPU,
 TF32 for float32 matmuls and convolutions, cudnn.benchmark off (its row turns it on).
 
     bash benchmarks/gpu_speed.sh                                # benchmarks/results/gpu-<name>/gpu_speed.json
@@ -55,7 +55,7 @@ sys.path.insert(0, str(ROOT))
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import ProfileKwargs
 
-from shared import graphs
+from shared import loop
 
 RECIPES = ("cifar_cnn", "resnet18_fmnist", "deep_mlp_ckpt")
 FASHION_MNIST = "/usr/share/datasets/fashion-mnist"  # Debian's dataset-fashion-mnist
@@ -254,8 +254,8 @@ class Speed:
         profiler = ProfileKwargs(activities=["cpu", "cuda"] if cuda else ["cpu"], schedule_option=schedule,
                                  on_trace_ready=summarize).build()
         # A profiler step per training step (a replayed CUDA graph runs no optimizer hook: the step's own call)
-        call = graphs.CapturedStep.__call__
-        graphs.CapturedStep.__call__ = lambda step, *batch: (call(step, *batch), profiler.step())[0]
+        call = loop.CapturedStep.__call__
+        loop.CapturedStep.__call__ = lambda step, *batch: (call(step, *batch), profiler.step())[0]
         profiler.start()
         try:
             flags = [*self.small(GPU_SETTING["flags"]), *self.data(), "--max_steps", wait + warmup + active + 2,
@@ -263,7 +263,7 @@ class Speed:
             self.train("resnet18_fmnist", flags, GPU_SETTING["precision"], "resnet18_fmnist-profile")
         finally:
             profiler.stop()
-            graphs.CapturedStep.__call__ = call
+            loop.CapturedStep.__call__ = call
         return found
 
 

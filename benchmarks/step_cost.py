@@ -230,7 +230,7 @@ def count_recipe(name: str, flags: list[str], mixed_precision: str = "no") -> li
     """The recipe's own train() in this process, under the stand-in device: a Counter per optimizer step."""
     from accelerate.state import AcceleratorState, GradientState
 
-    from shared.tracking import window
+    from shared import tracking
 
     recipe = importlib.import_module(f"recipes.{name}")
     forget_cached_tensors(recipe)
@@ -246,13 +246,13 @@ def count_recipe(name: str, flags: list[str], mixed_precision: str = "no") -> li
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
     # Without a terminal a run prints a line every 30 s, with the loss: a read at its own cadence, like the processes'
     # stop agreement (see worker()), and not part of a step. These counted steps are slow: it would fall among them.
-    heartbeat_s, window.HEARTBEAT_S = window.HEARTBEAT_S, float("inf")
+    heartbeat_s, tracking.HEARTBEAT_S = tracking.HEARTBEAT_S, float("inf")
     try:
         with StandInDevice(stop_after=STEPS) as counts, contextlib.redirect_stdout(sys.stderr):
             with contextlib.suppress(CountedEnough):
                 recipe.train(cfg)
     finally:  # as they were: this may run inside another program (the tests)
-        window.HEARTBEAT_S = heartbeat_s
+        tracking.HEARTBEAT_S = heartbeat_s
         if precision_before is None:
             os.environ.pop("ACCELERATE_MIXED_PRECISION")
         else:
@@ -355,18 +355,18 @@ def two_processes(name: str, data_flags: list[str], env: dict | None = None) -> 
 
 def worker(name: str, flags: list[str], out: Path) -> None:
     """One process of several: the recipe, then the plain loop in DDP. The processes agree on a stop at their own
-    cadence (shared/stopping.py: a gather and two reads about once a second); here, after the first two steps
+    cadence (shared/checkpoints.py: a gather and two reads about once a second); here, after the first two steps
     only, since these slow counted steps would otherwise agree at every one, and the steps after an agreement are
     left out (an agreement falls between two optimizer steps)."""
-    from shared import stopping
+    from shared import checkpoints
 
-    agreements, agree = [], stopping.StopOnSignals._agree_to_stop
+    agreements, agree = [], checkpoints.StopOnSignals._agree_to_stop
 
     def counted_agreement(self, step):
         agreements.append(step)
         return agree(self, step)
 
-    stopping.StopOnSignals._agree_to_stop, stopping.STOP_CHECK_S = counted_agreement, 1e9
+    checkpoints.StopOnSignals._agree_to_stop, checkpoints.STOP_CHECK_S = counted_agreement, 1e9
     main_process = PartialState().is_main_process  # starts the process group: the plain loop's DDP needs it
     plain = steady(count_plain_loop(name, flags, ddp=True))  # first: the recipe's end_training ends the group
     counts = steady(count_recipe(name, flags), leave_out={step + 1 for step in agreements})

@@ -44,12 +44,10 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it
-from shared.checkpoints import mismatch, plain_name
+from shared.checkpoints import mismatch, plain_name, read_json
 from shared.config import parse_config
-from shared.errors import RecipeError, check_launch, first_line, one_line_errors
+from shared.errors import RecipeError, check_launch, first_line, one_line_errors, replacing, walk
 from shared.images import read_image
-from shared.limits import replacing, walk
-from shared.resume import read_json
 
 RECIPES = Path(__file__).resolve().parent  # where a recipe named by its name is looked for
 RECIPE_NAME = re.compile(r"[a-z0-9_]+")  # a name in recipes/, never a path
@@ -304,7 +302,7 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
                          "; ".join(f"{classes[c]} {q:.4f}" for c, q in zip(i, p))])
             counts[classes[i[0]]] += 1
 
-    try:  # under a temporary name, renamed when complete: see shared/limits.py
+    try:  # under a temporary name, renamed when complete: see shared/errors.py
         with replacing(output) as partial, partial.open("x", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(["path", "class", "confidence", f"top_{k}"])

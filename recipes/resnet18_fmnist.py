@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it
-from shared import augment, graphs, schedule, speed, tracking  # augmentation; CUDA graphs; lr, EMA; run files
+from shared import augment, loop, tracking  # augmentation; lr, EMA, CUDA graph, device settings; run files
 from shared.checkpoints import Checkpoints, Progress
 from shared.config import RunConfig
 from shared.data import EpochOrder, load_image_data
@@ -211,11 +211,11 @@ def train(cfg: Config) -> None:
         log_with=trackers,  # wandb or TensorBoard, and config.json, metrics.jsonl, summary.json, curves.png
     )
     # CPU: glibc keeps freed memory (up to a quarter faster steps); GPU: TF32, cuDNN autotuning if asked (BENCHMARKS.md)
-    speed.device_settings(accelerator, cfg)
+    loop.device_settings(accelerator, cfg)
     set_seed(cfg.seed, device_specific=True)  # seed + rank: each process its own crops, flips and dropout masks
     with accelerator.local_main_process_first():  # one process per machine decodes into the machine's cache
         train_set, test_set = load_data(cfg)
-    on_device = speed.data_on_device(accelerator.device, cfg.data_on_device, train_set, test_set)
+    on_device = loop.data_on_device(accelerator.device, cfg.data_on_device, train_set, test_set)
     if on_device:  # one copy of the uint8 dataset now, instead of a host-to-GPU copy per batch
         train_set, test_set = train_set.to(accelerator.device), test_set.to(accelerator.device)
     # Each epoch's order is a function of (seed, epoch), resumable at any sample (see EpochOrder). Own generators:
@@ -251,7 +251,7 @@ def train(cfg: Config) -> None:
     epoch_samples = epoch_batches * cfg.batch_size * accelerator.num_processes  # less a remainder short of a batch
     progress = Progress()
     accelerator.register_for_checkpointing(progress)  # saved and restored with every checkpoint
-    # --ema: an average of the weights (schedule.update_ema), a copy of the model updated on every process after every
+    # --ema: an average of the weights (loop.update_ema), a copy of the model updated on every process after every
     # optimizer step. The processes hold the same weights, so the same average; BatchNorm's running statistics too.
     ema = copy.deepcopy(accelerator.unwrap_model(model)).requires_grad_(False) if cfg.ema else None
     if ema is not None:
@@ -289,7 +289,7 @@ def train(cfg: Config) -> None:
     checkpoints.check_resume_and_branch(config, progress)
     accelerator.init_trackers(RECIPE, config=config)
 
-    def train_step(images, labels):  # one batch; on one GPU, a CUDA graph of it is replayed (shared/graphs.py)
+    def train_step(images, labels):  # one batch; on one GPU, a CUDA graph of it is replayed (shared/loop.py)
         with accelerator.accumulate(model):  # DDP syncs gradients only on the last batch of each accumulation
             inputs = preprocess(images, cfg.augment, cfg.erase)
             if cfg.channels_last:  # after preprocessing: the crop's gather returns a plain NCHW tensor
@@ -306,7 +306,7 @@ def train(cfg: Config) -> None:
             optimizer.zero_grad()
         return loss.detach(), logits.detach(), grad_norm
 
-    step = graphs.CapturedStep(train_step, optimizer, graphs.graph_setting(accelerator, cfg))
+    step = loop.CapturedStep(train_step, optimizer, loop.graph_setting(accelerator, cfg))
     progress.pieces += 1  # this launch is one more piece of the run (saved with each checkpoint, in the summary)
     window = tracking.TrainWindow(accelerator, progress)  # train_* points, and the run's time across its pieces
     show_bar = accelerator.is_local_main_process and sys.stderr.isatty()
@@ -319,7 +319,7 @@ def train(cfg: Config) -> None:
         for images, labels in bar:
             if progress.step == total_steps:
                 break
-            lr = schedule.one_cycle_lr(progress.step, total_steps, peak_lr)  # a function of the step, no state
+            lr = loop.one_cycle_lr(progress.step, total_steps, peak_lr)  # a function of the step, no state
             step.set_lr(lr)
             loss, logits, grad_norm = step(images, labels)
             progress.samples_into_epoch += len(labels) * accelerator.num_processes
@@ -327,7 +327,7 @@ def train(cfg: Config) -> None:
             if not accelerator.sync_gradients:
                 continue
             if ema is not None:
-                schedule.update_ema(ema, model, progress.step, cfg.ema)  # no host sync: the decay is a Python number
+                loop.update_ema(ema, model, progress.step, cfg.ema)  # no host sync: the decay is a Python number
             progress.step += 1
             window.heartbeat(progress.step, total_steps)  # without a terminal (a log file): a line every 30 s
             log_now = progress.step % log_every == 0 or progress.step == total_steps

@@ -1,16 +1,31 @@
-"""Full-state checkpoints (save, resume, stop on a signal) and the final weights file, model.safetensors.
+"""Everything a resume reads, in one place: full-state checkpoints (save, find, check, load), the run's progress, the
+final weights file (model.safetensors) and --init_from, the stop on a signal, and whether a folder is a run of these
+recipes.
 
 A checkpoint is `accelerator.save_state` (model, optimizer, grad scaler, every process's RNG state and the
 registered `Progress`) in checkpoints/step_<N>/, written under a temporary name and renamed when complete: a
 run killed mid-save leaves the previous checkpoint as the newest. The learning rate is a function of the step
-(shared/schedule.py), so there is no scheduler state and a run can be resumed with another length.
+(shared/loop.py), so there is no scheduler state and a run can be resumed with another length.
+
+- `find_checkpoint`: which checkpoint --resume names; `check_resume`: what a resume continues (steps left, and what
+  changed since the checkpoint, from the config.json saved in it, and what that does to the sample order, exactness
+  and schedule);
+- `Checkpoints`: the run's checkpoint folder, `resume`, `save`, `save_weights`, `initial_weights` (--init_from), and
+  through `StopOnSignals` a stop on SIGTERM or Ctrl-C with a checkpoint and the command that continues the run;
+- `is_run`, `check_entries`, `new_folder`, `read_json`: a run folder, checked as one from anywhere.
 """
 
+import ctypes
 import hashlib
+import itertools
 import json
 import os
 import re
+import shlex
 import shutil
+import signal
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,11 +36,228 @@ from accelerate.utils import set_seed
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from shared.errors import RecipeError, first_line
-from shared.limits import replacing
-from shared.resume import check_resume, find_checkpoint, list_checkpoints, read_json
-from shared.stopping import StopOnSignals
-from shared.tracking.folder import check_entries, new_folder
+from shared.errors import RecipeError, first_line, replacing, walk
+
+STEP_DIR = re.compile(r"step_(\d+)$")
+DATA_ORDER_KEYS = ("data", "synthetic", "train_size", "seed")  # change one, and the rest of the epoch is another
+BATCHING_KEYS = ("world_size", "batch_size", "grad_accum")  # these only cut the same order into other batches
+# Not settings of the training: where the run was started from, and which copy of the script ran it.
+MAX_JSON_BYTES = 2**24  # a config.json: a few KB, up to about 2 MB with 100,000 class names
+NOT_SETTINGS = ("resume", "resumed_step", "resumed_from", "run_id", "overwrite", "output_dir", "versions", "script",
+                "checkpoint_dir")
+STOP_CHECK_S = 1.0  # several processes agree on a stop about this often (seconds of training)
+SECOND_INTERRUPT_S = 1.0  # a SIGINT this long after the first is the user's second Ctrl-C, not torchrun's copy
+PR_SET_PDEATHSIG = 1  # prctl: the signal this process gets when its parent dies (<linux/prctl.h>)
+# Variables of the launch that change what a run does: accelerate's, the GPUs seen, wandb's, the data's caches, torch's
+# (its threads too: another count sums in another order, and the resume is no longer bitwise)
+READ_FROM_ENVIRONMENT = ("ACCELERATE_", "CUDA_VISIBLE_DEVICES", "WANDB_", "HF_", "TORCH_", "OMP_NUM_THREADS")
+
+
+def read_json(path: Path):
+    """A run's JSON file (config.json), or None if missing, not a regular file (a FIFO would block the read), damaged,
+    over MAX_JSON_BYTES or nested past Python's recursion limit: a run folder may come from anywhere."""
+    try:
+        if path.is_file():
+            with path.open("rb") as f:
+                raw = f.read(MAX_JSON_BYTES + 1)  # no more, whatever the file's size says
+            return json.loads(raw) if len(raw) <= MAX_JSON_BYTES else None
+    except (OSError, ValueError, RecursionError):
+        pass
+    return None
+
+
+def list_checkpoints(folder: Path) -> list[Path]:
+    """Complete checkpoints in a run's checkpoint folder, oldest first."""
+    found = [p for p in Path(folder).glob("step_*") if p.is_dir() and STEP_DIR.search(p.name)]
+    return sorted(found, key=lambda p: int(STEP_DIR.search(p.name).group(1)))
+
+
+def find_checkpoint(folder: Path | None, resume: str) -> Path:
+    """The checkpoint --resume names: the newest complete one in a run's checkpoint folder (`latest`), or a
+    checkpoint folder."""
+    if resume != "latest":
+        if not (Path(resume) / "custom_checkpoint_0.pkl").is_file() or not STEP_DIR.search(Path(resume).name):
+            raise RecipeError(f"--resume {resume}: not a checkpoint folder (expected checkpoints/step_<N> of a run)")
+        return Path(resume)
+    checkpoints = list_checkpoints(folder)
+    if not checkpoints:
+        raise RecipeError(f"--resume latest: {folder} has no checkpoints: start it without --resume, "
+                          "or pass --output_dir of a run that saved one (--checkpoint_every N)")
+    return checkpoints[-1]
+
+
+def check_resume(checkpoint: Path, config: dict, progress) -> None:
+    """Refuse a resume with no step left to run (`progress`: the restored Progress). Otherwise print where the run
+    continues, what changed since the checkpoint (the config.json beside it), and what that does to the sample
+    order, exactness and schedule."""
+    checkpoint, total_steps = Path(checkpoint), config["total_steps"]
+    if progress.step > total_steps:
+        raise RecipeError(f"--resume {checkpoint} is at step {progress.step}, past the {total_steps} steps asked for: "
+                          "raise --max_steps or --epochs, or resume from an earlier checkpoint")
+    finishing = progress.step == total_steps  # the last step's checkpoint; the weights, unless the run was stopped
+    if finishing and (Path(config["output_dir"]) / "model.safetensors").exists():
+        raise RecipeError(f"{config['output_dir']} already finished its {total_steps} steps: "
+                          "raise --max_steps or --epochs to train on")
+    if not PartialState().is_main_process:
+        return
+    if finishing:  # stopped after its last checkpoint, before its weights: the recipe evaluates and writes them
+        return print(f"resuming from {checkpoint}: its last step ({total_steps}), the run stopped before writing its "
+                     "weights: evaluating and writing them now")
+    epoch, left = progress.epoch + 1, config["train_size"] - progress.samples_into_epoch
+    print(f"resuming from {checkpoint}: step {progress.step}, epoch {epoch} after {progress.samples_into_epoch} of its "
+          f"{config['train_size']} samples")
+    # The configuration that wrote the checkpoint: saved in it (older checkpoints: the run's, beside it).
+    previous = next((p for p in (checkpoint / "config.json", checkpoint.parent.parent / "config.json") if p.is_file()),
+                    None)
+    before = read_json(previous) if previous else None
+    if not isinstance(before, dict):
+        return print(f"no readable config.json in or beside {checkpoint}: what changed since it cannot be listed")
+    changed = [key for key in config if key not in NOT_SETTINGS and before.get(key) != config[key]]
+    if not changed:
+        return print("same configuration: the run continues exactly, to the same weights as a run never stopped")
+    print("changed since the checkpoint: " + ", ".join(f"{k} {before.get(k)!r} -> {config[k]!r}" for k in changed))
+    if any(key in DATA_ORDER_KEYS for key in changed):
+        print(f"the sample order is NOT a run's never stopped ({', '.join(k for k in changed if k in DATA_ORDER_KEYS)} "
+              f"changed): the rest of epoch {epoch} follows another order, so some of its samples are trained on "
+              "twice and others not at all")
+    elif any(key in BATCHING_KEYS for key in changed):
+        print(f"the sample order continues exactly: the rest of epoch {epoch} is the {left} samples not yet trained "
+              f"on, in global batches of {config['global_batch_size']} (a remainder smaller than one is dropped, "
+              "as at the end of every epoch)")
+    else:
+        print("the sample order continues exactly")
+    if "total_steps" in changed:
+        print(f"length {before.get('total_steps')} -> {total_steps} steps, learning rate: {config['lr_schedule']}")
+
+
+
+
+class StopOnSignals:
+    """Checkpoints' stop on a signal; `save`, `accelerator`, `cfg` and `run_dir` are Checkpoints'.
+
+    After `stop_on_signals()`, SIGTERM or SIGINT asks the run to stop: it finishes the optimizer step, saves a
+    checkpoint and exits 0. A second SIGINT more than SECOND_INTERRUPT_S after the first (Ctrl-C again, for a hung
+    evaluation or collective) stops the process at once, exit 130, without saving. Other later signals change nothing
+    (torchrun forwards the first one again at once, and that must not cost the checkpoint); kill -9 stops at once.
+
+    How soon: one process stops after the step in flight. Several processes must first agree on a step, which they
+    do about every STOP_CHECK_S seconds of training; the stop then takes at most that, plus an evaluation if one
+    falls in between, plus the save. torchrun (what `accelerate launch` runs for several processes) kills its
+    workers TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds (default 30) after it forwards a SIGTERM: set it higher if
+    your evaluation or save takes longer."""
+
+    def __init__(self):
+        self.signal = None  # the first signal's name, once one came
+        self.launcher = launcher_command()  # read now: a stop under one process may outlive its launcher
+        self.environment = launch_environment(os.getppid() if self.launcher else os.getpid())
+        self.next_check, self.last_check = 0, None  # the step of the processes' next agreement on a stop; the last's
+
+    def stop_on_signals(self) -> None:
+        """From now on SIGTERM (what SLURM and most schedulers send before they kill a job) and SIGINT (Ctrl-C) ask
+        the run to stop: `after_step` then saves a checkpoint and returns True. Without this call they kill it."""
+        if sys.platform == "linux" and "LOCAL_RANK" not in os.environ and self.launcher:
+            # `accelerate launch` of one process starts this script and waits: it forwards no signal (accelerate
+            # #929), so a SIGTERM to it (Kubernetes stops a container's first process; a user kills the pid they
+            # see) would leave this process training on, never saving. Asked here, the kernel sends SIGTERM to this
+            # process when the launcher dies, and the stop saves a checkpoint. torchrun (several processes) forwards
+            # signals itself, and a script run with `python` has no launcher to lose. Asked before the handlers are
+            # set, so that a process seen handling SIGTERM (tests/test_checkpoints.py) has both.
+            ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        # Python runs a handler only when the main thread returns to the interpreter, which a hung collective never
+        # does; the C handler writes each signal's number to this pipe at once, read by a thread of its own.
+        read_end, write_end = os.pipe()
+        os.set_blocking(write_end, False)
+        signal.set_wakeup_fd(write_end)
+        threading.Thread(target=self._stop_at_second_interrupt, args=(read_end,), daemon=True).start()
+        for signum in (signal.SIGINT, signal.SIGTERM):  # SIGTERM's last: seen handled, both are
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum, frame):
+        self.signal = self.signal or signal.Signals(signum).name
+
+    def _stop_at_second_interrupt(self, read_end: int) -> None:
+        first = None
+        while True:
+            for signum in os.read(read_end, 64):
+                if signum == signal.SIGINT and first is not None and time.monotonic() - first > SECOND_INTERRUPT_S:
+                    os.write(2, f"error: stopped at once by a second Ctrl-C, without saving: continue from the newest "
+                                f"checkpoint in {self.folder} with --resume latest\n".encode())
+                    os._exit(128 + signal.SIGINT)
+                if signum == signal.SIGINT and first is None:
+                    first = time.monotonic()
+                    if self.accelerator.is_main_process:
+                        os.write(1, b"Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again to stop at "
+                                    b"once, without saving)\n")
+
+    def after_step(self, model, step: int, at_log_point: bool) -> bool:
+        """After each optimizer step: checkpoint every --checkpoint_every steps, and when a stop was asked, checkpoint
+        this step and print the command that continues the run. True: stop now.
+
+        Several processes must agree to stop, or one would wait in the checkpoint's barrier while another runs the
+        next all-reduce. They agree where the step already waits for the device (`at_log_point`), at
+        checkpoints, and at least every STOP_CHECK_S seconds: log points alone can be minutes apart, and torchrun
+        kills the workers 30 s after a SIGTERM."""
+        save_now = self.cfg.checkpoint_every > 0 and step % self.cfg.checkpoint_every == 0
+        stopping = self.signal is not None  # one process: its own signal decides
+        if self.accelerator.num_processes > 1:
+            stopping = (at_log_point or save_now or step >= self.next_check) and self._agree_to_stop(step)
+        if save_now or stopping:
+            self.save(model, step)
+        if stopping:
+            self.accelerator.print(f"stopped by {self.signal or 'a signal to another process'} at step {step}, "
+                                   f"checkpoint saved; continue with:\n  {self.resume_command()}")
+        return stopping
+
+    def _agree_to_stop(self, step: int) -> bool:
+        """One gather over the processes: has any been asked to stop, and how many steps take STOP_CHECK_S seconds
+        on the slowest (the step of the next check, the same on every process). On a GPU: a sync about once a second."""
+        now, steps = time.monotonic(), 1  # every step until an interval has been measured
+        if self.last_check is not None:
+            seconds_per_step = (now - self.last_check[1]) / (step - self.last_check[0])
+            steps = max(1, int(STOP_CHECK_S / max(seconds_per_step, 1e-6)))
+        votes = self.accelerator.gather(torch.tensor([[int(self.signal is not None), steps]],
+                                                     device=self.accelerator.device))
+        self.next_check, self.last_check = step + int(votes[:, 1].min()), (step, now)
+        return bool(votes[:, 0].any())
+
+    def resume_command(self) -> str:
+        """The same script and flags, with --resume latest."""
+        args, skip = [], False
+        for arg in sys.argv[1:]:
+            if not skip and not arg.startswith(("--output_dir", "--resume", "--overwrite")):
+                args.append(arg)
+            skip = arg in ("--output_dir", "--resume") and not skip
+        launcher = self.launcher or [sys.orig_argv[0]]  # else the interpreter, as it was started
+        return " ".join([*self.environment, shlex.join([*launcher, sys.argv[0], *args, "--output_dir",
+                                                        str(self.run_dir), "--resume", "latest"])])
+
+
+def launch_environment(pid: int) -> list[str]:
+    """NAME=value for each variable of the environment the run was started in (the launcher's, as the shell gave it)
+    that accelerate, torch, the data or the trackers read, secrets left out: pasted without them, the command that
+    continues the run ran otherwise (2gpu.yaml without ACCELERATE_USE_CPU=true: no GPUs, no run)."""
+    try:
+        pairs = [item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")]
+    except (OSError, UnicodeDecodeError):
+        return []
+    return [f"{name}={shlex.quote(value)}" for name, value in (pair for pair in pairs if len(pair) == 2)
+            if name.startswith(READ_FROM_ENVIRONMENT) and not any(secret in name for secret in ("KEY", "TOKEN"))]
+
+
+def launcher_command() -> list[str] | None:
+    """`accelerate launch` and its flags, as they started this process (its parent's command line, from /proc), or
+    None when `accelerate launch` did not start it."""
+    try:
+        command = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")
+    except (OSError, UnicodeDecodeError):
+        return None
+    # `accelerate launch`, `python -m accelerate.commands.accelerate_cli launch`, `python -m accelerate.commands.launch`
+    starts = [i + 1 for i, part in enumerate(command) if part == "accelerate.commands.launch" or (
+        part == "launch" and i and command[i - 1].endswith(("accelerate", "accelerate_cli")))]
+    if not starts:
+        return None
+    end = command.index(sys.argv[0], starts[0]) if sys.argv[0] in command[starts[0]:] else len(command)
+    return ["accelerate", "launch", *command[starts[0]:end]]
 
 
 def plain_name(key: str) -> str:
@@ -276,3 +508,36 @@ def mismatch(expected: dict[str, torch.Tensor], shapes: dict[str, tuple], skip: 
     found = shapes.get(wrong[0])
     return (f"{wrong[0]!r} is {found if found else 'missing'} in the file, {tuple(expected[wrong[0]].shape)} in the "
             "model" + (f", and {len(wrong) - 1} more tensors differ" if len(wrong) > 1 else ""))
+
+
+def new_folder(base: str) -> str:
+    """`base`, or `base`-2, -3, ...: the first that did not exist, made here. mkdir is atomic, so two runs started in
+    the same second get a folder each (with the same name, the second found the first's lock). Where nothing can be
+    made, `base`: the write check after says why, in one line."""
+    for n in itertools.count(1):
+        name = base if n == 1 else f"{base}-{n}"
+        try:
+            Path(name).mkdir(parents=True)
+            return name
+        except FileExistsError:
+            continue
+        except OSError:
+            return base
+
+
+def check_entries(folder: Path) -> None:
+    """Refuse a folder from elsewhere (a colleague's run, a download) that holds a symbolic link or a special file:
+    written through, a link changes a file outside the run; read, a FIFO blocks forever. wandb/ must be a folder, and
+    what is in it is wandb's: it links its logs there, and replaces its links (a rename) instead of writing through."""
+    for entry in walk(folder, skip=Path(folder) / "wandb"):
+        if not entry.is_file(follow_symlinks=False):
+            kind = "a symbolic link" if entry.is_symlink() else "a FIFO, socket or device, not a regular file"
+            raise RecipeError(f"{entry.path!r} is {kind}: nothing in a run folder is written or read through one (it "
+                              "may lead outside the run, or block): replace it by a copy of the file, or delete it "
+                              "(checkpoints on another disk: --checkpoint_dir DIR)")
+
+
+def is_run(folder: Path) -> bool:
+    """Whether `folder` holds a run of these recipes: its config.json, with the run id every run records."""
+    config = read_json(Path(folder) / "config.json")
+    return isinstance(config, dict) and isinstance(config.get("run_id"), str) and "recipe" in config

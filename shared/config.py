@@ -98,7 +98,7 @@ class RunConfig:
     data_on_device: bool | None = None  # uint8 dataset in GPU memory, no copy per batch; default: on a GPU if it fits
     tf32: bool = True  # on a GPU, float32 matmuls and convolutions in TF32 (~3x faster); --no-tf32: full float32
     cudnn_benchmark: bool = False  # on a GPU, time cuDNN's algorithms per shape, keep the fastest: for long runs
-    cuda_graph: bool = True  # on a GPU, capture the training step once and replay it (shared/graphs.py)
+    cuda_graph: bool = True  # on a GPU, capture the training step once and replay it (shared/loop.py)
     ema: float | None = None  # also keep an average of the weights over the last ~1/(1 - EMA) steps, e.g. 0.99
 
     parse = classmethod(parse_config)

@@ -3,7 +3,7 @@ in the resumable order of EpochOrder. load_image_data runs four stages in order,
 
 1. the source (here; published files in shared/dataset_files.py, imported only for a folder): a hub id, a
    save_to_disk, parquet or imagefolder folder, IDX files or CIFAR's files; its splits, their sizes and the class names;
-2. the bounds (shared/limits.py): both splits' images, converted, must fit in the free memory;
+2. the bounds (shared/errors.py): both splits' images, converted, must fit in the free memory;
 3. the decoding (shared/images.py): each image into the recipe's channels and size, once (one line says what was
    converted, with the sizes found);
 4. the cache (here): the tensors saved by what they came from (datasets' fingerprints, or the files' paths, sizes and
@@ -31,8 +31,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from shared import images
-from shared.errors import RecipeError, first_line, is_main_process
-from shared.limits import check_decoded_size, check_parquet_files, replacing
+from shared.errors import RecipeError, check_decoded_size, check_parquet_files, first_line, is_main_process, replacing
 
 if TYPE_CHECKING:  # for the annotations only
     import datasets

@@ -27,8 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shared.errors import RecipeError, first_line
-from shared.limits import check_size
+from shared.errors import RecipeError, check_size, first_line
 from shared.pickles import check_pickle
 
 FASHION_MNIST = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",

@@ -12,8 +12,7 @@ import numpy as np
 import torch
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
-from shared.errors import RecipeError, first_line
-from shared.limits import free_memory
+from shared.errors import RecipeError, first_line, free_memory
 
 WIDE_MODES = {"I", "I;16", "I;16B", "I;16L", "I;16N", "F"}  # 16/32-bit and float pixels
 

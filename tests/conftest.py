@@ -111,8 +111,8 @@ def run_here(script: str, *args, cwd: Path | None = None, env: dict | None = Non
     released at the end, as a process's exit releases it."""
     from accelerate.state import AcceleratorState, GradientState
 
+    from shared import tracking
     from shared.checkpoints import Checkpoints
-    from shared.tracking import folder
 
     module = importlib.import_module(f"recipes.{script}")
     AcceleratorState._reset_state(reset_partial_state=True)
@@ -127,9 +127,9 @@ def run_here(script: str, *args, cwd: Path | None = None, env: dict | None = Non
     except SystemExit as stop:
         status = stop.code if isinstance(stop.code, int) else 1
     finally:
-        for descriptor in folder._LOCKS.values():
+        for descriptor in tracking._LOCKS.values():
             os.close(descriptor)
-        folder._LOCKS.clear()
+        tracking._LOCKS.clear()
     return subprocess.CompletedProcess(argv, status, stdout.getvalue(), stderr.getvalue())
 
 

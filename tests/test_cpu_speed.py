@@ -85,21 +85,21 @@ def test_bf16_on_a_cpu_without_its_instructions_says_so_in_one_line(tmp_path, ca
     from types import SimpleNamespace
     from unittest import mock
 
-    from shared import speed
+    from shared import loop
 
     for flags, emulated in (("fpu avx2 avx512f", True), ("fpu avx512f avx512_bf16", False), ("fpu amx_bf16", False)):
         (tmp_path / "cpuinfo").write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
-        assert speed.cpu_has_bf16(tmp_path / "cpuinfo") == (not emulated)
+        assert loop.cpu_has_bf16(tmp_path / "cpuinfo") == (not emulated)
     accelerator = SimpleNamespace(device=torch.device("cpu"), mixed_precision="bf16", is_main_process=True)
-    with mock.patch.object(speed, "cpu_has_bf16", lambda: False):
-        speed.device_settings(accelerator, None)
+    with mock.patch.object(loop, "cpu_has_bf16", lambda: False):
+        loop.device_settings(accelerator, None)
         accelerator.mixed_precision = "no"
-        speed.device_settings(accelerator, None)
+        loop.device_settings(accelerator, None)
     assert capsys.readouterr().out.splitlines() == [
         "warning: this CPU has no bf16 instructions (no avx512_bf16 or amx_bf16 in lscpu), so bf16 is emulated here, "
         "several times slower than float32: accelerate_configs/cpu.yaml is faster"]
     (tmp_path / "cpuinfo").write_text("Features\t: fp asimd bf16\n")  # ARM: no x86 flags, nothing said
-    assert speed.cpu_has_bf16(tmp_path / "cpuinfo") and speed.cpu_has_bf16(tmp_path / "missing")
+    assert loop.cpu_has_bf16(tmp_path / "cpuinfo") and loop.cpu_has_bf16(tmp_path / "missing")
 
 
 def test_the_throughput_benchmarks_dynamo_setting_exists_on_this_torch():

@@ -335,7 +335,7 @@ def test_the_decode_cache_sits_beside_datasets_own_cache_without_importing_datas
 def test_free_memory_stays_within_the_cgroups_limit(tmp_path):
     """A container's or a SLURM job's memory limit (cgroup v2: memory.max), less what the cgroup uses beyond page cache
     it can drop. This process's own cgroup is "/" here, so the folder given stands for the cgroup root."""
-    from shared.limits import free_memory
+    from shared.errors import free_memory
 
     if "0::/\n" not in Path("/proc/self/cgroup").read_text():
         pytest.skip("this process sits below the cgroup namespace's root")

@@ -1,4 +1,4 @@
-"""shared/graphs.py on a CPU: which runs capture their step and which run it eagerly, the learning rate written into a
+"""shared/loop.py on a CPU: which runs capture their step and which run it eagerly, the learning rate written into a
 captured tensor, and the models' convolutions that BatchNorm follows carry no bias. A capture itself needs a GPU
 (benchmarks/gpu_speed.sh measures it, with a resume, in benchmarks/results/gpu-*); that the step makes no host sync,
 which a capture refuses, is tests/test_step_cost.py's."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from shared import graphs
+from shared import loop
 from shared.config import RunConfig
 
 
@@ -30,15 +30,15 @@ def accelerator(device="cuda", processes=1, precision="bf16"):
     (accelerator(), {"compile": True}, "--compile"),
 ])
 def test_which_runs_capture_their_step(where, flags, why):
-    assert graphs.graph_setting(where, RunConfig(**flags)) == why
+    assert loop.graph_setting(where, RunConfig(**flags)) == why
 
 
 def test_a_step_that_cannot_be_captured_runs_eagerly_and_the_same():
     model = nn.Linear(3, 2)
     adam = torch.optim.Adam(model.parameters(), fused=True)  # capturable=False: its step count on the host
-    assert "not capturable" in graphs.CapturedStep(lambda x: x, adam, None).eager_because
+    assert "not capturable" in loop.CapturedStep(lambda x: x, adam, None).eager_because
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
-    step = graphs.CapturedStep(lambda x: (model(x).sum(),), sgd, "not on a GPU")
+    step = loop.CapturedStep(lambda x: (model(x).sum(),), sgd, "not on a GPU")
     inputs = torch.randn(4, 3)
     assert torch.equal(step(inputs)[0], model(inputs).sum()) and step.graph is None and step.calls == 0
 
@@ -46,7 +46,7 @@ def test_a_step_that_cannot_be_captured_runs_eagerly_and_the_same():
 def test_the_learning_rate_goes_into_the_captured_tensor_in_place():
     model = nn.Linear(3, 2)
     optimizer = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias]}], lr=0.1, fused=True)
-    step = graphs.CapturedStep(lambda: None, optimizer, None)
+    step = loop.CapturedStep(lambda: None, optimizer, None)
     optimizer.param_groups[0]["lr"] = torch.tensor(0.1)  # as a checkpoint of a captured run loads it
     step.set_lr(0.5)  # before a capture: plain numbers, as a loop without graphs sets them
     assert [group["lr"] for group in optimizer.param_groups] == [0.5, 0.5]

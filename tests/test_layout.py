@@ -109,11 +109,11 @@ INTENDED = {
     + backbone = [p for group in optimizer.param_groups if group["backbone"] for p in group["params"]]
     + head = [p for group in optimizer.param_groups if not group["backbone"] for p in group["params"]]
     + accelerator.print(training_plan(cfg))
-    - def train_step(images, labels):  # one batch; on one GPU, a CUDA graph of it is replayed (shared/graphs.py)
+    - def train_step(images, labels):  # one batch; on one GPU, a CUDA graph of it is replayed (shared/loop.py)
     - with accelerator.accumulate(model):  # DDP syncs gradients only on the last batch of each accumulation
     - inputs = preprocess(images, cfg.augment)
     - if cfg.channels_last:  # after preprocessing: the crop's gather returns a plain NCHW tensor
-    + def train_step(images, labels):  # one batch (shared/graphs.py: never a CUDA graph here, see below)
+    + def train_step(images, labels):  # one batch (shared/loop.py: never a CUDA graph here, see below)
     + # DDP syncs gradients only on the last batch of each accumulation, and never while frozen (no_sync): it
     + # would wait for the gradients of every layer it wrapped. The classifier's alone are averaged below.
     + with accelerator.accumulate(model), accelerator.no_sync(model) if frozen else contextlib.nullcontext():
@@ -122,9 +122,10 @@ INTENDED = {
     + if frozen and accelerator.sync_gradients:  # the mean over the processes, as DDP's
     + for param in head:
     + param.grad = accelerator.reduce(param.grad, "mean")
-    - step = graphs.CapturedStep(train_step, optimizer, graphs.graph_setting(accelerator, cfg))
+    - step = loop.CapturedStep(train_step, optimizer, loop.graph_setting(accelerator, cfg))
     + # Eager: unfreezing changes what the step computes, which a graph captured while frozen would not follow.
-    + step = graphs.CapturedStep(train_step, optimizer, graphs.graph_setting(accelerator, cfg) or "the step unfreezes")
+    + eager_because = loop.graph_setting(accelerator, cfg) or "the step unfreezes"
+    + step = loop.CapturedStep(train_step, optimizer, eager_because)
     + # Frozen: the new classifier alone. The pretrained layers need no gradient, so autograd records no backward
     + # through them (a frozen step is their forward and the classifier's backward); BatchNorm's statistics stay.
     + frozen = progress.epoch < cfg.freeze_epochs
@@ -159,8 +160,8 @@ INTENDED = {
     - # One bad batch can take a step large enough to kill every ReLU; the clip bounds it.
     + # Early steps at the peak rate moved the weights faster than BatchNorm's running statistics could
     + # follow (test loss 102 at the peak); the clip bounds each step.
-    - lr = schedule.one_cycle_lr(progress.step, total_steps, cfg.lr)  # a function of the step, no state
-    + lr = schedule.one_cycle_lr(progress.step, total_steps, peak_lr)  # a function of the step, no state
+    - lr = loop.one_cycle_lr(progress.step, total_steps, cfg.lr)  # a function of the step, no state
+    + lr = loop.one_cycle_lr(progress.step, total_steps, peak_lr)  # a function of the step, no state
 """,
     ("deep_mlp_ckpt", "evaluate"): '''
     - """Test loss and accuracy over every process, and the predictions in test-set order. With --tta, also those of
@@ -255,7 +256,7 @@ def test_the_budget_counts_what_a_copier_reads(tmp_path):
     assert budget.shared_imports(file) == ({ROOT / "shared" / "__init__.py"}, {ROOT / "shared" / "images.py"})
     file.write_text("from shared import tracking\nfrom shared.errors import RecipeError\n")
     assert budget.shared_imports(file)[0] == {ROOT / "shared" / name for name in (
-        "__init__.py", "tracking/__init__.py", "errors.py")}
+        "__init__.py", "tracking.py", "errors.py")}
 
 
 @pytest.mark.slow  # what a new process imports
@@ -266,7 +267,7 @@ def test_a_recipe_imports_no_opt_in_module_when_it_starts():
 
     opt_in = sorted(set((ROOT / "shared").rglob("*.py")) - budget.default_path(ROOT / "recipes" / "cifar_cnn.py"))
     modules = [".".join(file.relative_to(ROOT).with_suffix("").parts) for file in opt_in]
-    assert {"shared.dataset_files", "shared.pickles", "shared.tracking.pictures"} <= set(modules)
+    assert {"shared.dataset_files", "shared.pickles", "shared.pictures"} <= set(modules)
     probe = "import sys; import recipes.cifar_cnn; print([m for m in sys.argv[1:] if m in sys.modules])"
     result = subprocess.run([sys.executable, "-c", probe, *modules, "matplotlib"], cwd=ROOT, capture_output=True,
                             text=True)

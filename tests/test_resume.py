@@ -16,7 +16,7 @@ import torch
 
 from shared.checkpoints import Progress, check_resume
 from shared.data import EpochOrder
-from shared.schedule import SCHEDULE_RULE, one_cycle_lr
+from shared.loop import SCHEDULE_RULE, one_cycle_lr
 
 from conftest import ROOT, launch, ok, read_json, read_jsonl, run_here
 from tiny_data import save_to_disk_dataset

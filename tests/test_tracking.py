@@ -288,7 +288,7 @@ def test_pictures_are_drawn_from_tensors_on_any_device(tmp_path, on_the_gpu):
     from accelerate import Accelerator
 
     from shared.data import ImageTensors
-    from shared.tracking.pictures import save_pictures
+    from shared.pictures import save_pictures
 
     images = torch.randint(0, 256, (12, 3, 8, 8), dtype=torch.uint8)
     labels, predictions = torch.arange(12) % 3, torch.arange(12) % 2
@@ -305,11 +305,12 @@ def test_pictures_are_drawn_from_tensors_on_any_device(tmp_path, on_the_gpu):
 def test_without_a_terminal_a_line_comes_at_least_every_30_s(monkeypatch, capsys):
     from accelerate import Accelerator
 
+    from shared import tracking
     from shared.checkpoints import Progress
-    from shared.tracking import TrainWindow, window
+    from shared.tracking import TrainWindow
 
     clock = [1000.0]
-    monkeypatch.setattr(window.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(tracking.time, "perf_counter", lambda: clock[0])
     window = TrainWindow(Accelerator(cpu=True), Progress())
     window.add(torch.tensor(0.5), {"acc": torch.tensor(1)}, 310)  # 310 samples in the 31 s below
     clock[0] += 29
@@ -329,7 +330,7 @@ def test_the_curves_show_the_metrics_and_nothing_of_the_summary(tmp_path, monkey
     """The summary's row, logged at the run's end, holds train_s: it was drawn as a metric in curves.png."""
     import matplotlib.axes
 
-    from shared.tracking.pictures import plot_curves
+    from shared.pictures import plot_curves
 
     labels, plot = [], matplotlib.axes.Axes.plot
     monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda ax, *args, **kwargs: (
@@ -376,7 +377,7 @@ def test_the_progress_bar_on_a_terminal_counts_the_batches_the_run_will_train(en
 
 def test_runs_started_in_the_same_second_get_a_folder_each(tmp_path):
     """The default folder is named by the second: the second run took the first's folder and found its lock."""
-    from shared.tracking.folder import new_folder
+    from shared.checkpoints import new_folder
 
     base = str(tmp_path / "runs" / "cifar_cnn-20261127-080000")
     assert [new_folder(base) for _ in range(3)] == [base, f"{base}-2", f"{base}-3"]

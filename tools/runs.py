@@ -28,8 +28,8 @@ NOT_METRICS = {"step", "steps", "epochs", "pieces", "wall_s", "train_s", "sample
 
 def read_json(path: Path) -> dict:
     """A run's JSON file, or {} if it is missing, not a regular file (a FIFO would block the read), over
-    MAX_JSON_BYTES, nested too deep or not a JSON object (a run folder from anywhere). shared/resume.py's read_json,
-    without importing torch into this small tool."""
+    MAX_JSON_BYTES, nested too deep or not a JSON object (a run folder from anywhere). shared/checkpoints.py's
+    read_json, without importing torch into this small tool."""
     if not path.is_file():
         return {}
     try:
@@ -43,7 +43,7 @@ def read_json(path: Path) -> dict:
 
 def summaries(folder: Path) -> list[Path]:
     """Every summary.json under `folder`, without following links; not recursive (rglob is, in Python 3.11): a tree
-    thousands of folders deep is walked all the same. shared/limits.py's walk, without importing torch."""
+    thousands of folders deep is walked all the same. shared/errors.py's walk, without importing torch."""
     found, folders = [], [folder]
     while folders:
         with os.scandir(folders.pop()) as entries:
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table, end="")
     if args.markdown:
         partial = args.markdown.with_name(f"{args.markdown.name}.tmp{os.getpid()}")
-        # shared/limits.py's `replacing`, written out: importing shared/ would import torch into this small tool
+        # shared/errors.py's `replacing`, written out: importing shared/ would import torch into this small tool
         try:  # under a temporary name, renamed into place: never written through a link planted at the name
             partial.unlink(missing_ok=True)
             partial.write_text(f"Runs under `{escaped(str(args.folder))}`:\n\n{table}")

@@ -1,5 +1,7 @@
-"""The run's pictures, drawn with matplotlib: curves.png (RunFiles.finish) and the confusion matrix (`save_pictures`).
-An opt-in module: imported where a picture is drawn."""
+"""[shared/pictures.py]
+The run's pictures, drawn with matplotlib: curves.png (RunFiles.finish) and the confusion matrix (`save_pictures`).
+An opt-in module: imported where a picture is drawn.
+"""
 
 from collections import defaultdict
 from collections.abc import Iterable
@@ -9,8 +11,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from shared.limits import replacing
-from shared.tracking.run_files import is_point
+from shared.errors import replacing
+from shared.tracking import is_point
 
 MAX_MATRIX_CLASSES = 1_000  # above, a confusion matrix is no picture to read, and 10^5 classes take 80 GB
 

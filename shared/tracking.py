@@ -1,0 +1,441 @@
+"""What a run records:
+
+- `open_run` picks the run's folder (the same on every process and every node; a new, empty or resumable one) and
+  builds the Accelerator's `log_with`: the user's tracker plus `RunFiles`;
+- `RunFiles`, an accelerate tracker writing the files readable without any service: config.json (at
+  init_trackers), metrics.jsonl (one line per accelerator.log), summary.json (the last value of every key, like
+  wandb's run summary) and curves.png (at end_training, drawn by shared/pictures.py, an opt-in module);
+- wandb (offline without an API key) and TensorBoard as accelerate's trackers, and `run_config`, what config.json
+  and the tracker record;
+- `TrainWindow`: training between log points, and the run's time and samples across its pieces.
+"""
+
+import atexit
+import contextlib
+import dataclasses
+import fcntl
+import json
+import math
+import netrc
+import os
+import platform
+import resource
+import shutil
+import sys
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from urllib.parse import urlparse
+
+import psutil
+import torch
+from accelerate import PartialState
+from accelerate.tracking import GeneralTracker, TensorBoardTracker, WandBTracker, on_main_process
+from accelerate.utils import broadcast_object_list, gather_object
+
+from shared.checkpoints import check_entries, find_checkpoint, is_run, launcher_command, new_folder, read_json
+from shared.errors import RecipeError, check_launch, first_line, replacing
+from shared.loop import SCHEDULE_RULE
+
+# What a run writes (misclassified.png and profile/: what earlier versions wrote), and all --overwrite deletes.
+RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "curves.png", "confusion_matrix.png", "misclassified.png",
+             "model.safetensors", "checkpoints", "wandb", "tensorboard", "profile", "abandoned")
+_LOCKS: dict[Path, int] = {}  # run folder -> its open descriptor, locked while this process runs in it
+MAX_ROW_BYTES = 2**20  # one line of metrics.jsonl: a few hundred bytes as a run writes them
+HEARTBEAT_S = 30  # without a terminal, TrainWindow.heartbeat prints a line at least this often
+
+
+def open_run(cfg, recipe: str) -> tuple[Path, list]:
+    """Check the launch; return the run folder (--output_dir, the run being resumed, or
+    runs/<recipe>-<YYYYmmdd-HHMMSS>) and the trackers for Accelerator(log_with=...)."""
+    check_launch()  # also starts the process group, which the folder's name is broadcast over
+    state = PartialState()
+    if cfg.resume == "latest" and cfg.output_dir is None:  # never a guess at which run the user meant
+        raise RecipeError(f"--resume latest needs the run to continue: add --output_dir runs/{recipe}-<time>")
+    output_dir = cfg.output_dir
+    if cfg.resume and cfg.resume != "latest":  # a checkpoint folder: it continues its own run, or a new one
+        checkpoint = find_checkpoint(None, cfg.resume).resolve()
+        its_run = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else None
+        recorded = read_json(Path(output_dir) / "config.json") if output_dir else None
+        if isinstance(recorded, dict) and Path(recorded.get("checkpoint_dir") or "/").resolve() == checkpoint.parent:
+            its_run = Path(output_dir).resolve()  # a checkpoint in the run's --checkpoint_dir
+        if output_dir is None and not (its_run and is_run(its_run)):
+            raise RecipeError(f"--resume {cfg.resume} is not in a run's checkpoints/ folder, so there is no run to "
+                              "continue in: add --output_dir NEW_FOLDER to continue it there as a new run")
+        output_dir = output_dir or its_run
+        check_entries(checkpoint)
+        if Path(output_dir).resolve() != its_run and (Path(output_dir) / "config.json").exists():
+            raise RecipeError(f"--resume {cfg.resume} is not a checkpoint of {output_dir}, which holds another run: "
+                              "pass a new --output_dir to continue the checkpoint there (two histories never mix)")
+    if output_dir is None:
+        name, stamp = [None], time.strftime("%Y%m%d-%H%M%S")
+        if state.is_main_process:
+            name = [new_folder(f"runs/{recipe}{'-synthetic' if cfg.synthetic else ''}-{stamp}")]
+        broadcast_object_list(name)  # processes start a second apart; they must share one folder
+        output_dir = name[0]
+    run_dir = Path(output_dir)
+    if run_dir.is_dir():
+        check_entries(run_dir)
+    if (run_dir / "config.json").exists() and not (cfg.resume or cfg.overwrite):
+        raise RecipeError(f"{run_dir} already holds a run: pass --resume latest to continue it, "
+                          "--overwrite to replace it, or another --output_dir")
+    filled = run_dir.is_dir() and any(run_dir.iterdir())
+    if filled and not is_run(run_dir):  # a user's own folder: its metrics.jsonl would be appended to
+        raise RecipeError(f"{run_dir} holds files but no run of these recipes (no config.json with a run_id), so "
+                          "nothing is written into it: pass a new or empty --output_dir")
+    overwrite = cfg.overwrite and not cfg.resume and filled
+    state.wait_for_everyone()  # every process has read the folder before the main process changes it
+    if state.is_main_process:
+        if cfg.output_dir is None or not run_dir.exists():  # made by this start (new_folder made the default one)
+            atexit.register(remove_if_empty, run_dir)  # a start that fails leaves no empty folder behind
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            lock(run_dir)
+            (run_dir / ".write_test").touch()
+            (run_dir / ".write_test").unlink()
+        except OSError as error:
+            raise RecipeError(f"cannot write to {run_dir} ({error.strerror}): pass --output_dir to a writable folder"
+                              ) from None
+        if overwrite:
+            for path in (run_dir / name for name in RUN_FILES):  # only what a run writes; the rest stays
+                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    state.wait_for_everyone()
+    # A resumed run keeps its run id (from config.json), so it continues the same wandb run.
+    check_shared(run_dir)
+    run_id = read_json(run_dir / "config.json")["run_id"] if cfg.resume and is_run(run_dir) else None
+    run_id, labels = run_id or uuid.uuid4().hex[:8], {"synthetic": True} if cfg.synthetic else {}
+    chosen = {"wandb": lambda: [WandB(recipe, run_dir, run_id, tags=list(labels))],
+              "tensorboard": lambda: [TensorBoard("tensorboard", run_dir)], "none": lambda: []}[cfg.tracker]()
+    # RunFiles first: its config.json makes the folder a run before wandb or TensorBoard write into it, so a job
+    # stopped between the two is still a run to its next start.
+    return run_dir, [RunFiles(run_dir, run_id, labels)] + chosen
+
+
+def remove_if_empty(folder: Path) -> None:
+    with contextlib.suppress(OSError):  # holding anything (a run's files), it stays
+        folder.rmdir()
+
+
+
+
+
+
+
+
+def lock(run_dir: Path) -> None:
+    """Hold an exclusive lock on the run folder (flock on the folder itself: no file left behind; the system releases
+    it when the process ends, however it ends): a second run started in the same folder stops with one line."""
+    key = run_dir.resolve()
+    if key in _LOCKS:  # a new run in the same folder within this process (train() called again)
+        os.close(_LOCKS.pop(key))
+    descriptor = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        raise RecipeError(f"{run_dir} is in use by another run, still running: wait for it to end, or pass another "
+                          "--output_dir") from None
+    except OSError:
+        pass  # a filesystem without locks (some network mounts): the folder stays unlocked
+    _LOCKS[key] = descriptor
+
+
+def check_shared(run_dir: Path) -> None:
+    """On several machines: refuse a run folder the nodes do not share (a file the main process writes must be seen
+    by all), since only the main process writes the run's files and completes its checkpoints."""
+    state = PartialState()
+    if state.num_processes == int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes)):
+        return  # one machine
+    token, check = [uuid.uuid4().hex], run_dir / ".shared_check"
+    broadcast_object_list(token)
+    if state.is_main_process:
+        check.write_text(token[0])
+    state.wait_for_everyone()
+    seen = gather_object([check.is_file() and check.read_text() == token[0]])
+    if state.is_main_process:
+        check.unlink()
+    if not all(seen):
+        raise RecipeError(f"--output_dir {run_dir} is not one folder shared by every node ({seen.count(False)} "
+                          "process(es) do not see the main process's files): put it on a filesystem all nodes mount")
+
+
+
+
+
+
+def is_point(row: dict) -> bool:
+    """A training or an evaluation point of a curve; not the summary, logged once at the end with one value a key."""
+    return "train_loss" in row or "eval_loss" in row
+
+
+class RunFiles(GeneralTracker):
+    """An accelerate tracker that writes the run's readable files (main process only)."""
+
+    name, requires_logging_directory = "run_files", False
+
+    def __init__(self, run_dir: Path, run_id: str, labels: dict):
+        self.tracker = self  # what accelerator.get_tracker("run_files", unwrap=True) returns
+        super().__init__()
+        self.run_dir, self.run_id, self.labels, self.summary = Path(run_dir), run_id, labels, {}
+        self.metrics = self.run_dir / "metrics.jsonl"
+        self.last_evaluation = None  # time.perf_counter() at the last eval_* point
+
+    def store_init_configuration(self, values: dict):
+        step = values.get("resumed_step")
+        if step is not None and self.metrics.exists():  # first: a damaged row stops the resume before any change
+            # The points after the checkpoint will be logged again, and so will those of its own step logged after
+            # it was written (an epoch's or the run's evaluation, the summary): keep the file up to its training point.
+            rows = (row for row in read_rows(self.metrics) if row["step"] < step or row["step"] == step
+                    and "train_loss" in row)
+            write_atomic(self.metrics, (json.dumps(row) + "\n" for row in rows))  # one row in memory at a time
+        write_json(self.run_dir / "config.json", {**values, "run_id": self.run_id})
+
+    def log(self, values: dict, step: int | None = None, **kwargs):
+        with self.metrics.open("a") as f:
+            f.write(json.dumps({"step": step, **values, **self.labels}) + "\n")
+        self.summary.update(values, step=step)  # the last logged step: a run stopped early says where it stopped
+        if "eval_loss" in values:
+            self.last_evaluation = time.perf_counter()
+
+    def finish(self):
+        # finish_s: from the last evaluation to here, the weights and pictures saved (curves.png and the other
+        # trackers' ends come after it)
+        finish_s = None if self.last_evaluation is None else time.perf_counter() - self.last_evaluation
+        write_json(self.run_dir / "summary.json", {**self.summary, "finish_s": finish_s, **self.labels})
+        from shared.pictures import plot_curves  # matplotlib: an opt-in module
+
+        plot_curves(read_rows(self.metrics), self.run_dir / "curves.png",
+                    self.run_dir.name + (" (SYNTHETIC DATA)" if self.labels else ""))
+
+
+def write_json(path: Path, values: dict) -> None:
+    write_atomic(path, [json.dumps(values, indent=2, default=str) + "\n"])
+
+
+def write_atomic(path: Path, pieces: Iterable[str]) -> None:
+    with replacing(path) as partial, partial.open("w") as f:
+        f.writelines(pieces)
+
+
+def read_rows(path: Path) -> Iterator[dict]:
+    """metrics.jsonl's rows, one at a time (memory: one row, whatever the file's size). A run folder may come from
+    anywhere: a line that is not a JSON object with an integer step, or is over MAX_ROW_BYTES, is one error line."""
+    if not path.exists():
+        return
+    with path.open("rb") as f:
+        for number, line in enumerate(iter(lambda: f.readline(MAX_ROW_BYTES + 1), b""), start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line) if len(line) <= MAX_ROW_BYTES else None
+            except (ValueError, RecursionError):
+                row = None
+            if not isinstance(row, dict) or type(row.get("step")) is not int:
+                raise RecipeError(f"{path} line {number} is not a metrics row (a JSON object with an integer step, "
+                                  f"under {MAX_ROW_BYTES // 2**20} MiB): remove the line, or start a new --output_dir")
+            yield row
+
+
+class WandB(WandBTracker):
+    """accelerate's wandb tracker, offline without an API key, with the optimizer step as every chart's x-axis.
+
+    The step travels as a logged value ("step", the x-axis by define_metric), not as wandb's own step counter: a
+    resumed run logs again the steps after its checkpoint, and wandb drops points whose own step goes backwards."""
+
+    def __init__(self, project: str, run_dir: Path, run_id: str, tags: list[str]):
+        mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else None)
+        if mode not in (None, "online", "offline", "disabled", "dryrun", "run", "shared"):  # wandb's own choices
+            raise RecipeError(f"the environment sets WANDB_MODE={mode!r}: wandb takes online, offline or disabled "
+                              "(or --tracker tensorboard or none)")
+        if mode is None:  # `wandb login` writes the key into ~/.netrc
+            host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+            try:
+                mode = "online" if netrc.netrc().authenticators(host) else "offline"
+            except (OSError, netrc.NetrcParseError):
+                mode = "offline"
+        import wandb
+
+        # silent: wandb's own dozen lines at the start and a table at the end; where the run is, said once in start().
+        # Online but unreachable, wandb waited 90 s before start() could fall back to offline: 10 s, unless set.
+        timeout = {} if "WANDB_INIT_TIMEOUT" in os.environ else {"init_timeout": 10}
+        super().__init__(project, dir=str(run_dir), id=run_id, resume="allow", mode=mode, tags=tags,
+                         settings=wandb.Settings(silent=True, **timeout))
+
+    @on_main_process
+    def start(self):
+        try:
+            super().start()
+        except Exception as error:  # no network, server down, bad key: training matters more than the dashboard
+            if self.init_kwargs["mode"] != "online":
+                raise
+            print(f"warning: wandb could not start online ({type(error).__name__}: {first_line(error)[:150]}); "
+                  "logging offline instead, upload later with `wandb sync`", file=sys.stderr, flush=True)
+            import wandb
+
+            wandb.teardown()  # the failed attempt still holds the run id in wandb's background service
+            self.init_kwargs["mode"] = "offline"
+            super().start()
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+        where = self.run.url if self.init_kwargs["mode"] == "online" else (
+            f"offline, in {Path(self.run.dir).parent}; upload it later with: wandb sync {Path(self.run.dir).parent}")
+        print(f"wandb: {where}", flush=True)
+
+    @on_main_process
+    def store_init_configuration(self, values: dict):
+        # Named from the configuration the run records: its launch, precision and global batch.
+        self.run.name = (f"{values['recipe']}-{values['world_size']}x{values['mixed_precision']}"
+                         f"-b{values['global_batch_size']}{'-synthetic' if values.get('synthetic') else ''}"
+                         f"-{time.strftime('%m%d-%H%M')}")
+        super().store_init_configuration(values)
+
+    @on_main_process
+    def log(self, values: dict, step: int | None = None, **kwargs):
+        self.run.log({**values, "step": step}, **kwargs)
+
+
+class TensorBoard(TensorBoardTracker):
+    """accelerate's TensorBoard tracker, one run and one history per run folder: the flags go into the run's own
+    event file (add_hparams writes them as a second run, pytorch#32651); a resume hides the events logged after its
+    checkpoint (a branch's abandoned points, a piece killed after its checkpoint) with SummaryWriter's purge_step;
+    the summary's one-point scalars stay in summary.json."""
+
+    @on_main_process
+    def store_init_configuration(self, values: dict):
+        from torch.utils.tensorboard.summary import hparams
+
+        if values.get("resumed_step") is not None:
+            self.writer.close()
+            self.writer = type(self.writer)(self.logging_dir, purge_step=values["resumed_step"] + 1)
+        flags = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in values.items()}
+        for summary in hparams(flags, {}):  # hparams take numbers, strings and booleans only
+            self.writer.file_writer.add_summary(summary)
+        self.writer.flush()
+
+    @on_main_process
+    def log(self, values: dict, step: int | None = None, **kwargs):
+        if is_point(values):  # the summary stays in summary.json: one point a key
+            super().log(values, step=step, **kwargs)
+
+
+def run_config(cfg, accelerator, run_dir: Path, **extra) -> dict:
+    """What config.json and the tracker record: every flag, the run folder, the launch and the versions."""
+    import accelerate
+
+    return {**dataclasses.asdict(cfg), "output_dir": str(run_dir), **extra, "lr_schedule": SCHEDULE_RULE,
+            "world_size": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision,
+            "distributed_type": accelerator.distributed_type.value, "device": str(accelerator.device),
+            "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                         "accelerate": accelerate.__version__,  # datasets: None when this run's data needed none
+                         "datasets": getattr(sys.modules.get("datasets"), "__version__", None)}}
+
+
+
+
+class TrainWindow:
+    """Training loss, the recipe's metrics, gradient norm and samples per second since the last log point, kept on the
+    device as each step made them (no kernel in a step, no wait for the GPU: `flush()` adds them up and reads them once
+    per log point); and the whole run's training time and samples, kept in `progress` (saved with every checkpoint), so
+    that a resumed run's summary covers all its pieces. Time inside `paused()` is left out."""
+
+    def __init__(self, accelerator, progress):
+        self.accelerator, self.progress = accelerator, progress
+        self.losses, self.sums, self.grad_norms = [], {}, []  # per batch or step, on the device
+        self.batches = self.samples = self.seconds = 0
+        self.started = self.launched = self.last_line = time.perf_counter()
+        self.wall_before = progress.wall_s
+        self.first_step_at = None  # time.time() at this launch's first batch
+
+    def add(self, loss: torch.Tensor, metric_sums: dict[str, torch.Tensor], samples: int,
+            grad_norm: torch.Tensor | None = None) -> None:
+        """One batch of this process: its mean loss, the recipe's metrics summed over it, and its size; and the norm of
+        the gradient before clipping when the batch completed an optimizer step (an infinite one, a step fp16's scaler
+        skips, stays out of the mean)."""
+        self.first_step_at = self.first_step_at or time.time()
+        self.losses.append(loss.detach())  # detach: keeping `loss` itself would keep every step's graph alive
+        for name, value in metric_sums.items():
+            self.sums.setdefault(name, []).append(value.detach())
+        if grad_norm is not None:
+            self.grad_norms.append(grad_norm.detach())
+        self.batches += 1
+        self.samples += samples * self.accelerator.num_processes
+        self.progress.train_samples += samples * self.accelerator.num_processes
+
+    def flush(self, step: int) -> dict:
+        """train_loss, train_<metric> for each metric, grad_norm and samples_per_s over the window and all processes;
+        starts a new window."""
+        train_loss = (self.accelerator.reduce(total(self.losses, self.accelerator.device), "mean")
+                      / max(self.batches, 1)).item()
+        if not math.isfinite(train_loss):
+            raise RecipeError(f"the training loss became {train_loss} by step {step}: lower --lr; "
+                              "checkpoints already on disk hold finite weights")
+        self._clock()
+        norms = torch.stack(self.grad_norms) if self.grad_norms else torch.zeros(0)
+        finite = norms.isfinite()
+        point = {"train_loss": train_loss, **{f"train_{name}": self.accelerator.reduce(total(values), "sum").item()
+                                              / max(self.samples, 1) for name, values in self.sums.items()},
+                 "grad_norm": (torch.where(finite, norms, 0.0).sum() / finite.sum().clamp(min=1)).item(),
+                 "samples_per_s": self.samples / max(self.seconds, 1e-9)}
+        self.losses, self.sums, self.grad_norms, self.batches, self.samples, self.seconds = [], {}, [], 0, 0, 0
+        return point
+
+    def heartbeat(self, step: int, total_steps: int) -> None:
+        """Without a terminal (a log file, a batch job) there is no progress bar: a line at least every HEARTBEAT_S
+        seconds, from the main process's own batches (it waits for no other process)."""
+        now = time.perf_counter()
+        if now - self.last_line < HEARTBEAT_S or sys.stderr.isatty() or not self.accelerator.is_main_process:
+            return
+        self._clock()
+        self.last_line = now
+        print(f"step {step}/{total_steps}  train_loss {total(self.losses).item() / max(self.batches, 1):.4f}  "
+              f"{self.samples / max(self.seconds, 1e-9):.0f} samples/s (since the last log point)", flush=True)
+
+    @contextmanager
+    def paused(self):
+        self._clock()  # the run's times up to now, for a checkpoint saved inside
+        yield
+        self.started = time.perf_counter()
+
+    def _clock(self) -> None:
+        """Training time since the last call into the window and the run's totals; the run's wall time up to now."""
+        now = time.perf_counter()
+        self.seconds += now - self.started
+        self.progress.train_s += now - self.started
+        self.progress.wall_s = self.wall_before + now - self.launched
+        self.started = now
+
+    def summary(self, epochs: float, data: str) -> dict:
+        """What summary.json reports beyond the last logged values (docs/recipe_contract.md): the whole run, over
+        all its pieces (each resume is one more), but peak_mem_mb (this launch's)."""
+        self._clock()
+        device, progress = self.accelerator.device, self.progress
+        peak_mem_mb = (torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda"  # else resident
+                       else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10)  # memory; Linux counts KiB
+        return {"max_eval_acc": progress.max_eval_acc, "steps": progress.step, "epochs": epochs, "data": data,
+                "pieces": progress.pieces, "wall_s": progress.wall_s, "train_s": progress.train_s,
+                "samples_per_s": progress.train_samples / max(progress.train_s, 1e-9), "peak_mem_mb": peak_mem_mb,
+                "world_size": self.accelerator.num_processes, "mixed_precision": self.accelerator.mixed_precision,
+                "start_s": (self.first_step_at or time.time()) - command_started()}
+
+
+def command_started() -> float:
+    """When the command started, as time.time(): under `accelerate launch` its launcher (this process's parent, found
+    as the resume command finds it), else this process."""
+    try:
+        return psutil.Process(os.getppid() if launcher_command() else os.getpid()).create_time()
+    except psutil.Error:  # the launcher already gone: this process's own start
+        return psutil.Process().create_time()
+
+
+def total(values: list[torch.Tensor], device=None) -> torch.Tensor:
+    """The sum of a window's per-step values, in one operation: 0 on `device` for an empty window."""
+    return torch.stack(values).sum(0) if values else torch.zeros((), device=device)
+
+
+def save_pictures(accelerator, run_dir, test_set, predictions, step: int) -> None:
+    """confusion_matrix.png in the run folder, and as an image in wandb or TensorBoard (shared/pictures.py)."""
+    from shared import pictures  # matplotlib: an opt-in module
+
+    pictures.save_pictures(accelerator, run_dir, test_set, predictions, step)
