@@ -3,7 +3,8 @@ in the resumable order of EpochOrder. load_image_data runs four stages in order,
 
 1. the source (here; published files in shared/dataset_files.py, imported only for a folder): a hub id, a
    save_to_disk, parquet or imagefolder folder, IDX files or CIFAR's files; its splits, their sizes and the class names;
-2. the bounds (shared/errors.py): both splits' images, converted, must fit in the free memory;
+2. the bounds (shared/errors.py): both splits' images, converted, must fit in the free memory, checked before an
+   image is decoded or a published file's pixels are read (their count from the IDX headers or CIFAR's sizes);
 3. the decoding (shared/images.py): each image into the recipe's channels and size, once (one line says what was
    converted, with the sizes found);
 4. the cache (here): the tensors saved by what they came from (datasets' fingerprints, or the files' paths, sizes and
@@ -120,10 +121,10 @@ def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: b
     cache = CACHE_DIR / f"{found.key}-{'x'.join(map(str, image_shape))}{how}-{decoder_hash()}.safetensors"
     if not cache.exists():
         stored = {}
-        if found.files:  # their arrays as stored (each file bounded by its header), and the class names
-            stored, found.classes = found.files.read()
-        count = sum(len(labels) for _, labels in stored.values()) + sum(map(len, found.splits.values()))
-        check_decoded_size(source, count, image_shape)  # 2
+        if found.files:  # their arrays as stored and the class names, bounded (2) before any is read
+            stored, found.classes = found.files.read(source, image_shape)
+        else:
+            check_decoded_size(source, sum(map(len, found.splits.values())), image_shape)  # 2
         stored, seen = decode(found, stored, image_shape, interpolation)  # 3
         if is_main_process() and (line := images.conversion(image_shape, seen)):
             print(f"{source}: converted the images to this recipe's {'x'.join(map(str, image_shape))} input: {line}",

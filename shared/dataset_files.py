@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shared.errors import RecipeError, check_size, first_line
+from shared.errors import RecipeError, check_decoded_size, check_size, first_line
 from shared.pickles import check_pickle
 
 FASHION_MNIST = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
@@ -59,7 +59,10 @@ class DatasetFiles:
     def all_files(self) -> list[Path]:
         return [file for files in self.files.values() for file in files]
 
-    def read(self) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], list[str]]:
+    def read(self, source: str, image_shape: tuple[int, int, int]
+             ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], list[str]]:
+        """Both splits as stored, once bounded: each split's files by their size, and both splits converted to
+        `image_shape` by how many images the files hold (IDX: the headers; CIFAR: at most one per 3,072 bytes)."""
         for file in self.all_files():
             if not file.is_file():  # a FIFO would block the first read forever
                 raise RecipeError(f"{str(file)!r} is not a regular file (a FIFO, socket, device or folder): replace "
@@ -68,6 +71,9 @@ class DatasetFiles:
             files = self.files[split]
             check_size(files[0] if len(files) == 1 else files[0].parent / f"{split} files",
                        sum(file.stat().st_size for file in files))
+        count = (sum(read_idx(self.files[split][0], count_only=True) for split in IDX_SPLITS) if self.kind == "idx"
+                 else sum(file.stat().st_size for split in IDX_SPLITS for file in self.files[split]) // 3072)
+        check_decoded_size(source, count, image_shape)
         if self.kind in CIFAR_PICKLED:
             return read_pickled_cifar_splits(self.kind, self.files)
         return read_idx_splits(self.files) if self.kind == "idx" else read_cifar_splits(self.kind, self.files)
@@ -119,30 +125,43 @@ def cifar_files(folder: Path) -> DatasetFiles | None:
     return DatasetFiles(folder.name, files)
 
 
-def read_idx(path: Path) -> np.ndarray:
+def read_idx(path: Path, count_only: bool = False) -> np.ndarray | int:
     """An IDX file: 0, 0, type 0x08 (unsigned bytes), the number of dimensions, each size (big-endian uint32), data.
     Reads the header first and then exactly the bytes it claims: a gzip bomb costs no more than its claimed size,
-    and a claim over the limit (or the free memory) is refused before anything is allocated."""
+    and a claim over the limit (or the free memory) is refused before anything is allocated. `count_only`: the
+    first size in its header (how many images or labels), and nothing more is read."""
     try:
         with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
-            magic = f.read(4)
-            if len(magic) < 4 or magic[:3] != b"\0\0\x08" or not 1 <= magic[3] <= 3:
-                raise RecipeError(f"{path} is not an IDX file of unsigned bytes (it starts {magic.hex(' ')}, expected "
-                                  "00 00 08 and 1 to 3 dimensions): download it again")
-            dims = f.read(4 * magic[3])
-            shape = tuple(int.from_bytes(dims[i:i + 4], "big") for i in range(0, len(dims), 4))
+            shape, header = idx_header(f, path)
+            if count_only:
+                return shape[0]
             size = math.prod(shape)
-            if size == 0 and len(dims) == 4 * magic[3]:
-                raise RecipeError(f"{path} holds no data (its header says {shape}): download it again")
             check_size(path, size)
             raw, extra = f.read(size), f.read(1)  # gzip: decompresses only what it returns
     except (OSError, EOFError, zlib.error, MemoryError) as error:  # a truncated or corrupt .gz; no memory left
         raise RecipeError(f"{path} cannot be read ({first_line(error)}): download it again") from None
-    if len(dims) < 4 * magic[3] or len(raw) != size or extra:
-        size = f"more than {len(magic + dims + raw):,}" if extra else f"{len(magic + dims + raw):,}"
+    if len(raw) != size or extra:
+        size = f"more than {header + len(raw):,}" if extra else f"{header + len(raw):,}"
         raise RecipeError(f"{path} is {size} bytes, not what its header says ({shape}): the file is truncated "
                           "or damaged; download it again")
     return np.frombuffer(raw, np.uint8).reshape(shape)
+
+
+def idx_header(f, path: Path) -> tuple[tuple[int, ...], int]:
+    """An IDX file's shape, read from its open file `f` (0, 0, type 0x08, the number of dimensions, each size as a
+    big-endian uint32), and the header's length."""
+    magic = f.read(4)
+    if len(magic) < 4 or magic[:3] != b"\0\0\x08" or not 1 <= magic[3] <= 3:
+        raise RecipeError(f"{path} is not an IDX file of unsigned bytes (it starts {magic.hex(' ')}, expected "
+                          "00 00 08 and 1 to 3 dimensions): download it again")
+    dims = f.read(4 * magic[3])
+    shape = tuple(int.from_bytes(dims[i:i + 4], "big") for i in range(0, len(dims), 4))
+    if len(dims) < 4 * magic[3]:
+        raise RecipeError(f"{path} is {4 + len(dims):,} bytes, not what its header says ({shape}): the file is "
+                          "truncated or damaged; download it again")
+    if math.prod(shape) == 0:
+        raise RecipeError(f"{path} holds no data (its header says {shape}): download it again")
+    return shape, 4 + len(dims)
 
 
 def read_idx_splits(files: dict[str, list[Path]]):

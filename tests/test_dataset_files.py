@@ -345,3 +345,27 @@ def test_free_memory_stays_within_the_cgroups_limit(tmp_path):
     assert free_memory(tmp_path) == 2**30 - 600 * 2**20 + 100 * 2**20
     (tmp_path / "memory.max").write_text("max\n")  # no limit: the system's free memory (this machine has over 1 GiB)
     assert free_memory(tmp_path) > 2**30
+
+
+@pytest.mark.parametrize("layout", ["idx", "cifar"])
+def test_published_files_too_large_once_converted_are_refused_before_they_are_read(tmp_path, data_module, monkeypatch,
+                                                                                     layout):
+    """Both splits converted to the recipe's input must fit in the free memory, and that is checked from the files'
+    headers and sizes before a file's pixels are read (it was checked after both splits were read whole)."""
+    from shared import dataset_files, errors
+
+    shape = (1, 28, 28) if layout == "idx" else (3, 32, 32)
+    splits = random_splits(shape, sizes=(30, 10))
+    folder = (idx_folder(tmp_path / "idx", {k: (a[:, 0], lb) for k, (a, lb) in splits.items()}) if layout == "idx"
+              else cifar_folder(tmp_path / "cifar-10-batches-bin", splits, [str(i) for i in range(10)]))
+    reads = []
+    for name in ("read_idx_splits", "read_cifar_splits"):
+        real = getattr(dataset_files, name)
+        monkeypatch.setattr(dataset_files, name, lambda *args, real=real: reads.append(args) or real(*args))
+    monkeypatch.setattr(errors, "free_memory", lambda: 2**20)  # the files fit; 40 images at 3x224x224 (6 MB) do not
+    with pytest.raises(errors.RecipeError, match=r"40 images of 3x224x224 take 0.0 GiB decoded, more than the 0.0 GiB"):
+        data_module.load_image_data(str(folder), (3, 224, 224))
+    assert not reads
+    monkeypatch.setattr(errors, "free_memory", lambda: 2**30)
+    train, test = data_module.load_image_data(str(folder), (3, 224, 224))
+    assert (len(train), len(test)) == (30, 10) and len(reads) == 1
