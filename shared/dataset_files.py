@@ -132,36 +132,26 @@ def read_idx(path: Path, count_only: bool = False) -> np.ndarray | int:
     first size in its header (how many images or labels), and nothing more is read."""
     try:
         with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
-            shape, header = idx_header(f, path)
-            if count_only:
-                return shape[0]
+            magic = f.read(4)
+            if len(magic) < 4 or magic[:3] != b"\0\0\x08" or not 1 <= magic[3] <= 3:
+                raise RecipeError(f"{path} is not an IDX file of unsigned bytes (it starts {magic.hex(' ')}, expected "
+                                  "00 00 08 and 1 to 3 dimensions): download it again")
+            dims = f.read(4 * magic[3])
+            shape = tuple(int.from_bytes(dims[i:i + 4], "big") for i in range(0, len(dims), 4))
             size = math.prod(shape)
+            if size == 0 and len(dims) == 4 * magic[3]:
+                raise RecipeError(f"{path} holds no data (its header says {shape}): download it again")
+            if count_only and len(dims) == 4 * magic[3]:
+                return shape[0]
             check_size(path, size)
             raw, extra = f.read(size), f.read(1)  # gzip: decompresses only what it returns
     except (OSError, EOFError, zlib.error, MemoryError) as error:  # a truncated or corrupt .gz; no memory left
         raise RecipeError(f"{path} cannot be read ({first_line(error)}): download it again") from None
-    if len(raw) != size or extra:
-        size = f"more than {header + len(raw):,}" if extra else f"{header + len(raw):,}"
+    if len(dims) < 4 * magic[3] or len(raw) != size or extra:
+        size = f"more than {len(magic + dims + raw):,}" if extra else f"{len(magic + dims + raw):,}"
         raise RecipeError(f"{path} is {size} bytes, not what its header says ({shape}): the file is truncated "
                           "or damaged; download it again")
     return np.frombuffer(raw, np.uint8).reshape(shape)
-
-
-def idx_header(f, path: Path) -> tuple[tuple[int, ...], int]:
-    """An IDX file's shape, read from its open file `f` (0, 0, type 0x08, the number of dimensions, each size as a
-    big-endian uint32), and the header's length."""
-    magic = f.read(4)
-    if len(magic) < 4 or magic[:3] != b"\0\0\x08" or not 1 <= magic[3] <= 3:
-        raise RecipeError(f"{path} is not an IDX file of unsigned bytes (it starts {magic.hex(' ')}, expected "
-                          "00 00 08 and 1 to 3 dimensions): download it again")
-    dims = f.read(4 * magic[3])
-    shape = tuple(int.from_bytes(dims[i:i + 4], "big") for i in range(0, len(dims), 4))
-    if len(dims) < 4 * magic[3]:
-        raise RecipeError(f"{path} is {4 + len(dims):,} bytes, not what its header says ({shape}): the file is "
-                          "truncated or damaged; download it again")
-    if math.prod(shape) == 0:
-        raise RecipeError(f"{path} holds no data (its header says {shape}): download it again")
-    return shape, 4 + len(dims)
 
 
 def read_idx_splits(files: dict[str, list[Path]]):

@@ -5,7 +5,9 @@ Python tokens: every token but comments, docstrings and layout (newlines, indent
 - its default path: the shared/ modules it imports at module level, those they import at module level in turn, and
   shared/__init__.py (11,000 tokens at most, in 10 files at most);
 and once, the opt-in modules: the shared/ modules that only a function imports, where only some runs or inputs need
-them (4,000 tokens at most, together). `--files` also lists each file's tokens.
+them (4,000 tokens at most, together). `--files` also lists each file's tokens. What is still over its budget has a
+ceiling (CEILINGS), the count when the budgets came: the exit status is 1 only over a ceiling, or over a budget
+without one.
 """
 
 from __future__ import annotations
@@ -20,7 +22,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted(path.stem for path in (ROOT / "recipes").glob("*.py"))
 BUDGETS = {"recipe": 3_000, "header": 20, "default path": 11_000, "default files": 10, "opt-in": 4_000}
+# What is still over its budget, as measured when the budgets came (issue 76): a ceiling that a change may lower and
+# never raise, so that nothing grows while the cuts land. A count under its ceiling but over its budget is printed,
+# not failed; one over both fails. Remove a line once its count meets the budget.
+CEILINGS = {"cifar_cnn: default path": 14_710, "deep_mlp_ckpt: default path": 14_710,
+            "finetune: default path": 14_710, "resnet18_fmnist: default path": 14_710, "finetune: recipe": 3_655,
+            "opt-in": 4_202}
 LAYOUT = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)
+# Python 3.12 splits an f-string into its pieces; counted as one token, as Python 3.10 and 3.11 count it, the
+# budgets mean the same on every Python.
+FSTRING_START, FSTRING_END = getattr(tokenize, "FSTRING_START", -1), getattr(tokenize, "FSTRING_END", -1)
 
 
 def tokens(path: Path) -> int:
@@ -32,8 +43,15 @@ def tokens(path: Path) -> int:
         if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(
                 getattr(body[0], "value", None), ast.Constant) and isinstance(body[0].value.value, str):
             docstrings.add((body[0].lineno, body[0].col_offset))
-    return sum(1 for token in tokenize.generate_tokens(io.StringIO(source).readline)
-               if token.type not in LAYOUT and not (token.type == tokenize.STRING and token.start in docstrings))
+    count, depth = 0, 0  # depth: inside an f-string (3.12)
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        depth += (token.type == FSTRING_START) - (token.type == FSTRING_END)
+        if token.type == FSTRING_START and depth == 1:
+            count += 1
+        elif not depth and token.type not in (*LAYOUT, FSTRING_END) and not (
+                token.type == tokenize.STRING and token.start in docstrings):
+            count += 1
+    return count
 
 
 def module_file(module: str) -> Path | None:
@@ -86,19 +104,33 @@ def main() -> None:
                   "header": len((ast.get_docstring(ast.parse(script.read_text()), clean=False) or "").splitlines())}
         print(f"{recipe}: {counts['recipe']:,} tokens; its default path {counts['default path']:,} tokens in "
               f"{counts['default files']} files of shared/; a {counts['header']}-line header")
-        over += [f"{recipe}: {key} {value:,} > {BUDGETS[key]:,}"
-                 for key, value in counts.items() if value > BUDGETS[key]]
+        over += [(f"{recipe}: {key}", value, BUDGETS[key]) for key, value in counts.items()]
     opt_in = sorted(set((ROOT / "shared").rglob("*.py")) - default_files)
     total = sum(map(tokens, opt_in))
     print(f"opt-in modules: {total:,} tokens in {len(opt_in)} files ({', '.join(f.stem for f in opt_in) or 'none'})")
-    if total > BUDGETS["opt-in"]:
-        over.append(f"opt-in modules: {total:,} > {BUDGETS['opt-in']:,}")
+    over.append(("opt-in", total, BUDGETS["opt-in"]))
     if args.files:
         for file in sorted((ROOT / "shared").rglob("*.py")):
             where = "default path" if file in default_files else "opt-in"
             print(f"  {file.relative_to(ROOT)}: {tokens(file):,} tokens ({where})")
-    print("\n".join(f"over budget: {line}" for line in over) or "every budget met")
-    sys.exit(1 if over else 0)
+    sys.exit(report(over))
+
+
+def report(counts: list[tuple[str, int, int]], ceilings: dict[str, int] = CEILINGS) -> int:
+    """Each (name, count, budget) over its budget, in a line; 1 if any is also over its ceiling (or has none)."""
+    failed = False
+    for name, count, budget in counts:
+        ceiling = ceilings.get(name, budget)
+        if count > max(budget, ceiling):
+            failed = True
+            print(f"over budget: {name} {count:,} > {budget:,}" + (
+                f", and over its ceiling {ceiling:,}: cut what this change added" if ceiling > budget else ""))
+        elif count > budget:
+            print(f"over budget: {name} {count:,} > {budget:,} (within its ceiling {ceiling:,}; lower the ceiling "
+                  "in tools/budget.py as the count falls)")
+    if not any(count > budget for _, count, budget in counts):
+        print("every budget met")
+    return int(failed)
 
 
 if __name__ == "__main__":
