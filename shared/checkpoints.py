@@ -130,8 +130,6 @@ def check_resume(checkpoint: Path, config: dict, progress) -> None:
         print(f"length {before.get('total_steps')} -> {total_steps} steps, learning rate: {config['lr_schedule']}")
 
 
-
-
 class StopOnSignals:
     """Checkpoints' stop on a signal; `save`, `accelerator`, `cfg` and `run_dir` are Checkpoints'.
 

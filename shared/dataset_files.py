@@ -59,10 +59,10 @@ class DatasetFiles:
     def all_files(self) -> list[Path]:
         return [file for files in self.files.values() for file in files]
 
-    def read(self, source: str, image_shape: tuple[int, int, int]
-             ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], list[str]]:
-        """Both splits as stored, once bounded: each split's files by their size, and both splits converted to
-        `image_shape` by how many images the files hold (IDX: the headers; CIFAR: at most one per 3,072 bytes)."""
+    def read(self, source: str, image_shape: tuple[int, int, int]) -> tuple[dict, list[str]]:
+        """{"train": (images, labels), "test": ...} as stored (uint8 (N, C, H, W), int64 (N,)) and the class names,
+        once bounded: each split's files by their size, and both splits converted to `image_shape` by how many images
+        the files hold (IDX: the headers; CIFAR: at most one per 3,072 bytes)."""
         for file in self.all_files():
             if not file.is_file():  # a FIFO would block the first read forever
                 raise RecipeError(f"{str(file)!r} is not a regular file (a FIFO, socket, device or folder): replace "

@@ -144,8 +144,6 @@ def check_launch() -> None:
                           "use accelerate_configs/bf16.yaml on a CPU")
 
 
-
-
 def free_memory(cgroups: Path = Path("/sys/fs/cgroup")) -> float:
     """Bytes this process may still allocate: the memory the system has available (page cache counts as free, as in
     `free`), within the limit of its cgroup and of every cgroup above it (cgroup v2: a container's or a SLURM job's

@@ -78,8 +78,6 @@ def update_ema(average: torch.nn.Module, model: torch.nn.Module, step: int, deca
         torch._foreach_copy_(*counts)
 
 
-
-
 def graph_setting(accelerator, cfg) -> str | None:
     """Why this run's step runs eagerly, or None if it can be captured."""
     reasons = {"not on a GPU": accelerator.device.type != "cuda", "--no-cuda_graph": not cfg.cuda_graph,
@@ -147,8 +145,6 @@ class CapturedStep:
             return self.function(*batch)
         self.graph = graph
         return self(*batch)
-
-
 
 
 def keep_freed_memory() -> bool:

@@ -25,7 +25,6 @@ import sys
 import time
 import uuid
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -118,12 +117,6 @@ def remove_if_empty(folder: Path) -> None:
         folder.rmdir()
 
 
-
-
-
-
-
-
 def lock(run_dir: Path) -> None:
     """Hold an exclusive lock on the run folder (flock on the folder itself: no file left behind; the system releases
     it when the process ends, however it ends): a second run started in the same folder stops with one line."""
@@ -159,10 +152,6 @@ def check_shared(run_dir: Path) -> None:
     if not all(seen):
         raise RecipeError(f"--output_dir {run_dir} is not one folder shared by every node ({seen.count(False)} "
                           "process(es) do not see the main process's files): put it on a filesystem all nodes mount")
-
-
-
-
 
 
 def is_point(row: dict) -> bool:
@@ -332,8 +321,6 @@ def run_config(cfg, accelerator, run_dir: Path, **extra) -> dict:
                          "datasets": getattr(sys.modules.get("datasets"), "__version__", None)}}
 
 
-
-
 class TrainWindow:
     """Training loss, the recipe's metrics, gradient norm and samples per second since the last log point, kept on the
     device as each step made them (no kernel in a step, no wait for the GPU: `flush()` adds them up and reads them once
@@ -392,7 +379,7 @@ class TrainWindow:
         print(f"step {step}/{total_steps}  train_loss {total(self.losses).item() / max(self.batches, 1):.4f}  "
               f"{self.samples / max(self.seconds, 1e-9):.0f} samples/s (since the last log point)", flush=True)
 
-    @contextmanager
+    @contextlib.contextmanager
     def paused(self):
         self._clock()  # the run's times up to now, for a checkpoint saved inside
         yield

@@ -25,9 +25,9 @@ BUDGETS = {"recipe": 3_000, "header": 20, "default path": 11_000, "default files
 # What is still over its budget, as measured when the budgets came (issue 76): a ceiling that a change may lower and
 # never raise, so that nothing grows while the cuts land. A count under its ceiling but over its budget is printed,
 # not failed; one over both fails. Remove a line once its count meets the budget.
-CEILINGS = {"cifar_cnn: default path": 14_710, "deep_mlp_ckpt: default path": 14_710,
-            "finetune: default path": 14_710, "resnet18_fmnist: default path": 14_710, "finetune: recipe": 3_655,
-            "opt-in": 4_202}
+CEILINGS = {"cifar_cnn: default path": 14_708, "deep_mlp_ckpt: default path": 14_708,
+            "finetune: default path": 14_708, "resnet18_fmnist: default path": 14_708, "finetune: recipe": 3_655,
+            "opt-in": 4_188}
 LAYOUT = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)
 # Python 3.12 splits an f-string into its pieces; counted as one token, as Python 3.10 and 3.11 count it, the
 # budgets mean the same on every Python.
