@@ -44,8 +44,8 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it
-from shared.checkpoints import mismatch, plain_name, read_json
-from shared.config import parse_config
+from shared.checkpoints import mismatch, plain_name
+from shared.config import parse_config, read_json
 from shared.errors import RecipeError, check_launch, first_line, one_line_errors, replacing, walk
 from shared.images import read_image
 

@@ -12,7 +12,7 @@ run killed mid-save leaves the previous checkpoint as the newest. The learning r
   and schedule);
 - `Checkpoints`: the run's checkpoint folder, `resume`, `save`, `save_weights`, `initial_weights` (--init_from), and
   through `StopOnSignals` a stop on SIGTERM or Ctrl-C with a checkpoint and the command that continues the run;
-- `is_run`, `check_entries`, `new_folder`, `read_json`: a run folder, checked as one from anywhere.
+- `is_run`, `check_entries`, `new_folder`: a run folder, checked as one from anywhere.
 """
 
 import ctypes
@@ -29,6 +29,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import torch
 from accelerate import PartialState
 from accelerate.utils import load as accelerate_load  # torch.load(weights_only=True) + NumPy RNG types
@@ -36,13 +37,14 @@ from accelerate.utils import set_seed
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from shared.config import read_json
 from shared.errors import RecipeError, first_line, replacing, walk
 
 STEP_DIR = re.compile(r"step_(\d+)$")
+FINISHED_FILES = ("model.safetensors", "summary.json", "curves.png", "confusion_matrix.png")  # a finished run's record
 DATA_ORDER_KEYS = ("data", "synthetic", "train_size", "seed")  # change one, and the rest of the epoch is another
 BATCHING_KEYS = ("world_size", "batch_size", "grad_accum")  # these only cut the same order into other batches
 # Not settings of the training: where the run was started from, and which copy of the script ran it.
-MAX_JSON_BYTES = 2**24  # a config.json: a few KB, up to about 2 MB with 100,000 class names
 NOT_SETTINGS = ("resume", "resumed_step", "resumed_from", "run_id", "overwrite", "output_dir", "versions", "script",
                 "checkpoint_dir")
 STOP_CHECK_S = 1.0  # several processes agree on a stop about this often (seconds of training)
@@ -51,19 +53,6 @@ PR_SET_PDEATHSIG = 1  # prctl: the signal this process gets when its parent dies
 # Variables of the launch that change what a run does: accelerate's, the GPUs seen, wandb's, the data's caches, torch's
 # (its threads too: another count sums in another order, and the resume is no longer bitwise)
 READ_FROM_ENVIRONMENT = ("ACCELERATE_", "CUDA_VISIBLE_DEVICES", "WANDB_", "HF_", "TORCH_", "OMP_NUM_THREADS")
-
-
-def read_json(path: Path):
-    """A run's JSON file (config.json), or None if missing, not a regular file (a FIFO would block the read), damaged,
-    over MAX_JSON_BYTES or nested past Python's recursion limit: a run folder may come from anywhere."""
-    try:
-        if path.is_file():
-            with path.open("rb") as f:
-                raw = f.read(MAX_JSON_BYTES + 1)  # no more, whatever the file's size says
-            return json.loads(raw) if len(raw) <= MAX_JSON_BYTES else None
-    except (OSError, ValueError, RecursionError):
-        pass
-    return None
 
 
 def list_checkpoints(folder: Path) -> list[Path]:
@@ -88,7 +77,7 @@ def find_checkpoint(folder: Path | None, resume: str) -> Path:
 
 def check_resume(checkpoint: Path, config: dict, progress) -> None:
     """Refuse a resume with no step left to run (`progress`: the restored Progress). Otherwise print where the run
-    continues, what changed since the checkpoint (the config.json beside it), and what that does to the sample
+    continues, what changed since the checkpoint (the config.json saved in it), and what that does to the sample
     order, exactness and schedule."""
     checkpoint, total_steps = Path(checkpoint), config["total_steps"]
     if progress.step > total_steps:
@@ -106,12 +95,9 @@ def check_resume(checkpoint: Path, config: dict, progress) -> None:
     epoch, left = progress.epoch + 1, config["train_size"] - progress.samples_into_epoch
     print(f"resuming from {checkpoint}: step {progress.step}, epoch {epoch} after {progress.samples_into_epoch} of its "
           f"{config['train_size']} samples")
-    # The configuration that wrote the checkpoint: saved in it (older checkpoints: the run's, beside it).
-    previous = next((p for p in (checkpoint / "config.json", checkpoint.parent.parent / "config.json") if p.is_file()),
-                    None)
-    before = read_json(previous) if previous else None
+    before = read_json(checkpoint / "config.json")  # the configuration that wrote the checkpoint, saved in it
     if not isinstance(before, dict):
-        return print(f"no readable config.json in or beside {checkpoint}: what changed since it cannot be listed")
+        return print(f"no readable config.json in {checkpoint}: what changed since it cannot be listed")
     changed = [key for key in config if key not in NOT_SETTINGS and before.get(key) != config[key]]
     if not changed:
         return print("same configuration: the run continues exactly, to the same weights as a run never stopped")
@@ -153,13 +139,15 @@ class StopOnSignals:
     def stop_on_signals(self) -> None:
         """From now on SIGTERM (what SLURM and most schedulers send before they kill a job) and SIGINT (Ctrl-C) ask
         the run to stop: `after_step` then saves a checkpoint and returns True. Without this call they kill it."""
-        if sys.platform == "linux" and "LOCAL_RANK" not in os.environ and self.launcher:
+        if sys.platform == "linux" and (self.launcher or "TORCHELASTIC_RUN_ID" in os.environ):
             # `accelerate launch` of one process starts this script and waits: it forwards no signal (accelerate
             # #929), so a SIGTERM to it (Kubernetes stops a container's first process; a user kills the pid they
-            # see) would leave this process training on, never saving. Asked here, the kernel sends SIGTERM to this
-            # process when the launcher dies, and the stop saves a checkpoint. torchrun (several processes) forwards
-            # signals itself, and a script run with `python` has no launcher to lose. Asked before the handlers are
-            # set, so that a process seen handling SIGTERM (tests/test_checkpoints.py) has both.
+            # see) would leave this process training on, never saving. torchrun (several processes) forwards a
+            # signal, but killed (kill -9, an OOM kill) it leaves its processes training on, orphaned, to the run's
+            # end. Asked here, the kernel sends SIGTERM to this process when its launcher dies, and the stop saves a
+            # checkpoint (with several processes, they agree on it as on any stop). A script run with `python` has no
+            # launcher to lose. Asked before the handlers are set, so that a process seen handling SIGTERM
+            # (tests/test_checkpoints.py) has both.
             ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
         # Python runs a handler only when the main thread returns to the interpreter, which a hung collective never
         # does; the C handler writes each signal's number to this pipe at once, read by a thread of its own.
@@ -219,14 +207,13 @@ class StopOnSignals:
         return bool(votes[:, 0].any())
 
     def resume_command(self) -> str:
-        """The same script and flags, with --resume latest."""
-        args, skip = [], False
-        for arg in sys.argv[1:]:
-            if not skip and not arg.startswith(("--output_dir", "--resume", "--overwrite")):
-                args.append(arg)
-            skip = arg in ("--output_dir", "--resume") and not skip
+        """The command that continues the run: the same launcher and script, the run folder and --resume latest; the
+        run's flags are in its config.json. With them, what a resume never takes from a run folder: where the
+        checkpoints go, and a --data that is not the recipe's own."""
+        kept = [word for name in ("checkpoint_dir", "data") if getattr(self.cfg, name) != getattr(type(self.cfg), name)
+                for word in (f"--{name}", str(getattr(self.cfg, name)))]
         launcher = self.launcher or [sys.orig_argv[0]]  # else the interpreter, as it was started
-        return " ".join([*self.environment, shlex.join([*launcher, sys.argv[0], *args, "--output_dir",
+        return " ".join([*self.environment, shlex.join([*launcher, sys.argv[0], *kept, "--output_dir",
                                                         str(self.run_dir), "--resume", "latest"])])
 
 
@@ -235,19 +222,19 @@ def launch_environment(pid: int) -> list[str]:
     that accelerate, torch, the data or the trackers read, secrets left out: pasted without them, the command that
     continues the run ran otherwise (2gpu.yaml without ACCELERATE_USE_CPU=true: no GPUs, no run)."""
     try:
-        pairs = [item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")]
-    except (OSError, UnicodeDecodeError):
+        environment = psutil.Process(pid).environ()
+    except psutil.Error:
         return []
-    return [f"{name}={shlex.quote(value)}" for name, value in (pair for pair in pairs if len(pair) == 2)
+    return [f"{name}={shlex.quote(value)}" for name, value in environment.items()
             if name.startswith(READ_FROM_ENVIRONMENT) and not any(secret in name for secret in ("KEY", "TOKEN"))]
 
 
 def launcher_command() -> list[str] | None:
-    """`accelerate launch` and its flags, as they started this process (its parent's command line, from /proc), or
-    None when `accelerate launch` did not start it."""
+    """`accelerate launch` and its flags, as they started this process (its parent's command line), or None when
+    `accelerate launch` did not start it."""
     try:
-        command = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")
-    except (OSError, UnicodeDecodeError):
+        command = psutil.Process(os.getppid()).cmdline()
+    except psutil.Error:
         return None
     # `accelerate launch`, `python -m accelerate.commands.accelerate_cli launch`, `python -m accelerate.commands.launch`
     starts = [i + 1 for i, part in enumerate(command) if part == "accelerate.commands.launch" or (
@@ -268,6 +255,7 @@ class Progress:
     with the model: the counters can never disagree with the weights."""
 
     RENAMED = {"samples_seen": "samples_into_epoch", "best_eval_acc": "max_eval_acc"}  # in older checkpoints
+    MOST = {"max_eval_acc": 1, "pieces": 10**6, "train_s": 10**9, "wall_s": 10**9}  # the others: 2**62
 
     def __init__(self):
         self.step = 0  # optimizer steps taken
@@ -286,14 +274,13 @@ class Progress:
         if "samples_into_epoch" not in state:
             raise ValueError("this checkpoint counts its place in the epoch in batches, as the recipes did before "
                              "they counted samples; resume it with the version of the recipe that wrote it")
-        counts, times = ("step", "epoch", "samples_into_epoch", "pieces", "train_samples"), ("train_s", "wall_s")
-        if (any(type(state.get(k, 0)) is not int or not 0 <= state.get(k, 0) < 2**62 for k in counts)
-                or any(type(state.get(k, 0.0)) not in (int, float) for k in ("max_eval_acc", *times))
-                # within their ranges (NaN is in none): an accuracy, under a million launches, seconds under 30 years
-                or not (0 <= state.get("max_eval_acc", 0.0) <= 1 and state.get("pieces", 0) < 10**6)
-                or not all(0 <= state.get(k, 0.0) < 10**9 for k in times)):
+        # Each a count (an int) or a measure (an int or a float), within its range, which NaN is in none of: an
+        # accuracy, under a million launches, seconds under 30 years.
+        loaded = {key: state.get(key, default) for key, default in vars(self).items()}
+        if not all(type(value) in ((int,) if type(vars(self)[key]) is int else (int, float))
+                   and 0 <= value <= self.MOST.get(key, 2**62) for key, value in loaded.items()):
             raise ValueError(f"its progress is not counts of steps, epochs and samples: {str(state)[:100]}")
-        vars(self).update({k: state[k] for k in vars(self) if k in state})
+        vars(self).update(loaded)
 
 
 class Checkpoints(StopOnSignals):
@@ -308,7 +295,7 @@ class Checkpoints(StopOnSignals):
             # config.json says where they are, but a run folder (from anywhere) never chooses where a run writes
             raise RecipeError(f"{self.run_dir} keeps its checkpoints in {str(recorded['checkpoint_dir'])[:200]!r}: "
                               "pass --checkpoint_dir with that folder to continue it")
-        self.resumed_from = None
+        self.resumed_from, self.extending = None, False
         self.saved = set()  # checkpoints this launch wrote: the only ones `save` may take as already saved
 
     def resume(self, progress: Progress) -> Path | None:
@@ -367,8 +354,7 @@ class Checkpoints(StopOnSignals):
                 for name in ("metrics.jsonl", "config.json"):
                     if (self.run_dir / name).exists():
                         shutil.copy2(self.run_dir / name, aside / name)
-                for path in later + [self.run_dir / name for name in ("model.safetensors", "summary.json",
-                                                                       "curves.png", "confusion_matrix.png")]:
+                for path in later + [self.run_dir / name for name in FINISHED_FILES]:
                     if path.exists():
                         os.replace(path, aside / path.name)
             except OSError as error:
@@ -381,10 +367,16 @@ class Checkpoints(StopOnSignals):
 
     def check_resume_and_branch(self, config: dict, progress: Progress) -> None:
         """After a resume: refuse it if no step is left to run; print where the run continues and what changed; from
-        an older checkpoint than the newest, move the later history aside (`branch`)."""
+        an older checkpoint than the newest, move the later history aside (`branch`). A finished run resumed with more
+        steps is extended: its final files stay as they are until the longer run finishes (`save_weights`)."""
         if self.resumed_from:
             check_resume(self.resumed_from, config, progress)
             self.branch(self.resumed_from, progress.step)
+            self.extending = (self.run_dir / "model.safetensors").exists()  # still there: no later history
+            if self.extending:
+                self.accelerator.print(
+                    f"extending the finished run to {config['total_steps']} steps: its model.safetensors and "
+                    f"summary.json stay until this run finishes, then move to {self.run_dir / 'finished'}/")
 
     def save(self, model, step: int) -> Path:
         """The full training state in checkpoints/step_<step>, keeping the newest --keep_checkpoints. Weights that
@@ -420,10 +412,18 @@ class Checkpoints(StopOnSignals):
         return final
 
     def save_weights(self, model, metadata: dict) -> None:
-        """model.safetensors: a plain state dict, no `module.` or `_orig_mod.` prefixes; `metadata` as JSON text."""
+        """model.safetensors: a plain state dict, no `module.` or `_orig_mod.` prefixes; `metadata` as JSON text. An
+        extended run first moves the finished run's files (FINISHED_FILES) into finished/<its steps>_steps/."""
         state = self.accelerator.get_state_dict(model)  # unwraps DDP; model.compile() adds no prefix
         if self.accelerator.is_main_process:
             try:
+                if self.extending:
+                    summary = read_json(self.run_dir / "summary.json")
+                    steps = summary.get("steps") if isinstance(summary, dict) else None
+                    name = f"{steps}_steps" if type(steps) is int else "earlier"
+                    aside = Path(new_folder(f"{self.run_dir}/finished/{name}"))
+                    for path in (self.run_dir / name for name in FINISHED_FILES if (self.run_dir / name).exists()):
+                        os.replace(path, aside / path.name)
                 with replacing(self.run_dir / "model.safetensors") as partial:
                     save_file({k: v.contiguous() for k, v in state.items()}, partial,
                               metadata={k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()})
@@ -496,8 +496,9 @@ class Checkpoints(StopOnSignals):
         return digest.hexdigest()
 
 
-def mismatch(expected: dict[str, torch.Tensor], shapes: dict[str, tuple], skip: str = "\0") -> str:
-    """Weights of another model, in words: the first of the model's tensors (but those whose names start with `skip`)
+def mismatch(expected: dict, shapes: dict, skip: str = "\0") -> str:
+    """Weights of another model, in words (`expected`: the model's state dict; `shapes`: the file's tensor names and
+    shapes): the first of the model's tensors (but those whose names start with `skip`)
     that the file lacks or holds in another shape, and how many more; empty where every one fits."""
     wrong = [name for name, tensor in expected.items()
              if not name.startswith(skip) and shapes.get(name) != tuple(tensor.shape)]

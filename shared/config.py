@@ -8,13 +8,20 @@ import argparse
 import dataclasses
 import difflib
 import inspect
+import json
 import math
 import re
 import sys
 import types
 import typing
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
+
+MAX_JSON_BYTES = 2**24  # a config.json: a few KB, up to about 2 MB with 100,000 class names
+# Flags a resume takes from the command line only: where the run writes and what it continues (a run folder may come
+# from anywhere, and never chooses those).
+FROM_THE_COMMAND_LINE = ("resume", "output_dir", "overwrite", "checkpoint_dir")
 
 
 def parse_config(cls: type, argv: list[str] | None = None):
@@ -28,7 +35,9 @@ def parse_config(cls: type, argv: list[str] | None = None):
         typed = re.match(r"unrecognized arguments: (--[\w-]+)", message)
         close = difflib.get_close_matches(typed.group(1), flags, n=1) if typed else []
         suggestion = f": did you mean {close[0]}?" if close else ""
-        parser.exit(2, f"{parser.prog}: error: {message}{suggestion} (see --help)\n")
+        parser.exit(2, f"{parser.prog}: error: {where}{message}{suggestion} (see --help)\n")
+
+    where = ""  # while the flags a run's config.json records are parsed: the file they come from
 
     parser.error = error
     helps = {}  # field -> the comment after it, base classes first so the recipe's own comments win
@@ -55,17 +64,70 @@ def parse_config(cls: type, argv: list[str] | None = None):
             kwargs.update(type=kind, metavar=kind.__name__.upper())
         parser.add_argument(f"--{field.name}", **kwargs)
         flags.append(f"--{field.name}")
-    args = vars(parser.parse_args(argv))
-    for name, value in args.items():  # NaN passes every `< 0` check, and ended as a NaN loss ("lower --lr")
-        if isinstance(value, float) and not (math.isfinite(value) or name == "max_grad_norm" and value == math.inf):
-            parser.error(f"--{name} must be a finite number, got {value}")
-        if isinstance(value, str) and re.search("[\udc80-\udcff]", value):  # bytes Python could not read as UTF-8
-            parser.error(f"--{name} {value!r} is not UTF-8 (a name in another encoding, which datasets, safetensors "
-                         "and matplotlib refuse): rename it in UTF-8")
+
+    def parse(words):
+        args = vars(parser.parse_args(words))
+        for name, value in args.items():  # NaN passes every `< 0` check, and ended as a NaN loss ("lower --lr")
+            if isinstance(value, float) and not (math.isfinite(value) or name == "max_grad_norm" and value == math.inf):
+                parser.error(f"--{name} must be a finite number, got {value}")
+            if isinstance(value, str) and re.search("[\udc80-\udcff]", value):  # bytes Python could not read as UTF-8
+                parser.error(f"--{name} {value!r} is not UTF-8 (a name in another encoding, which datasets, "
+                             "safetensors and matplotlib refuse): rename it in UTF-8")
+        try:
+            return cls(**args)
+        except ValueError as error:
+            parser.error(str(error))
+
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = parse(argv)
+    if getattr(cfg, "resume", None):  # a run continues with its own flags (its config.json's), but those given here
+        try:
+            recorded, path = recorded_flags(cfg, argv)
+        except ValueError as error:
+            parser.error(str(error))
+        where = f"{path} (the flags --resume continues with): "  # those typed passed above: a bad value is the file's
+        cfg = parse([*recorded, *argv])
+    return cfg
+
+
+def read_json(path: Path):
+    """A run's JSON file (config.json), or None if missing, not a regular file (a FIFO would block the read), damaged,
+    over MAX_JSON_BYTES or nested past Python's recursion limit: a run folder may come from anywhere."""
     try:
-        return cls(**args)
-    except ValueError as error:
-        parser.error(str(error))
+        if path.is_file():
+            with path.open("rb") as f:
+                raw = f.read(MAX_JSON_BYTES + 1)  # no more, whatever the file's size says
+            return json.loads(raw) if len(raw) <= MAX_JSON_BYTES else None
+    except (OSError, ValueError, RecursionError):
+        pass
+    return None
+
+
+def recorded_flags(cfg, argv: list[str]):
+    """The flags of the run that --resume continues, as words of a command line, and the config.json they come from:
+    the one saved in the checkpoint (`--resume latest`: the run's own). Every field of the Config it records but those
+    given in `argv` and those FROM_THE_COMMAND_LINE, each to be parsed as if typed; refused: a run of another recipe,
+    and a --data that names no folder here and is not the recipe's own (a run folder never makes a run fetch)."""
+    path = Path(cfg.output_dir or "" if cfg.resume == "latest" else cfg.resume) / "config.json"
+    recorded = read_json(path) if cfg.output_dir or cfg.resume != "latest" else None
+    if not isinstance(recorded, dict):
+        return [], path  # none: the flags given (a run that is none: open_run says so)
+    recipe = getattr(sys.modules[type(cfg).__module__], "RECIPE", None)
+    if recorded.get("recipe") not in (None, recipe):
+        raise ValueError(f"{path} is a run of {str(recorded['recipe'])[:60]}, not of {recipe}: resume it with the "
+                         "recipe that wrote it")
+    given = {word[2:].split("=")[0].removeprefix("no-") for word in argv if word.startswith("--")}
+    words = []
+    for field in dataclasses.fields(cfg):
+        value = recorded.get(field.name)
+        if field.name in (*FROM_THE_COMMAND_LINE, *given) or value is None:
+            continue
+        if field.name == "data" and value != field.default and not Path(str(value)).expanduser().exists():
+            raise ValueError(f"{path} records --data {str(value)[:200]!r}, which is no folder here: pass --data to "
+                             "continue (a run folder never makes a run fetch what it names)")
+        # one word a flag, `--name=value`: a value that starts with "--" stays a value
+        words.append(f"--{'no-' * (not value)}{field.name}" if isinstance(value, bool) else f"--{field.name}={value}")
+    return words, path
 
 
 @dataclass

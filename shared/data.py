@@ -32,7 +32,15 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from shared import images
-from shared.errors import RecipeError, check_decoded_size, check_parquet_files, first_line, is_main_process, replacing
+from shared.errors import (
+    RecipeError,
+    check_decoded_size,
+    check_parquet_files,
+    first_line,
+    is_main_process,
+    process_limit,
+    replacing,
+)
 
 if TYPE_CHECKING:  # for the annotations only
     import datasets
@@ -176,6 +184,9 @@ def open_dataset(source: str) -> datasets.DatasetDict:
         except RecipeError:
             raise
         except Exception as error:
+            if limit := process_limit(error):
+                raise RecipeError(f"reading {path}, this process reached its limit on {limit}: raise it, then run "
+                                  "again") from None
             raise RecipeError(f"could not read a dataset from {path} ({type(error).__name__}: {first_line(error)}): "
                               "expected a save_to_disk folder, parquet files, an imagefolder (one subfolder per "
                               "class) with examples in every split, IDX files or CIFAR's files") from None
@@ -208,7 +219,7 @@ def pick_splits(splits: datasets.DatasetDict, source: str):
     return train, test
 
 
-def find_columns(split: datasets.Dataset, source: str) -> tuple[str, str, list[str]]:
+def find_columns(split: datasets.Dataset, source: str):
     """The image column (a datasets.Image feature), the label column and the class names."""
     import datasets
 
@@ -243,7 +254,7 @@ def find_columns(split: datasets.Dataset, source: str) -> tuple[str, str, list[s
     return image_column, label_column, list(names)
 
 
-def decode(found: Source, stored: dict, image_shape, interpolation: str) -> tuple[dict, dict]:
+def decode(found: Source, stored: dict, image_shape, interpolation: str):
     """Stage 3: every image of both splits in `image_shape` (uint8 (N, C, H, W)) with its label, and what the images
     were (`seen`: channel counts and sizes). Published files are converted as a whole; a dataset's images one at a
     time, decoded here, not by datasets (memory for one image at a time, whatever the files hold; never a file
@@ -281,7 +292,7 @@ def decode(found: Source, stored: dict, image_shape, interpolation: str) -> tupl
     return stored, seen
 
 
-def image_file(stored: dict, source: str, split: str, index: int) -> tuple[bytes | str, str]:
+def image_file(stored: dict, source: str, split: str, index: int):
     """What an undecoded datasets.Image holds (the file's bytes, or its path), and how to name it in an error."""
     where = f"{source} '{split}' image {index}" + (f" ({stored['path']})" if stored.get("path") else "")
     return stored["bytes"] if stored.get("bytes") is not None else stored.get("path") or "", where
@@ -294,7 +305,8 @@ def decoder_hash() -> str:
     return hashlib.sha256((code + torch.__version__).encode()).hexdigest()[:12]
 
 
-def read_cache(path: Path, split: str) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+def read_cache(path: Path, split: str):
+    """(images, labels, class names) of `split` in a cache file."""
     with safe_open(path, "pt") as f:
         return f.get_tensor(f"{split}.images"), f.get_tensor(f"{split}.labels"), json.loads(f.metadata()["classes"])
 

@@ -42,6 +42,16 @@ def first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+def process_limit(error: BaseException) -> str | None:
+    """The limit of this process that `error` says it reached, in words, or None: a limit is named as one, never taken
+    for damaged data (datasets' reader, short of threads under `ulimit -v`, said "could not read a dataset")."""
+    if "can't start new thread" in str(error):
+        return "threads (ulimit -u, a container's pids limit, or the memory for their stacks: ulimit -v)"
+    if isinstance(error, OSError) and error.errno in (errno.EMFILE, errno.ENFILE):
+        return "open files (ulimit -n)"
+    return None
+
+
 def is_main_process() -> bool:
     """From the launcher: also before (or without) a process group. Without torchrun this is the only process, whatever
     a RANK left in the shell says."""
@@ -63,6 +73,8 @@ def one_line_errors():
         elif isinstance(error, MemoryError) or "DefaultCPUAllocator: can't allocate memory" in str(error):
             # a CPU allocation, Python's or torch's (a RuntimeError); the readers of data files name the file themselves
             message = "out of memory: lower --batch_size, or check that --data holds what it should"
+        elif limit := process_limit(error):
+            message = f"this process reached its limit on {limit}: raise it, then run again"
         elif isinstance(error, torch.OutOfMemoryError):
             message = f"out of GPU memory ({first_line(error)[:120]}): lower --batch_size"
         elif os.environ.get("WORLD_SIZE", "1") != "1" and in_collective(error):

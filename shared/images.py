@@ -17,7 +17,7 @@ from shared.errors import RecipeError, first_line, free_memory
 WIDE_MODES = {"I", "I;16", "I;16B", "I;16L", "I;16N", "F"}  # 16/32-bit and float pixels
 
 
-def decode(file: bytes | str | Path, channels: int, where: str) -> tuple[torch.Tensor, int]:
+def decode(file: bytes | str | Path, channels: int, where: str):
     """One image file (its bytes or a local path) -> uint8 (channels, h, w) at its own size, converted as datasets'
     Image(mode=...) converts (EXIF orientation, then L or RGB), and its own channel count (1 for grayscale). A damaged
     file, one over PIL's pixel limit (read from its header, before decoding), 16-bit pixels: one line naming `where`."""

@@ -34,13 +34,14 @@ from accelerate import PartialState
 from accelerate.tracking import GeneralTracker, TensorBoardTracker, WandBTracker, on_main_process
 from accelerate.utils import broadcast_object_list, gather_object
 
-from shared.checkpoints import check_entries, find_checkpoint, is_run, launcher_command, new_folder, read_json
+from shared.checkpoints import check_entries, find_checkpoint, is_run, launcher_command, new_folder
+from shared.config import read_json
 from shared.errors import RecipeError, check_launch, first_line, replacing
 from shared.loop import SCHEDULE_RULE
 
 # What a run writes (misclassified.png and profile/: what earlier versions wrote), and all --overwrite deletes.
 RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "curves.png", "confusion_matrix.png", "misclassified.png",
-             "model.safetensors", "checkpoints", "wandb", "tensorboard", "profile", "abandoned")
+             "model.safetensors", "checkpoints", "wandb", "tensorboard", "profile", "abandoned", "finished")
 _LOCKS: dict[Path, int] = {}  # run folder -> its open descriptor, locked while this process runs in it
 MAX_ROW_BYTES = 2**20  # one line of metrics.jsonl: a few hundred bytes as a run writes them
 HEARTBEAT_S = 30  # without a terminal, TrainWindow.heartbeat prints a line at least this often
@@ -335,8 +336,7 @@ class TrainWindow:
         self.wall_before = progress.wall_s
         self.first_step_at = None  # time.time() at this launch's first batch
 
-    def add(self, loss: torch.Tensor, metric_sums: dict[str, torch.Tensor], samples: int,
-            grad_norm: torch.Tensor | None = None) -> None:
+    def add(self, loss: torch.Tensor, metric_sums: dict, samples: int, grad_norm: torch.Tensor | None = None):
         """One batch of this process: its mean loss, the recipe's metrics summed over it, and its size; and the norm of
         the gradient before clipping when the batch completed an optimizer step (an infinite one, a step fp16's scaler
         skips, stays out of the mean)."""
@@ -416,7 +416,7 @@ def command_started() -> float:
         return psutil.Process().create_time()
 
 
-def total(values: list[torch.Tensor], device=None) -> torch.Tensor:
+def total(values: list, device=None) -> torch.Tensor:
     """The sum of a window's per-step values, in one operation: 0 on `device` for an empty window."""
     return torch.stack(values).sum(0) if values else torch.zeros((), device=device)
 

@@ -218,7 +218,8 @@ def test_sigterm_saves_the_current_step_exits_0_and_prints_a_working_resume_comm
     assert first["pieces"] == 1 and first["wall_s"] > 0 and first["train_samples"] == 8 * stopped
     assert collect(out)[0]["state"] == f"stopped at step {read_json(out / 'summary.json')['step']}"
     resume = stdout.split("continue with:\n")[1].strip().splitlines()[0]
-    assert "--resume latest" in resume and f"--output_dir {out}" in resume
+    # The run folder alone: its flags are in its config.json (the data is given: not the recipe's own)
+    assert resume.endswith(f"recipes/cifar_cnn.py --data {data} --output_dir {out} --resume latest"), resume
     ok(pasted(resume))
     assert_bitwise_equal(weights(out), weights(reference))
     # The summary is the whole run's, both pieces: every sample trained on once, the first piece's time included.
@@ -330,6 +331,32 @@ def test_a_stop_of_2_processes_between_log_points(env, data, reference_of_two, t
     assert_bitwise_equal(weights(out), weights(reference_of_two))
     assert_bitwise_equal(load_file(out / "checkpoints" / "step_20" / "model.safetensors"),
                          load_file(reference_of_two / "checkpoints" / "step_20" / "model.safetensors"))
+
+
+@pytest.mark.slow  # two processes, a kill
+def test_kill_9_of_the_launcher_of_2_processes_stops_both_with_a_checkpoint(env, data, reference_of_two, tmp_path):
+    """kill -9 of `accelerate launch` (or an OOM kill of it) forwards nothing: its two training processes trained on,
+    orphaned, to the run's end. Each asks the kernel for a SIGTERM when its launcher dies (PR_SET_PDEATHSIG), so both
+    stop within seconds, agree on a step and save it, and the command they print continues the run to the weights of
+    the run never stopped."""
+    args = ("--data", str(data), "--batch_size", "8", "--max_steps", "20", "--log_every", "20", "--seed", "5",
+            "--tracker", "none", *EMA)
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file",
+               "accelerate_configs/2gpu.yaml", "recipes/cifar_cnn.py", *args, "--output_dir", str(out)]
+    process = subprocess.Popen(command, cwd=ROOT, env=dict(env, ACCELERATE_USE_CPU="true"), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_for(lambda: [catches_sigterm(pid) for pid in training_processes(process.pid)] == [True, True], process)
+    workers = [psutil.Process(pid) for pid in training_processes(process.pid)]
+    process.kill()
+    killed = time.monotonic()
+    stdout, stderr = process.communicate(timeout=120)  # the pipes close when the orphaned processes exit
+    psutil.wait_procs(workers, timeout=10)
+    assert time.monotonic() - killed < 60 and not any(worker.is_running() for worker in workers), stderr[-3000:]
+    stopped = int(stdout.split("stopped by SIGTERM at step ")[1].split(",")[0])
+    assert stopped < 20 and (out / "checkpoints" / f"step_{stopped}").is_dir()
+    ok(pasted(stdout.split("continue with:\n")[1].strip().splitlines()[0]))
+    assert_bitwise_equal(weights(out), weights(reference_of_two))
 
 
 # ------------------------------------------------------------------ weights files of every layout

@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 from shared.errors import RecipeError
 
 from conftest import ROOT, assert_bitwise_equal, launch, ok, read_json, read_jsonl, run_here, weights
-from tiny_data import cifar_binary_dataset, image_splits, text_dataset
+from tiny_data import cifar_binary_dataset, image_splits, imagefolder_dataset, text_dataset
 
 RECIPES = ["cifar_cnn", "resnet18_fmnist", "deep_mlp_ckpt"]
 SHORT = ("--batch_size", "8", "--max_steps", "4", "--log_every", "1", "--tracker", "none")
@@ -341,9 +341,14 @@ def test_corrupt_truncated_checkpoint(env, data, finished, tmp_path):
 
 
 def test_checkpoint_from_another_recipe(env, data, finished, tmp_path):
-    one_line(run_here("deep_mlp_ckpt", "--data", str(data), "--output_dir", str(tmp_path / "run"), *SHORT,
-                    "--resume", str(finished / "checkpoints" / "step_4")),
-             "cannot be loaded into this run", "Missing key(s) in state_dict")
+    """Its config.json names the recipe that wrote it; copied without one, its weights do not fit."""
+    args = ("--data", str(data), "--output_dir", str(tmp_path / "run"), *SHORT, "--resume")
+    checkpoint = finished / "checkpoints" / "step_4"
+    one_line(run_here("deep_mlp_ckpt", *args, str(checkpoint)), status=2, *(
+        f"{checkpoint / 'config.json'} is a run of cifar_cnn, not of deep_mlp_ckpt: resume it with the recipe",))
+    shutil.copytree(checkpoint, tmp_path / "copied" / "step_4", ignore=shutil.ignore_patterns("config.json"))
+    one_line(run_here("deep_mlp_ckpt", *args, str(tmp_path / "copied" / "step_4")), "cannot be loaded into this run",
+             "Missing key(s) in state_dict")
 
 
 def test_resume_asking_for_fewer_steps_than_done(env, data, finished):
@@ -527,3 +532,18 @@ def test_a_batch_whose_activations_do_not_fit_in_memory_is_one_line(env, tmp_pat
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, preexec_fn=limit)
     one_line(result, "out of memory: lower --batch_size")
     assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+@pytest.mark.slow  # a process of its own, whose threads are refused
+def test_a_limit_of_the_process_is_named_as_a_limit_not_as_a_data_format(env, tmp_path):
+    """At its limit on threads (datasets' reader of an imagefolder, under `ulimit -v` or a pids limit), the run said
+    "could not read a dataset ... expected a save_to_disk folder, parquet files, an imagefolder ...", a data format."""
+    folder = imagefolder_dataset(tmp_path / "photos")
+    faulty = dict(env, PYTHONPATH=str(ROOT / "tests" / "faults"), FAULT_NO_THREADS="1")
+    result = launch(faulty, "cifar_cnn", "--data", str(folder), "--max_steps", "1", "--tracker", "none",
+                    "--output_dir", str(tmp_path / "out"))
+    # The last line (tqdm warns first that its own monitor thread could not start), no traceback
+    assert result.returncode == 1 and "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: reading {folder}, this process reached its limit on threads (ulimit -u, a container's pids limit, or "
+        "the memory for their stacks: ulimit -v): raise it, then run again")

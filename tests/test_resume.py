@@ -9,6 +9,7 @@ trains on say which samples it used. 1 process: 8 steps an epoch; 2 processes: 4
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -155,9 +156,51 @@ def test_a_checkpoint_without_its_config_json_still_resumes_and_says_so(tmp_path
     check_resume(checkpoint, {"train_size": 64, "total_steps": 20}, progress)
     assert capsys.readouterr().out.splitlines() == [
         f"resuming from {checkpoint}: step 16, epoch 3 after 32 of its 64 samples",
-        f"no readable config.json in or beside {checkpoint}: what changed since it cannot be listed"]
+        f"no readable config.json in {checkpoint}: what changed since it cannot be listed"]
 
 
 def test_no_two_seeds_share_an_epoch_order():
     """Seeding epoch e of seed s with s + e gave seed 1 the orders of seed 0, one epoch later: "3 seeds" were not."""
     assert len({tuple(order(seed, epoch)) for seed in range(4) for epoch in range(4)}) == 16
+
+
+def test_a_run_is_continued_by_its_folder_alone_and_an_extension_keeps_the_finished_run(labelled, tmp_path):
+    """`--resume latest --output_dir RUN` and nothing more continues with the run's own flags (its config.json): with
+    the defaults instead (batch 128, 10 epochs), a resumed run of batch 8 went on for hundreds of steps and replaced its
+    model.safetensors. A finished run is refused; given a longer --max_steps, the one flag typed, it is extended, which
+    it says before its first step, and the finished run's files move to finished/<steps>_steps/ only as it finishes."""
+    data, run = str(labelled[(3, 32, 32)]), tmp_path / "run"
+    ok(run_here("cifar_cnn", "--data", data, "--output_dir", run, *RUN, "--max_steps", "4", "--lr", "0.02"))
+    finished = {name: (run / name).read_bytes() for name in ("model.safetensors", "summary.json")}
+    again = run_here("cifar_cnn", "--resume", "latest", "--output_dir", run)
+    assert again.returncode == 1
+    assert f"{run} already finished its 4 steps: raise --max_steps or --epochs" in again.stderr
+    out = ok(run_here("cifar_cnn", "--resume", "latest", "--output_dir", run, "--max_steps", "6")).stdout
+    assert "changed since the checkpoint: max_steps 4 -> 6, total_steps 4 -> 6\n" in out  # nothing else
+    extending = "extending the finished run to 6 steps: its model.safetensors and summary.json stay until this run"
+    assert out.index(extending) < out.index("done: ")
+    config = read_json(run / "config.json")
+    assert (config["batch_size"], config["lr"], config["seed"], config["max_steps"], config["data"]) == (8, 0.02, 3, 6,
+                                                                                                         data)
+    assert read_json(run / "summary.json")["steps"] == 6
+    assert {name: (run / "finished" / "4_steps" / name).read_bytes() for name in finished} == finished
+    assert (run / "model.safetensors").read_bytes() != finished["model.safetensors"]
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("data", "someone/their_dataset", "records --data 'someone/their_dataset', which is no folder here: pass --data "
+                                      "to continue (a run folder never makes a run fetch what it names)"),
+    ("epochs", "ten", "(the flags --resume continues with): argument --epochs: invalid int value: 'ten'"),
+    ("lr", [1], "(the flags --resume continues with): argument --lr: invalid float value: '[1]'"),
+    ("batch_size", "8 --overwrite", "argument --batch_size: invalid int value: '8 --overwrite'"),
+    ("seed", -1, "(the flags --resume continues with): --seed must be >= 0, got -1")])
+def test_a_run_folders_flags_are_checked_as_typed_ones(labelled, tmp_path, field, value, needle):
+    """A run folder may come from anywhere: each value its config.json records goes through the flag's own parsing
+    and checks, and a bad one is one line that names the file; a --data it names is never fetched."""
+    data, run = str(labelled[(3, 32, 32)]), tmp_path / "run"
+    ok(run_here("cifar_cnn", "--data", data, "--output_dir", run, *RUN, "--max_steps", "4"))
+    config = read_json(run / "config.json")
+    (run / "config.json").write_text(json.dumps({**config, field: value}))
+    result = run_here("cifar_cnn", "--resume", "latest", "--output_dir", run, "--max_steps", "6")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and needle in lines[0] and str(run / "config.json") in lines[0]

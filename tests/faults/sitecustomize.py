@@ -14,10 +14,20 @@ With FAULT_KILL_WRITING=STEM, the process writes half of the first text it write
 opened for writing with pathlib (open or write_text), then kills itself (SIGKILL): a run killed while rewriting a file.
 With FAULT_HOLD_SAVE_AT_STEP=N, the save of step N's checkpoint stops for good after its first file: a save caught
 in the middle, whatever the machine's speed.
+With FAULT_NO_THREADS=1, a thread cannot be started: what Python says when the process is at its limit on threads
+(`ulimit -u`, a container's pids limit) or lacks the memory for their stacks (`ulimit -v`).
 """
 
 import errno
 import os
+
+if os.environ.get("FAULT_NO_THREADS"):
+    import threading
+
+    def _no_thread(self):
+        raise RuntimeError("can't start new thread")
+
+    threading.Thread.start = _no_thread
 
 _hold = os.environ.get("FAULT_HOLD_SAVE_AT_STEP")
 if _hold:
