@@ -3,10 +3,9 @@ split (--evaluate).
 
 Takes a run's model.safetensors (which records its recipe's name, its flags, its class names and its data), a
 checkpoint folder (read beside its run's config.json), or a .pt/.pth state dict (then pass --classes too). The
-recipe is the script that trained the weights, always named by you: --recipe PATH (e.g. your copy,
-my_project/train.py) or a name in recipes/. A recipe is code, and weights come from anywhere: what they record is
-checked and offered in an error, never imported or fetched. Its own make_model, preprocess, load_data and evaluate
-are used, so a copied and edited recipe works as it is.
+recipe is the script that trained the weights: the one they name, among the recipes beside this script, or --recipe
+PATH (e.g. my_project/train.py). A recipe is code and weights come from anywhere: a path or file they name is never
+imported or fetched. Its own make_model, preprocess, load_data and evaluate are used, so an edited copy works as is.
 
 --images: any image files (subfolders included), any size, mode or channel count, each converted as the training
 data was. The CSV (--output; by default predictions-<images>.csv in the weights' run folder, replaced there) gets a
@@ -15,8 +14,8 @@ row per image: path (relative to --images), class, confidence (softmax probabili
 that is a folder on this machine, as one JSON line; under `accelerate launch` it runs on every process and
 precision of the config.
 
-  python recipes/predict.py --weights runs/cifar_cnn-<time>/model.safetensors --recipe cifar_cnn --images my_photos/
-  python recipes/predict.py --weights runs/cifar_cnn-<time>/model.safetensors --recipe cifar_cnn --evaluate --data DIR
+  python recipes/predict.py --weights runs/cifar_cnn-<time>/model.safetensors --images my_photos/
+  python recipes/predict.py --weights runs/cifar_cnn-<time>/model.safetensors --evaluate --data DIR
   python recipes/predict.py --weights my_project/runs/<run>/model.safetensors --recipe my_project/train.py --evaluate
 """
 
@@ -64,7 +63,7 @@ class Config:
     tta: bool = False  # --evaluate also with each image's logits averaged with its mirror's (recipes that flip)
     top_k: int = 3  # classes listed per image, most probable first
     batch_size: int = 256  # images per forward pass
-    recipe: str | None = None  # the recipe that trained the weights: a script's path, or a name in recipes/
+    recipe: str | None = None  # the script that trained the weights (a path, or a name in recipes/); default: theirs
     classes: str | None = None  # class names in label order, comma-separated; needed only for a .pt/.pth file
     overwrite: bool = False  # replace --output if it exists
 
@@ -106,20 +105,21 @@ def describe_weights(cfg: Config) -> dict:
 
 
 def load_recipe(cfg: Config, about: dict):
-    """The recipe the user names, as a module: --recipe PATH, or a name in recipes/. Never one the weights name:
-    importing a file runs it, and weights come from anywhere. (Importing runs only its definitions: main() is
-    behind __main__.)"""
+    """The recipe that trained the weights, as a module: --recipe PATH or a name in recipes/, or without it the recipe
+    the weights name where it is one of the recipes beside this script. Weights come from anywhere and importing a
+    file runs it, so what they name only picks among the recipes you have: never a path, never a file elsewhere.
+    (Importing runs only its definitions: main() is behind __main__.)"""
     trained_by = about.get("recipe")
     if not isinstance(trained_by, str) or not RECIPE_NAME.fullmatch(trained_by):
         trained_by = None
-    if cfg.recipe is None:
-        known = trained_by and (RECIPES / f"{trained_by}.py").is_file()  # in a project, the recipe is train.py
-        hint = f"they were trained by {trained_by}: pass --recipe {trained_by} or" if known else "pass"
-        raise RecipeError(f"--weights {cfg.weights}: which recipe builds the model? {hint} --recipe PATH of your copy "
-                          "(a recipe is code, so it is never taken from the weights)")
-    path = Path(cfg.recipe) if cfg.recipe.endswith(".py") else RECIPES / f"{cfg.recipe}.py"
-    if not (cfg.recipe.endswith(".py") or RECIPE_NAME.fullmatch(cfg.recipe)) or not path.is_file():
-        raise RecipeError(f"--recipe {cfg.recipe}: no such recipe: pass the path of the script that trained the "
+    if cfg.recipe is None and not (trained_by and (RECIPES / f"{trained_by}.py").is_file()):
+        raise RecipeError(f"--weights {cfg.weights}: which recipe builds the model? They name none of the recipes "
+                          f"beside predict.py: pass --recipe PATH of the script that trained them (a file the weights "
+                          "name is never imported)")
+    name = cfg.recipe or trained_by
+    path = Path(name) if name.endswith(".py") else RECIPES / f"{name}.py"
+    if not (name.endswith(".py") or RECIPE_NAME.fullmatch(name)) or not path.is_file():
+        raise RecipeError(f"--recipe {name}: no such recipe: pass the path of the script that trained the "
                           f"weights, or one of {', '.join(sorted(p.stem for p in RECIPES.glob('*.py')))}")
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
@@ -134,7 +134,7 @@ def load_recipe(cfg: Config, about: dict):
     if missing:
         raise RecipeError(f"--recipe {path} does not define {', '.join(missing)}: pass a recipe script")
     if trained_by and getattr(module, "RECIPE", path.stem) != trained_by:
-        raise RecipeError(f"--weights {cfg.weights} were trained by {trained_by}, not --recipe {cfg.recipe}: "
+        raise RecipeError(f"--weights {cfg.weights} were trained by {trained_by}, not --recipe {name}: "
                           f"pass --recipe {trained_by} or your copy of it")
     return module
 

@@ -175,8 +175,8 @@ def test_predict_bad_input_is_one_line_and_keeps_what_is_on_disk(env, run, folde
         ((weights, empty, tmp_path / "new.csv"), mine, f"--images {empty} holds no images"),
         ((other, root, tmp_path / "new.csv"), {"recipe": "cifar_cnn", "classes": ",".join(CLASSES[:10])},
          f"--weights {other} does not fit this model"),
-        ((other, root, tmp_path / "new.csv"), {}, f"--weights {other}: which recipe builds the model? pass --recipe"),
-        ((weights, root, tmp_path / "new.csv"), {}, "they were trained by cifar_cnn: pass --recipe cifar_cnn or"),
+        ((other, root, tmp_path / "new.csv"), {}, f"--weights {other}: which recipe builds the model? They name none "
+                                                 "of the recipes beside predict.py: pass --recipe PATH"),
         ((weights, root, tmp_path / "new.csv"), {"recipe": "resnet18_fmnist"},
          "were trained by cifar_cnn, not --recipe resnet18_fmnist"),
         ((tmp_path / "none.pt", root, tmp_path / "new.csv"), {}, f"--weights {tmp_path / 'none.pt'}: no such file"),
@@ -186,6 +186,11 @@ def test_predict_bad_input_is_one_line_and_keeps_what_is_on_disk(env, run, folde
             predict_script.run(predict_script.Config(str(weights_path), str(images), str(output), **flags))
         assert needle in str(error.value) and "\n" not in str(error.value)
     assert existing.read_text() == "mine\n" and not (tmp_path / "new.csv").exists()
+    # Without --recipe, the recipe the weights name (one beside predict.py) builds the model
+    predict_script.run(predict_script.Config(str(weights), str(root), str(tmp_path / "new.csv")))
+    predict_script.run(predict_script.Config(str(weights), str(root), str(tmp_path / "named.csv"), recipe="cifar_cnn"))
+    assert (tmp_path / "new.csv").read_text() == (tmp_path / "named.csv").read_text()
+    (tmp_path / "new.csv").unlink()
     # The script itself: the same error as one line on stderr and exit status 1, nothing written.
     result = predict(env, "--weights", weights, "--images", broken, "--output", tmp_path / "new.csv")
     assert result.returncode == 1 and result.stderr.startswith(f"error: {broken / 'photo.png'} is not a readable")

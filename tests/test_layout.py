@@ -65,7 +65,8 @@ def test_one_command_makes_a_project_that_runs_its_readme_and_a_metric_is_one_ed
     refused = subprocess.run([sys.executable, "predict.py", "--weights", str(run / "model.safetensors"), "--images",
                               str(photos)], cwd=project, env=clean, capture_output=True, text=True, timeout=300)
     assert refused.returncode == 1 and "--recipe my_project" not in refused.stderr, refused.stderr
-    assert "which recipe builds the model? pass --recipe PATH of your copy" in refused.stderr, refused.stderr
+    assert "which recipe builds the model? They name none of the recipes beside predict.py: pass --recipe PATH" in (
+        refused.stderr), refused.stderr
 
 
 @pytest.mark.slow  # processes with nothing of the repository on their path
