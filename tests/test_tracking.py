@@ -168,9 +168,16 @@ def test_runs_table_lists_every_run(data, tmp_path):
     lines = [line for line in result.stdout.splitlines() if line.startswith("| a ") or line.startswith("| b ")]
     assert len(lines) == 2 and all("cifar_cnn" in line for line in lines)
     assert "final_acc" in result.stdout and markdown.read_text().count("| cifar_cnn |") == 2
+    # In a terminal, at most 12 columns (it grew to 34): the flags that differ among them, the rest with --all
     header = next(line for line in result.stdout.splitlines() if line.startswith("| run "))
+    assert header.count(" | ") + 1 <= 12 and "| --lr |" in header and "| train_loss |" not in header
+    assert result.stdout.splitlines()[-1].endswith("): --all") and "train_loss" in result.stdout.splitlines()[-1]
+    every = subprocess.run([sys.executable, "-m", "tools.runs", str(folder), "--all"], cwd=ROOT, capture_output=True,
+                           text=True).stdout
+    header = next(line for line in every.splitlines() if line.startswith("| run "))
     assert "| --lr |" in header and "--output_dir" not in header and "| eval_loss |" in header  # what differs
     assert "| train_loss |" in header and "--seed" not in header  # every metric; a flag both runs share is no column
+    assert header in markdown.read_text()  # the file holds every column
     (tmp_path / "nothing").mkdir()
     empty = subprocess.run([sys.executable, "-m", "tools.runs", str(tmp_path / "nothing")], cwd=ROOT,
                            capture_output=True, text=True)
@@ -191,6 +198,19 @@ def test_runs_table_shows_the_flags_that_differ_and_every_metric(tmp_path):
         0.9, None, None]
     # --seed differs too: the folder without a readable config has none
     assert columns(rows)[-3:] == ["--lr", "--seed", "eval_top5"] and "--run_id" not in columns(rows)
+
+
+def test_runs_table_shortens_a_hash_to_12_digits(tmp_path, capsys):
+    from tools.runs import main
+
+    digest = "0123456789abcdef" * 4
+    for name, sha in (("a", digest), ("b", None)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps({"steps": 3, "eval_acc": 0.5}))
+        (tmp_path / name / "config.json").write_text(json.dumps({"init_from_sha256": sha, "run_id": name}))
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| --init_from_sha256 |" in out and "| 0123456789ab |" in out and digest not in out
 
 
 def test_runs_table_of_folders_from_anywhere_is_rows_or_one_line(tmp_path, deep_tree):
@@ -227,8 +247,8 @@ def test_runs_table_of_hostile_run_folders_writes_and_prints_only_the_table(tmp_
     outside = tmp_path / "outside.md"
     outside.write_text("mine")
     (runs / "a" / "RUNS.md").symlink_to(outside)
-    table = subprocess.run([sys.executable, "-m", "tools.runs", str(runs), "--markdown", str(runs / "a" / "RUNS.md")],
-                           cwd=ROOT, capture_output=True, text=True)
+    table = subprocess.run([sys.executable, "-m", "tools.runs", str(runs), "--all", "--markdown",
+                            str(runs / "a" / "RUNS.md")], cwd=ROOT, capture_output=True, text=True)
     assert table.returncode == 0 and outside.read_text() == "mine", table.stderr[-2000:]
     assert "\x1b" not in table.stdout and table.stdout.count("\n") == 3  # the header, its rule, one row
     assert "| x \\|\\n\\| forged \\| row |" in table.stdout and "| \\x1b]0;owned\\x07 |" in table.stdout

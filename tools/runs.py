@@ -1,7 +1,8 @@
 """Compare runs: one row per run folder, from its summary.json and config.json.
 
-    python -m tools.runs runs/                      # print the table
-    python -m tools.runs runs/ --markdown RUNS.md   # and write it as markdown, e.g. for a README
+    python -m tools.runs runs/                      # print the table: at most 12 columns, the flags that differ first
+    python -m tools.runs runs/ --all                # every column: the launch, every metric
+    python -m tools.runs runs/ --markdown RUNS.md   # and write every column as markdown, e.g. for a README
 """
 
 from __future__ import annotations
@@ -9,11 +10,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
 from tools.report import escaped, markdown_table
 
+SHOWN = ["run", "recipe", "state", "data", "epochs", "final_acc", "max_acc", "wall_s"]  # in a terminal, with the
+MOST_SHOWN = 12  # flags that differ, up to this many columns in all (--all: every column)
+HASH = re.compile(r"[0-9a-f]{64}")  # a sha256 (--init_from's), shown by its first 12 digits
 MAX_JSON_BYTES = 2**24  # a summary.json or config.json: a few KB, up to about 2 MB with 100,000 class names
 COLUMNS = ["run", "recipe", "state", "data", "launch", "world_size", "precision", "global_batch", "epochs",
            "final_acc", "max_acc", "samples_per_s", "wall_s", "pieces"]
@@ -94,7 +99,8 @@ def columns(rows: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Table of the runs under a folder (their summary.json files).")
     parser.add_argument("folder", type=Path, help="a run folder, or a folder of run folders (e.g. runs/)")
-    parser.add_argument("--markdown", type=Path, help="also write the table to this markdown file")
+    parser.add_argument("--all", action="store_true", help="print every column (the launch, every metric)")
+    parser.add_argument("--markdown", type=Path, help="also write the table, every column, to this markdown file")
     args = parser.parse_args(argv)
     if not args.folder.is_dir():
         print(f"error: {args.folder} is no folder: pass a run folder or a folder of runs (e.g. runs/)", file=sys.stderr)
@@ -108,8 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         print(f"error: no finished runs (summary.json) under {args.folder}", file=sys.stderr)
         return 1
-    table = markdown_table(rows, columns(rows))
-    print(table, end="")
+    rows = [{key: value[:12] if isinstance(value, str) and HASH.fullmatch(value) else value
+             for key, value in row.items()} for row in rows]
+    table, every = markdown_table(rows, columns(rows)), columns(rows)
+    shown = every if args.all else (SHOWN + [key for key in every if key.startswith("--")])[:MOST_SHOWN]
+    print(markdown_table(rows, shown), end="")
+    if len(shown) < len(every):
+        more = ", ".join(key for key in every if key not in shown)
+        print(f"{len(every) - len(shown)} more columns ({more if len(more) < 100 else more[:100] + '...'}): --all")
     if args.markdown:
         partial = args.markdown.with_name(f"{args.markdown.name}.tmp{os.getpid()}")
         # shared/errors.py's `replacing`, written out: importing shared/ would import torch into this small tool
