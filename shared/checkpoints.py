@@ -290,11 +290,6 @@ class Checkpoints(StopOnSignals):
         super().__init__()
         self.accelerator, self.run_dir, self.cfg = accelerator, Path(run_dir), cfg
         self.folder = Path(cfg.checkpoint_dir).absolute() if cfg.checkpoint_dir else self.run_dir / "checkpoints"
-        recorded = read_json(self.run_dir / "config.json") if cfg.resume else None
-        if isinstance(recorded, dict) and recorded.get("checkpoint_dir") and not cfg.checkpoint_dir:
-            # config.json says where they are, but a run folder (from anywhere) never chooses where a run writes
-            raise RecipeError(f"{self.run_dir} keeps its checkpoints in {str(recorded['checkpoint_dir'])[:200]!r}: "
-                              "pass --checkpoint_dir with that folder to continue it")
         self.resumed_from, self.extending = None, False
         self.saved = set()  # checkpoints this launch wrote: the only ones `save` may take as already saved
 

@@ -108,11 +108,13 @@ def recorded_flags(cfg, argv: list[str]):
     the one saved in the checkpoint (`--resume latest`: the run's own). Every field of the Config it records but those
     given in `argv` and those FROM_THE_COMMAND_LINE, each to be parsed as if typed; refused: a run of another recipe,
     and a --data that names no folder here and is not the recipe's own (a run folder never makes a run fetch)."""
-    path = Path(cfg.output_dir or "" if cfg.resume == "latest" else cfg.resume) / "config.json"
-    recorded = read_json(path) if cfg.output_dir or cfg.resume != "latest" else None
+    recipe = getattr(sys.modules[type(cfg).__module__], "RECIPE", None)
+    if cfg.resume == "latest" and not cfg.output_dir:  # never a guess at which run the user meant
+        raise ValueError(f"--resume latest needs the run to continue: add --output_dir runs/{recipe}-<time>")
+    path = Path(cfg.output_dir if cfg.resume == "latest" else cfg.resume) / "config.json"
+    recorded = read_json(path)
     if not isinstance(recorded, dict):
         return [], path  # none: the flags given (a run that is none: open_run says so)
-    recipe = getattr(sys.modules[type(cfg).__module__], "RECIPE", None)
     if recorded.get("recipe") not in (None, recipe):
         raise ValueError(f"{path} is a run of {str(recorded['recipe'])[:60]}, not of {recipe}: resume it with the "
                          "recipe that wrote it")
@@ -120,6 +122,9 @@ def recorded_flags(cfg, argv: list[str]):
     words = []
     for field in dataclasses.fields(cfg):
         value = recorded.get(field.name)
+        if field.name == "checkpoint_dir" and value and "checkpoint_dir" not in given:  # a run writes only where told
+            raise ValueError(f"{path} keeps its checkpoints in {str(value)[:200]!r}: pass --checkpoint_dir with that "
+                             "folder to continue it")
         if field.name in (*FROM_THE_COMMAND_LINE, *given) or value is None:
             continue
         if field.name == "data" and value != field.default and not Path(str(value)).expanduser().exists():

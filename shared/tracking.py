@@ -52,8 +52,6 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
     runs/<recipe>-<YYYYmmdd-HHMMSS>) and the trackers for Accelerator(log_with=...)."""
     check_launch()  # also starts the process group, which the folder's name is broadcast over
     state = PartialState()
-    if cfg.resume == "latest" and cfg.output_dir is None:  # never a guess at which run the user meant
-        raise RecipeError(f"--resume latest needs the run to continue: add --output_dir runs/{recipe}-<time>")
     output_dir = cfg.output_dir
     if cfg.resume and cfg.resume != "latest":  # a checkpoint folder: it continues its own run, or a new one
         checkpoint = find_checkpoint(None, cfg.resume).resolve()

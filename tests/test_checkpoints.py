@@ -7,6 +7,7 @@ also keep an EMA of the weights (--ema), which must come back bitwise as well.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -104,13 +105,16 @@ def test_checkpoints_on_another_disk(data, reference, tmp_path):
     assert read_json(out / "config.json")["checkpoint_dir"] == str(scratch)
     shutil.rmtree(scratch / "step_20")  # as if stopped after step 18's checkpoint
     (out / "model.safetensors").unlink()
-    one_line(run_here("cifar_cnn", *args, "--resume", "latest"))
+    one_line(run_here("cifar_cnn", *args, "--resume", "latest"), status=2, *(
+        f"keeps its checkpoints in {str(scratch)!r}: pass --checkpoint_dir with that folder",))
     result = ok(run_here("cifar_cnn", *args, "--resume", "latest", "--checkpoint_dir", scratch))
     assert f"resuming from {scratch / 'step_18'}: step 18" in result.stdout
     assert_bitwise_equal(weights(out), weights(reference))
     linked = tmp_path / "linked"
     shutil.copytree(out, linked)
     (linked / "checkpoints").symlink_to(scratch)
+    config = read_json(linked / "config.json")
+    (linked / "config.json").write_text(json.dumps({**config, "checkpoint_dir": None}))  # a link, not the flag
     line = one_line(run_here("cifar_cnn", "--data", data, "--output_dir", linked, *RUN, "--resume", "latest"))
     assert "checkpoints' is a symbolic link" in line and "(checkpoints on another disk: --checkpoint_dir DIR)" in line
 
@@ -410,10 +414,10 @@ def test_evaluate_gives_the_same_accuracy_from_any_layout(env, data, trained, tm
     assert f'"eval_acc": {read_json(trained / "summary.json")["eval_acc"]}' in result.stdout
 
 
-def one_line(result):
-    assert result.returncode == 1
+def one_line(result, *needles, status=1):
+    assert result.returncode == status, result.stderr
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
+    assert len(lines) == 1 and all(needle in lines[0] for needle in needles), result.stderr
     return lines[0]
 
 

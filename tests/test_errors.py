@@ -378,8 +378,8 @@ def test_resume_without_a_checkpoint(env, data, tmp_path):
 
 
 def test_resume_latest_without_output_dir_never_guesses_the_run(env, data):
-    one_line(run_here("cifar_cnn", "--data", str(data), *SHORT, "--resume", "latest"),
-             "--resume latest needs the run to continue: add --output_dir runs/cifar_cnn-<time>")
+    one_line(run_here("cifar_cnn", "--data", str(data), *SHORT, "--resume", "latest"), status=2, *(
+        "--resume latest needs the run to continue: add --output_dir runs/cifar_cnn-<time>",))
 
 
 def test_loss_becomes_nan_keeps_the_last_good_checkpoint(env, data, tmp_path):
