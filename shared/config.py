@@ -2,7 +2,8 @@
 its `--help`, so default, unit and meaning sit on one line in the recipe. The comments are read from the source file,
 as simple-parsing reads them: no second list of help texts to keep in step; without a file (a notebook cell, exec())
 the flags work without help. Booleans become `--flag / --no-flag`, `Literal[...]` fields get their choices,
-`X | None = None` fields are optional."""
+`X | None = None` fields are optional. With --resume, a run continues with its own flags: those its config.json
+records, each parsed as if typed, and those given on the command line over them (`recorded_flags`)."""
 
 import argparse
 import dataclasses
