@@ -175,13 +175,14 @@ def make_model(num_classes: int, cfg: Config | None = None) -> nn.Module:
     return torchvision.models.get_model(cfg.model, weights=None, num_classes=num_classes, **size)
 
 
-def load_pretrained(model: nn.Module, cfg: Config) -> None:
-    """--weights into every layer but the new classifier: torchvision's file for them, in its cache (downloaded there
-    if missing), read from that exact file with weights_only=True (tensors only: a file that would run code is
-    refused). Not through torch.hub's loader: a zip of one entry is its legacy format, extracted beside the file under
-    the name inside it, which could overwrite another cached file or make folders."""
+def pretrained_state(cfg: Config):
+    """--weights: torchvision's file for them, in its cache (downloaded there if missing), read from that exact file
+    with weights_only=True (tensors only: a file that would run code is refused): (the file, its tensors by name), or
+    None with --weights none. Not through torch.hub's loader: a zip of one entry is its legacy format, extracted
+    beside the file under the name inside it, which could overwrite another cached file or make folders. Read before
+    the images are decoded: a missing or damaged file is said at once, not after the decode."""
     if cfg.weights == "none":
-        return
+        return None
     weights = chosen_weights(cfg.model, cfg.weights)
     file = Path(torch.hub.get_dir()) / "checkpoints" / Path(urlparse(weights.url).path).name
     try:
@@ -199,13 +200,21 @@ def load_pretrained(model: nn.Module, cfg: Config) -> None:
         raise RecipeError(f"--weights {weights}: {file} {where} ({type(error).__name__}): download it where the "
                           "internet is reachable and copy it there (or set TORCH_HOME), or pass --weights none"
                           ) from None
+    # a state dict's names and tensors, whatever else the file holds
+    return file, {k: v for k, v in state.items() if isinstance(k, str) and isinstance(v, torch.Tensor)
+                  } if isinstance(state, dict) else {}
+
+
+def load_pretrained(model: nn.Module, pretrained, cfg: Config) -> None:
+    """pretrained_state's tensors into every layer but the new classifier."""
+    if pretrained is None:
+        return
+    file, state = pretrained
     head = classifier_name(model) + "."  # new, for your classes
-    shapes = {k: tuple(v.shape) for k, v in state.items() if isinstance(k, str) and isinstance(v, torch.Tensor)
-              } if isinstance(state, dict) else {}  # a state dict's names and tensors, whatever else the file holds
-    if wrong := mismatch(model.state_dict(), shapes, skip=head):
+    if wrong := mismatch(model.state_dict(), {k: tuple(v.shape) for k, v in state.items()}, skip=head):
         raise RecipeError(f"--weights: {file} holds another model's weights ({wrong}): delete it to download "
                           f"{cfg.model}'s again")
-    model.load_state_dict({k: state[k] for k in shapes if not k.startswith(head)}, strict=False)
+    model.load_state_dict({k: v for k, v in state.items() if not k.startswith(head)}, strict=False)
 
 
 def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
@@ -285,7 +294,9 @@ def train(cfg: Config) -> None:
     # CPU: glibc keeps freed memory (up to a quarter faster steps); GPU: TF32, cuDNN autotuning if asked (BENCHMARKS.md)
     loop.device_settings(accelerator, cfg)
     set_seed(cfg.seed, device_specific=True)  # seed + rank: each process its own crops, flips and dropout masks
-    with accelerator.local_main_process_first():  # one process per machine decodes into the machine's cache
+    with accelerator.local_main_process_first():  # one download and one decode per machine, into its caches
+        # The pretrained file first: missing or damaged, it is said before the images' decode (10 s and more)
+        pretrained = None if cfg.resume or cfg.init_from else pretrained_state(cfg)  # else the weights are there
         train_set, test_set = load_data(cfg)
     on_device = loop.data_on_device(accelerator.device, cfg.data_on_device, train_set, test_set)
     if on_device:  # one copy of the uint8 dataset now, instead of a host-to-GPU copy per batch
@@ -301,9 +312,7 @@ def train(cfg: Config) -> None:
 
     global_batch_size = cfg.batch_size * accelerator.num_processes * cfg.grad_accum
     model = make_model(len(train_set.classes), cfg)
-    if not (cfg.resume or cfg.init_from):  # else the checkpoint, or the --init_from file, holds the weights
-        with accelerator.local_main_process_first():  # one download per machine, into torchvision's cache
-            load_pretrained(model, cfg)
+    load_pretrained(model, pretrained, cfg)
     # --init_from: trained weights to start from (a classifier trained on other classes starts new)
     init_sha256 = Checkpoints.initial_weights(model, cfg, train_set.classes)
     if cfg.channels_last:

@@ -179,7 +179,7 @@ def test_a_cached_weights_file_in_either_format_torch_load_reads_is_loaded(torch
     torch.save(state, home / "hub" / "checkpoints" / CACHED, _use_new_zipfile_serialization=zipped)
     monkeypatch.setenv("TORCH_HOME", str(home))
     model = finetune.make_model(3, cfg := finetune.Config())
-    finetune.load_pretrained(model, cfg)
+    finetune.load_pretrained(model, finetune.pretrained_state(cfg), cfg)
     assert torch.equal(model.state_dict()["layer1.0.conv1.weight"], state["layer1.0.conv1.weight"])
 
 
@@ -193,11 +193,11 @@ def test_a_cached_weights_file_with_compressed_entries_is_not_inflated(torch_hom
     cfg = finetune.Config()
     zip_bomb(home / "hub" / "checkpoints" / CACHED)
     with pytest.raises(RecipeError, match=f"{CACHED}' holds entries of .* which torch.save never writes"):
-        finetune.load_pretrained(finetune.make_model(3, cfg), cfg)
+        finetune.load_pretrained(finetune.make_model(3, cfg), finetune.pretrained_state(cfg), cfg)
     (home / "hub" / "checkpoints" / CACHED).unlink()
     os.mkfifo(home / "hub" / "checkpoints" / CACHED)  # would block the read forever
     with pytest.raises(RecipeError, match=rf"{CACHED}' is not a regular file \(a FIFO, socket, device or folder\)"):
-        finetune.load_pretrained(finetune.make_model(3, cfg), cfg)
+        finetune.load_pretrained(finetune.make_model(3, cfg), finetune.pretrained_state(cfg), cfg)
 
 
 def test_photos_that_would_not_fit_in_memory_decoded_are_refused_first(photos):
@@ -217,6 +217,20 @@ def test_published_files_that_would_not_fit_in_memory_converted_are_refused_firs
         finetune.load_data(cfg)
 
 
+def test_a_damaged_weights_file_is_said_before_the_photos_are_decoded(photos, torch_home, tmp_path, monkeypatch):
+    """The pretrained file is read first: damaged, the line came after every photo was decoded (10 s and more)."""
+    from shared import data
+
+    home = tmp_path / "home"
+    shutil.copytree(torch_home, home)
+    (home / "hub" / "checkpoints" / CACHED).write_bytes(b"not a torch file")
+    monkeypatch.setattr(data, "CACHE_DIR", tmp_path / "decoded")  # empty: the photos would be decoded into it
+    line = one_line(run_here("finetune", "--data", photos, "--max_steps", "1", "--tracker", "none", "--output_dir",
+                             tmp_path / "out", env={"TORCH_HOME": str(home)}))
+    assert f"{CACHED}' is damaged or holds a pickle that is refused" in line
+    assert not (tmp_path / "decoded").exists()  # no photo decoded
+
+
 def test_a_cached_weights_file_of_another_architecture_is_one_line(tmp_path, monkeypatch):
     """ResNet-50's weights where torchvision caches resnet18's: torch's size-mismatch traceback before."""
     (tmp_path / "hub" / "checkpoints").mkdir(parents=True)
@@ -226,4 +240,4 @@ def test_a_cached_weights_file_of_another_architecture_is_one_line(tmp_path, mon
     with pytest.raises(RecipeError, match=r"holds another model's weights \('layer1.0.conv1.weight' is "
                                           r"\(64, 64, 1, 1\) in the file, \(64, 64, 3, 3\) in the model, and \d+ more "
                                           r"tensors differ\): delete it to download resnet18's again"):
-        finetune.load_pretrained(finetune.make_model(3, cfg), cfg)
+        finetune.load_pretrained(finetune.make_model(3, cfg), finetune.pretrained_state(cfg), cfg)

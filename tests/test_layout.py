@@ -58,7 +58,7 @@ def test_one_command_makes_a_project_that_runs_its_readme_and_a_metric_is_one_ed
     assert "wrote runs/RUN/predictions-my_photos.csv (3 images)" in outputs[2]
     evaluated = json.loads(outputs[3].strip().splitlines()[-1])
     table = outputs[4].splitlines()  # the runs table, a metric_sums entry among its columns
-    assert len(outputs) == 5 and "eval_top2" in table[0]
+    assert len(outputs) == 5 and "eval_top2" in table[-1]  # among the columns --all adds
     assert any(line.startswith("| RUN | my_project |") for line in table)
     assert evaluated["eval_top2"] == summary["eval_top2"] and evaluated["eval_samples"] == 20
     # Without --recipe, the hint names no recipe the project lacks (it said --recipe my_project).
@@ -104,9 +104,11 @@ INTENDED = {
     + inputs = preprocess(images, training=False, cfg=cfg)
 """,
     ("finetune", "train"): """
-    + if not (cfg.resume or cfg.init_from):  # else the checkpoint, or the --init_from file, holds the weights
-    + with accelerator.local_main_process_first():  # one download per machine, into torchvision's cache
-    + load_pretrained(model, cfg)
+    - with accelerator.local_main_process_first():  # one process per machine decodes into the machine's cache
+    + with accelerator.local_main_process_first():  # one download and one decode per machine, into its caches
+    + # The pretrained file first: missing or damaged, it is said before the images' decode (10 s and more)
+    + pretrained = None if cfg.resume or cfg.init_from else pretrained_state(cfg)  # else the weights are there
+    + load_pretrained(model, pretrained, cfg)
     + backbone = [p for group in optimizer.param_groups if group["backbone"] for p in group["params"]]
     + head = [p for group in optimizer.param_groups if not group["backbone"] for p in group["params"]]
     + accelerator.print(training_plan(cfg))

@@ -120,8 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     shown = every if args.all else (SHOWN + [key for key in every if key.startswith("--")])[:MOST_SHOWN]
     print(markdown_table(rows, shown), end="")
     if len(shown) < len(every):
-        more = ", ".join(key for key in every if key not in shown)
-        print(f"{len(every) - len(shown)} more columns ({more if len(more) < 100 else more[:100] + '...'}): --all")
+        print(f"{len(every) - len(shown)} more columns ({', '.join(key for key in every if key not in shown)}): --all")
     if args.markdown:
         partial = args.markdown.with_name(f"{args.markdown.name}.tmp{os.getpid()}")
         # shared/errors.py's `replacing`, written out: importing shared/ would import torch into this small tool
