@@ -116,12 +116,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     rows = [{key: value[:12] if isinstance(value, str) and HASH.fullmatch(value) else value
              for key, value in row.items()} for row in rows]
-    table, every = markdown_table(rows, columns(rows)), columns(rows)
+    every = columns(rows)
     shown = every if args.all else (SHOWN + [key for key in every if key.startswith("--")])[:MOST_SHOWN]
     print(markdown_table(rows, shown), end="")
     if len(shown) < len(every):
         print(f"{len(every) - len(shown)} more columns ({', '.join(key for key in every if key not in shown)}): --all")
     if args.markdown:
+        table = markdown_table(rows, every)
         partial = args.markdown.with_name(f"{args.markdown.name}.tmp{os.getpid()}")
         # shared/errors.py's `replacing`, written out: importing shared/ would import torch into this small tool
         try:  # under a temporary name, renamed into place: never written through a link planted at the name
