@@ -298,8 +298,8 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
         top_p, top_i = probabilities.topk(k, dim=1)
         for path, p, i in zip(paths, top_p.tolist(), top_i.tolist()):
             name = path.relative_to(root) if root.is_dir() else path.name
-            rows.append([str(name), classes[i[0]], f"{p[0]:.4f}",
-                         "; ".join(f"{classes[c]} {q:.4f}" for c, q in zip(i, p))])
+            rows.append([cell(str(name)), cell(classes[i[0]]), f"{p[0]:.4f}",
+                         cell("; ".join(f"{classes[c]} {q:.4f}" for c, q in zip(i, p)))])
             counts[classes[i[0]]] += 1
 
     try:  # under a temporary name, renamed when complete: see shared/errors.py
@@ -315,6 +315,12 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
         print(f"  {row[0]}: {row[1]} ({row[2]})")
     print("per class: " + ", ".join(f"{name} {n}" for name, n in counts.most_common()))
     print(f"wrote {output} ({len(rows)} images)")
+
+
+def cell(text: str) -> str:
+    """A CSV cell a spreadsheet shows as text: one that starts as a formula would (`=cmd|' /C calc'!A0` from a class
+    name or a file name) starts with an apostrophe (OWASP's CSV injection advice)."""
+    return "'" + text if text.startswith(("=", "+", "-", "@", "\t", "\r")) else text
 
 
 def default_output(weights: Path, images: Path) -> Path:

@@ -50,25 +50,52 @@ NOT_SETTINGS = ("resume", "resumed_step", "resumed_from", "run_id", "overwrite",
 STOP_CHECK_S = 1.0  # several processes agree on a stop about this often (seconds of training)
 SECOND_INTERRUPT_S = 1.0  # a SIGINT this long after the first is the user's second Ctrl-C, not torchrun's copy
 PR_SET_PDEATHSIG = 1  # prctl: the signal this process gets when its parent dies (<linux/prctl.h>)
-# Variables of the launch that change what a run does: accelerate's, the GPUs seen, wandb's, the data's caches, torch's
-# (its threads too: another count sums in another order, and the resume is no longer bitwise)
-READ_FROM_ENVIRONMENT = ("ACCELERATE_", "CUDA_VISIBLE_DEVICES", "WANDB_", "HF_", "TORCH_", "OMP_NUM_THREADS")
+# The variables of the launch a resume needs, and no others (an allow-list: the printed line is pasted, shown and kept
+# in wandb's log): accelerate's settings, the GPUs seen, torch's threads (another count sums in another order: the
+# resume is no longer bitwise), where the data and weights were found, and wandb's mode and project.
+RESUME_ENVIRONMENT = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "HF_HOME", "HF_DATASETS_CACHE", "HF_HUB_OFFLINE",
+                      "TORCH_HOME", "WANDB_MODE", "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_DIR")
+SECRET = re.compile(r"KEY|TOKEN|SECRET|PASS|AUTH|CREDENTIAL|COOKIE", re.IGNORECASE)  # in a variable's name
 
 
-def list_checkpoints(folder: Path) -> list[Path]:
-    """Complete checkpoints in a run's checkpoint folder, oldest first."""
-    found = [p for p in Path(folder).glob("step_*") if p.is_dir() and STEP_DIR.search(p.name)]
+def run_id(folder: Path) -> str | None:
+    """The run id in `folder`'s config.json: a run's, or a checkpoint's (each holds a copy of its run's)."""
+    config = read_json(Path(folder) / "config.json")
+    return config.get("run_id") if isinstance(config, dict) else None
+
+
+def list_checkpoints(folder: Path, run: str | None = None) -> list[Path]:
+    """Complete checkpoints in a run's checkpoint folder, oldest first; with `run`, only those of the run of that id."""
+    found = [p for p in Path(folder).glob("step_*") if p.is_dir() and STEP_DIR.search(p.name)
+             and run in (None, run_id(p))]
     return sorted(found, key=lambda p: int(STEP_DIR.search(p.name).group(1)))
 
 
-def find_checkpoint(folder: Path | None, resume: str) -> Path:
-    """The checkpoint --resume names: the newest complete one in a run's checkpoint folder (`latest`), or a
-    checkpoint folder."""
+def check_checkpoint_folder(folder: Path, run: str | None) -> list[Path]:
+    """A --checkpoint_dir, before anything is written: it may hold only checkpoints (complete or partial) of the run
+    whose id is `run` (the run resumed, or the one --overwrite replaces), which are returned. Anything else is
+    refused, since pruning, --resume latest and --overwrite would act on it."""
+    if not Path(folder).is_dir():
+        return []
+    check_entries(folder)
+    entries = sorted(Path(folder).iterdir())
+    for entry in entries:
+        if not (re.fullmatch(r"(partial_)?step_\d+", entry.name) and run and run_id(entry) == run):
+            found = f"a checkpoint of run {run_id(entry)!r}" if run_id(entry) else "no checkpoint of this run"
+            raise RecipeError(f"--checkpoint_dir {folder} holds {entry.name!r}, {found}: a checkpoint folder holds one "
+                              "run's checkpoints (this run's pruning and --resume latest would take the rest for its "
+                              "own): pass an empty or new folder, or move that out")
+    return entries
+
+
+def find_checkpoint(folder: Path | None, resume: str, run: str | None = None) -> Path:
+    """The checkpoint --resume names: the run's (id `run`) newest complete one in its checkpoint folder (`latest`),
+    or a checkpoint folder."""
     if resume != "latest":
         if not (Path(resume) / "custom_checkpoint_0.pkl").is_file() or not STEP_DIR.search(Path(resume).name):
             raise RecipeError(f"--resume {resume}: not a checkpoint folder (expected checkpoints/step_<N> of a run)")
         return Path(resume)
-    checkpoints = list_checkpoints(folder)
+    checkpoints = list_checkpoints(folder, run)
     if not checkpoints:
         raise RecipeError(f"--resume latest: {folder} has no checkpoints: start it without --resume, "
                           "or pass --output_dir of a run that saved one (--checkpoint_every N)")
@@ -133,7 +160,7 @@ class StopOnSignals:
     def __init__(self):
         self.signal = None  # the first signal's name, once one came
         self.launcher = launcher_command()  # read now: a stop under one process may outlive its launcher
-        self.environment = launch_environment(os.getppid() if self.launcher else os.getpid())
+        self.environment, self.left_out = launch_environment(os.getppid() if self.launcher else os.getpid())
         self.next_check, self.last_check = 0, None  # the step of the processes' next agreement on a stop; the last's
 
     def stop_on_signals(self) -> None:
@@ -190,8 +217,10 @@ class StopOnSignals:
         if save_now or stopping:
             self.save(model, step)
         if stopping:
+            left_out = f"\n  (left out: {' '.join(self.left_out)}; set them again if the run needs them)"
             self.accelerator.print(f"stopped by {self.signal or 'a signal to another process'} at step {step}, "
-                                   f"checkpoint saved; continue with:\n  {self.resume_command()}")
+                                   f"checkpoint saved; continue with:\n  {self.resume_command()}"
+                                   f"{left_out if self.left_out else ''}")
         return stopping
 
     def _agree_to_stop(self, step: int) -> bool:
@@ -213,20 +242,38 @@ class StopOnSignals:
         kept = [word for name in ("checkpoint_dir", "data") if getattr(self.cfg, name) != getattr(type(self.cfg), name)
                 for word in (f"--{name}", str(getattr(self.cfg, name)))]
         launcher = self.launcher or [sys.orig_argv[0]]  # else the interpreter, as it was started
-        return " ".join([*self.environment, shlex.join([*launcher, sys.argv[0], *kept, "--output_dir",
-                                                        str(self.run_dir), "--resume", "latest"])])
+        words = [*launcher, sys.argv[0], *kept, "--output_dir", str(self.run_dir), "--resume", "latest"]
+        return " ".join([*self.environment, *map(shell_word, words)])
 
 
-def launch_environment(pid: int) -> list[str]:
-    """NAME=value for each variable of the environment the run was started in (the launcher's, as the shell gave it)
-    that accelerate, torch, the data or the trackers read, secrets left out: pasted without them, the command that
-    continues the run ran otherwise (2gpu.yaml without ACCELERATE_USE_CPU=true: no GPUs, no run)."""
+def launch_environment(pid: int) -> tuple[list[str], list[str]]:
+    """NAME=value for each variable of RESUME_ENVIRONMENT (and ACCELERATE_*) in the environment the run was started
+    in (the launcher's, as the shell gave it): pasted without them, the command that continues the run ran otherwise
+    (2gpu.yaml without ACCELERATE_USE_CPU=true: no GPUs, no run). Then the names left out, each alone: a name that
+    reads as a secret, a URL with a user or password in it, a name a shell cannot take, a control character."""
     try:
         environment = psutil.Process(pid).environ()
     except psutil.Error:
-        return []
-    return [f"{name}={shlex.quote(value)}" for name, value in environment.items()
-            if name.startswith(READ_FROM_ENVIRONMENT) and not any(secret in name for secret in ("KEY", "TOKEN"))]
+        return [], []
+    kept, left_out = [], []
+    for name, value in environment.items():
+        if name in RESUME_ENVIRONMENT or name.startswith("ACCELERATE_"):
+            safe = re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) and not SECRET.search(name) and value.isprintable()
+            if safe and not re.search(r"://[^/]*@", value):
+                kept.append(f"{name}={shlex.quote(value)}")
+            else:
+                left_out.append(shell_word(name))
+    return kept, left_out
+
+
+def shell_word(word: str) -> str:
+    """`word` quoted for a shell. With a control character (or a byte that is not UTF-8), in bash's $'...' with those
+    written as \\xNN: printed, it cannot move the cursor or forge a line; pasted, it is the same word."""
+    if word.isprintable():
+        return shlex.quote(word)
+    escaped = (c if c.isprintable() and c not in "\\'" else "".join(f"\\x{b:02x}" for b in
+               c.encode(errors="surrogateescape")) for c in word)
+    return f"$'{''.join(escaped)}'"
 
 
 def launcher_command() -> list[str] | None:
@@ -293,6 +340,11 @@ class Checkpoints(StopOnSignals):
         self.resumed_from, self.extending = None, False
         self.saved = set()  # checkpoints this launch wrote: the only ones `save` may take as already saved
 
+    def owner(self) -> str | None:
+        """The run id a checkpoint must hold to be this run's: in a --checkpoint_dir, which another run may share by
+        mistake, the run's; in the run folder's checkpoints/, none (the run's lock keeps other runs out)."""
+        return run_id(self.run_dir) if self.cfg.checkpoint_dir else None
+
     def resume(self, progress: Progress) -> Path | None:
         """With --resume: accelerator.load_state (restoring `progress` too), after checking that no file in the
         checkpoint can run code. On another number of processes than the checkpoint's, every process is re-seeded."""
@@ -300,7 +352,7 @@ class Checkpoints(StopOnSignals):
             return None
         from shared.pickles import check_archive  # files from anywhere, checked: an opt-in module
 
-        checkpoint = find_checkpoint(self.folder, self.cfg.resume)
+        checkpoint = find_checkpoint(self.folder, self.cfg.resume, self.owner())
         check_entries(checkpoint)  # --checkpoint_dir: outside the run folder its open_run checked
         for pickled in sorted(path for path in checkpoint.iterdir() if path.suffix in (".pkl", ".bin", ".pt")):
             check_archive(pickled, fix="resume from another checkpoint")
@@ -340,7 +392,7 @@ class Checkpoints(StopOnSignals):
         """Resumed from a checkpoint older than the run's newest: move the later history (its checkpoints, final
         weights, summary and pictures, a copy of its metrics) aside into abandoned/, so that it is neither deleted
         nor ever continued by --resume latest or mixed into this history's files."""
-        later = [p for p in list_checkpoints(self.folder) if int(p.name.split("_")[1]) > step]
+        later = [p for p in list_checkpoints(self.folder, self.owner()) if int(p.name.split("_")[1]) > step]
         if self.accelerator.is_main_process and later:
             # -2, -3 after the name for branches from one step in one second; a read-only abandoned/ (a run folder
             # from elsewhere) makes nothing, and the first move fails, before anything moved
@@ -377,7 +429,7 @@ class Checkpoints(StopOnSignals):
         """The full training state in checkpoints/step_<step>, keeping the newest --keep_checkpoints. Weights that
         are no longer finite (BatchNorm's running statistics included) are never saved."""
         if not all(torch.isfinite(t).all() for t in model.state_dict().values()):
-            good = list_checkpoints(self.folder)
+            good = list_checkpoints(self.folder, self.owner())
             raise RecipeError(f"the weights became NaN or inf by step {step} (lower --lr): nothing saved; "
                               f"the newest good checkpoint is {good[-1] if good else 'none (none was saved yet)'}")
         final = self.folder / f"step_{step}"
@@ -386,9 +438,17 @@ class Checkpoints(StopOnSignals):
         if final.exists():
             raise RecipeError(f"{final} exists but this run did not write it: is another run writing to "
                               f"{self.folder}? Nothing overwritten; pass another --output_dir (or --checkpoint_dir)")
-        partial = final.with_name(f"partial_{final.name}")
+        partial, run = final.with_name(f"partial_{final.name}"), self.owner()
         if self.accelerator.is_main_process:
-            shutil.rmtree(partial, ignore_errors=True)  # left over by a run killed while saving
+            if partial.exists() and run and run_id(partial) != run:
+                raise RecipeError(f"{partial} exists but this run did not write it: is another run writing to "
+                                  f"{self.folder}? Nothing overwritten; pass another --checkpoint_dir")
+            shutil.rmtree(partial, ignore_errors=True)  # left over by this run, killed while saving
+            try:  # the run's config.json first (its id, and the resume report's "before"): a partial one is this run's
+                partial.mkdir(parents=True)
+                shutil.copy2(self.run_dir / "config.json", partial / "config.json")
+            except OSError as error:
+                self.write_failed(f"saving the checkpoint of step {step}", error)
         self.accelerator.wait_for_everyone()
         try:
             self.accelerator.save_state(partial)  # every process writes its own RNG state into it
@@ -397,10 +457,8 @@ class Checkpoints(StopOnSignals):
             self.write_failed(f"saving the checkpoint of step {step}", error)
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
-            if (self.run_dir / "config.json").exists():  # the configuration that wrote it, for the resume report
-                shutil.copy2(self.run_dir / "config.json", partial / "config.json")
             os.replace(partial, final)
-            for old in list_checkpoints(self.folder)[:-self.cfg.keep_checkpoints]:
+            for old in list_checkpoints(self.folder, run)[:-self.cfg.keep_checkpoints]:
                 shutil.rmtree(old)
         self.accelerator.wait_for_everyone()
         self.saved.add(final)
@@ -429,7 +487,7 @@ class Checkpoints(StopOnSignals):
         """A full disk or quota: torch.save says it as a RuntimeError ("unexpected pos"), safetensors as its own
         error, Python as OSError. One line with the free space and the checkpoint a resume continues from."""
         reason = error.strerror if isinstance(error, OSError) and error.strerror else first_line(error)[:120]
-        good = list_checkpoints(self.folder)
+        good = list_checkpoints(self.folder, self.owner())
         raise RecipeError(f"{what} failed ({reason}; {shutil.disk_usage(self.run_dir).free / 2**20:.1f} MiB free "
                           f"there): the newest complete checkpoint is {good[-1] if good else 'none'}; free space, then "
                           "continue with --resume latest") from None

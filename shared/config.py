@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from shared.errors import printable
+
 MAX_JSON_BYTES = 2**24  # a config.json: a few KB, up to about 2 MB with 100,000 class names
 # Flags a resume takes from the command line only: where the run writes and what it continues (a run folder may come
 # from anywhere, and never chooses those).
@@ -36,7 +38,7 @@ def parse_config(cls: type, argv: list[str] | None = None):
         typed = re.match(r"unrecognized arguments: (--[\w-]+)", message)
         close = difflib.get_close_matches(typed.group(1), flags, n=1) if typed else []
         suggestion = f": did you mean {close[0]}?" if close else ""
-        parser.exit(2, f"{parser.prog}: error: {where}{message}{suggestion} (see --help)\n")
+        parser.exit(2, f"{parser.prog}: error: {printable(where + message + suggestion)} (see --help)\n")
 
     where = ""  # while the flags a run's config.json records are parsed: the file they come from
 
@@ -126,7 +128,8 @@ def recorded_flags(cfg, argv: list[str]):
         if field.name == "checkpoint_dir" and value and "checkpoint_dir" not in given:  # a run writes only where told
             raise ValueError(f"{path} keeps its checkpoints in {str(value)[:200]!r}: pass --checkpoint_dir with that "
                              "folder to continue it")
-        if field.name in (*FROM_THE_COMMAND_LINE, *given) or value is None:
+        synthetic = field.name == "data" and recorded.get("synthetic") is True  # recorded as "SYNTHETIC data"
+        if field.name in (*FROM_THE_COMMAND_LINE, *given) or value is None or synthetic:
             continue
         if field.name == "data" and value != field.default and not Path(str(value)).expanduser().exists():
             raise ValueError(f"{path} records --data {str(value)[:200]!r}, which is no folder here: pass --data to "

@@ -21,7 +21,7 @@ import resource
 import sys
 import traceback
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 
 import psutil
@@ -35,6 +35,13 @@ MAX_PARQUET_RATIO = 100  # what a parquet file may inflate to, times its size (a
 
 class RecipeError(Exception):
     """A mistake the user can fix. The message says what is wrong and how to fix it."""
+
+
+def printable(text: str) -> str:
+    """`text` with each character a terminal acts on (ESC, a newline, a C1 control, ...) written as its escape: a name
+    from a file, a folder or a flag is shown as it is, and never retitles the window, clears the screen or adds a
+    line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
 
 
 def first_line(error: BaseException) -> str:
@@ -58,11 +65,26 @@ def is_main_process() -> bool:
     return os.environ.get("RANK", "0") == "0" or "TORCHELASTIC_RUN_ID" not in os.environ
 
 
+class PrintableLines:
+    """The standard output while an entry point runs (`one_line_errors`): each line passes through `printable`, so a
+    name from a file, a folder or a flag, in any message, is shown and never acted on by the terminal."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        return self.stream.write("\n".join(map(printable, text.split("\n"))))
+
+    def __getattr__(self, name: str):  # flush, isatty, fileno, encoding: the stream's own
+        return getattr(self.stream, name)
+
+
 @contextmanager
 def one_line_errors():
-    """RecipeError -> one line on stderr (rank 0) and exit status 1."""
+    """RecipeError -> one line on stderr (rank 0) and exit status 1; what is printed meanwhile: PrintableLines."""
     try:
-        yield
+        with redirect_stdout(PrintableLines(sys.stdout)):
+            yield
     except (RecipeError, MemoryError, torch.OutOfMemoryError, RuntimeError, OSError) as error:
         if isinstance(error, RecipeError):
             message = str(error)
@@ -83,8 +105,7 @@ def one_line_errors():
         else:
             raise
         if is_main_process():  # a file name may hold a newline: the line stays one, its author cannot add another
-            print("error: " + re.sub(r"[\x00-\x1f\x7f]", lambda m: repr(m.group())[1:-1], message), file=sys.stderr,
-                  flush=True)
+            print("error: " + printable(message), file=sys.stderr, flush=True)
         sys.exit(1)
 
 

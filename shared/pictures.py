@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from shared.errors import replacing
+from shared.errors import printable, replacing
 from shared.tracking import is_point
 
 MAX_MATRIX_CLASSES = 1_000  # above, a confusion matrix is no picture to read, and 10^5 classes take 80 GB
@@ -24,6 +24,12 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def label(name: str) -> str:
+    """A run's or a class's name as matplotlib draws it: control characters escaped, and `$` a dollar sign, never the
+    start of a formula (an unbalanced one would stop the drawing)."""
+    return printable(name).replace("$", r"\$")
 
 
 def plot_curves(rows: Iterable[dict], path: Path, title: str) -> None:
@@ -49,7 +55,7 @@ def plot_curves(rows: Iterable[dict], path: Path, title: str) -> None:
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend()
-    fig.suptitle(title)
+    fig.suptitle(label(title))
     fig.tight_layout()
     with replacing(path) as partial:
         fig.savefig(partial, dpi=100, format="png")
@@ -69,8 +75,8 @@ def save_pictures(accelerator, run_dir: Path, test_set, predictions: torch.Tenso
     figure, ax = plt.subplots(figsize=(4 + 0.5 * min(k, 20),) * 2)
     ax.imshow(fractions, cmap="Blues", vmin=0, vmax=1)
     if k <= 20:  # readable names and numbers; 100 classes would only be noise
-        ax.set_xticks(range(k), classes, rotation=90)
-        ax.set_yticks(range(k), classes)
+        ax.set_xticks(range(k), [label(name) for name in classes], rotation=90)
+        ax.set_yticks(range(k), [label(name) for name in classes])
         for (i, j), fraction in np.ndenumerate(fractions):
             if counts[i, j]:
                 ax.text(j, i, f"{fraction:.2f}", ha="center", va="center", fontsize=7,

@@ -34,7 +34,15 @@ from accelerate import PartialState
 from accelerate.tracking import GeneralTracker, TensorBoardTracker, WandBTracker, on_main_process
 from accelerate.utils import broadcast_object_list, gather_object
 
-from shared.checkpoints import check_entries, find_checkpoint, is_run, launcher_command, new_folder
+from shared.checkpoints import (
+    check_checkpoint_folder,
+    check_entries,
+    find_checkpoint,
+    is_run,
+    launcher_command,
+    new_folder,
+    run_id,
+)
 from shared.config import read_json
 from shared.errors import RecipeError, check_launch, first_line, replacing
 from shared.loop import SCHEDULE_RULE
@@ -84,6 +92,10 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
         raise RecipeError(f"{run_dir} holds files but no run of these recipes (no config.json with a run_id), so "
                           "nothing is written into it: pass a new or empty --output_dir")
     overwrite = cfg.overwrite and not cfg.resume and filled
+    # --checkpoint_dir: this run's checkpoints (resumed), the replaced run's (--overwrite), or nothing. Read where it is
+    # written: a node's own folder is refused below.
+    mine = run_id(run_dir)
+    replaced = check_checkpoint_folder(cfg.checkpoint_dir, mine) if cfg.checkpoint_dir and state.is_main_process else []
     state.wait_for_everyone()  # every process has read the folder before the main process changes it
     if state.is_main_process:
         if cfg.output_dir is None or not run_dir.exists():  # made by this start (new_folder made the default one)
@@ -96,19 +108,21 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
         except OSError as error:
             raise RecipeError(f"cannot write to {run_dir} ({error.strerror}): pass --output_dir to a writable folder"
                               ) from None
-        if overwrite:
-            for path in (run_dir / name for name in RUN_FILES):  # only what a run writes; the rest stays
+        if overwrite:  # only what a run writes; the rest stays
+            for path in [*(run_dir / name for name in RUN_FILES), *replaced]:
                 shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     state.wait_for_everyone()
+    check_shared(run_dir, "--output_dir")
+    if cfg.checkpoint_dir:
+        check_shared(Path(cfg.checkpoint_dir), "--checkpoint_dir")
     # A resumed run keeps its run id (from config.json), so it continues the same wandb run.
-    check_shared(run_dir)
-    run_id = read_json(run_dir / "config.json")["run_id"] if cfg.resume and is_run(run_dir) else None
-    run_id, labels = run_id or uuid.uuid4().hex[:8], {"synthetic": True} if cfg.synthetic else {}
-    chosen = {"wandb": lambda: [WandB(recipe, run_dir, run_id, tags=list(labels))],
+    run = mine if cfg.resume and is_run(run_dir) else None
+    run, labels = run or uuid.uuid4().hex[:8], {"synthetic": True} if cfg.synthetic else {}
+    chosen = {"wandb": lambda: [WandB(recipe, run_dir, run, tags=list(labels))],
               "tensorboard": lambda: [TensorBoard("tensorboard", run_dir)], "none": lambda: []}[cfg.tracker]()
     # RunFiles first: its config.json makes the folder a run before wandb or TensorBoard write into it, so a job
     # stopped between the two is still a run to its next start.
-    return run_dir, [RunFiles(run_dir, run_id, labels)] + chosen
+    return run_dir, [RunFiles(run_dir, run, labels)] + chosen
 
 
 def remove_if_empty(folder: Path) -> None:
@@ -134,22 +148,26 @@ def lock(run_dir: Path) -> None:
     _LOCKS[key] = descriptor
 
 
-def check_shared(run_dir: Path) -> None:
-    """On several machines: refuse a run folder the nodes do not share (a file the main process writes must be seen
-    by all), since only the main process writes the run's files and completes its checkpoints."""
+def check_shared(folder: Path, flag: str) -> None:
+    """On several machines: refuse a run or checkpoint folder the nodes do not share (a file the main process writes
+    must be seen by all), since only the main process writes the run's files and completes its checkpoints."""
     state = PartialState()
     if state.num_processes == int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes)):
         return  # one machine
-    token, check = [uuid.uuid4().hex], run_dir / ".shared_check"
+    token, check = [uuid.uuid4().hex], folder / ".shared_check"
     broadcast_object_list(token)
     if state.is_main_process:
-        check.write_text(token[0])
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            check.write_text(token[0])
+        except OSError as error:
+            raise RecipeError(f"cannot write to {flag} {folder} ({error.strerror}): pass a writable folder") from None
     state.wait_for_everyone()
     seen = gather_object([check.is_file() and check.read_text() == token[0]])
     if state.is_main_process:
         check.unlink()
     if not all(seen):
-        raise RecipeError(f"--output_dir {run_dir} is not one folder shared by every node ({seen.count(False)} "
+        raise RecipeError(f"{flag} {folder} is not one folder shared by every node ({seen.count(False)} "
                           "process(es) do not see the main process's files): put it on a filesystem all nodes mount")
 
 

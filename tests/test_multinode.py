@@ -113,22 +113,24 @@ def test_a_node_killed_stops_the_other_within_bounds_then_both_resume_exactly(en
     assert_bitwise_equal(weights(out), weights(long_reference))
 
 
-def test_nodes_that_do_not_share_the_run_folder_stop_in_one_line(env, data, tmp_path):
-    """Each node resolves a relative --output_dir in its own working folder: two folders, as on machines without a
-    shared filesystem, where only the main node's checkpoints would be complete."""
+@pytest.mark.parametrize("flag", ["--output_dir", "--checkpoint_dir"])
+def test_nodes_that_do_not_share_the_run_folder_stop_in_one_line(env, data, tmp_path, flag):
+    """Each node resolves a relative --output_dir (or --checkpoint_dir) in its own working folder: two folders, as on
+    machines without a shared filesystem, where only the main node's checkpoints would be complete."""
     port = free_ports()
     folders = [tmp_path / f"node{rank}" for rank in (0, 1)]
+    shared = ("--output_dir", str(tmp_path / "run")) if flag == "--checkpoint_dir" else ()
     nodes = []
     for rank, folder in enumerate(folders):
         folder.mkdir()
-        nodes.append(start_node(env, rank, port, "--data", str(data), *RUN, "--max_steps", "2", "--output_dir", "run",
-                                cwd=folder))
+        nodes.append(start_node(env, rank, port, "--data", str(data), *RUN, "--max_steps", "2", "--checkpoint_every",
+                                "1", flag, "run", *shared, cwd=folder))
     results = [(node.wait(timeout=600), *node.communicate()) for node in nodes]
     assert all(returncode != 0 for returncode, _, _ in results)
     stderr = results[0][2]
-    assert "error: --output_dir run is not one folder shared by every node (1 process(es)" in stderr, stderr[-3000:]
+    assert f"error: {flag} run is not one folder shared by every node (1 process(es)" in stderr, stderr[-3000:]
     assert not re.search(r'File "[^"]*(recipes|shared)/', stderr), stderr[-3000:]
-    assert not any((folder / "run" / "checkpoints").exists() for folder in folders)
+    assert not any((folder / "run" / "checkpoints").exists() or list(folder.glob("run/*step_*")) for folder in folders)
 
 
 @pytest.fixture(scope="module")

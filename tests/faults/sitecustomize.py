@@ -16,6 +16,7 @@ With FAULT_HOLD_SAVE_AT_STEP=N, the save of step N's checkpoint stops for good a
 in the middle, whatever the machine's speed.
 With FAULT_NO_THREADS=1, a thread cannot be started: what Python says when the process is at its limit on threads
 (`ulimit -u`, a container's pids limit) or lacks the memory for their stacks (`ulimit -v`).
+With FAULT_SIGTERM_IN_TRAINING=1, the first training loss sends SIGTERM to its own process: a stop at step 1.
 """
 
 import errno
@@ -143,3 +144,18 @@ if _kill_writing:
         return _DyingFile(file) if self.name.partition(".")[0] == _kill_writing and "w" in mode else file
 
     pathlib.Path.open = _open_to_die
+
+if os.environ.get("FAULT_SIGTERM_IN_TRAINING"):
+    import signal
+
+    import torch
+    import torch.nn.functional
+
+    def _terminating(cross_entropy):
+        def cross_entropy_and_terminate(input, target, *args, **kwargs):
+            if torch.is_grad_enabled():
+                os.kill(os.getpid(), signal.SIGTERM)
+            return cross_entropy(input, target, *args, **kwargs)
+        return cross_entropy_and_terminate
+
+    torch.nn.functional.cross_entropy = _terminating(torch.nn.functional.cross_entropy)

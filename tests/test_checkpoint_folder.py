@@ -1,0 +1,124 @@
+"""A checkpoint folder belongs to its run. Every checkpoint holds its run's config.json (and so its run id), partial
+ones too; pruning, --resume latest and --overwrite act only on the run's own; a --checkpoint_dir that holds anything
+else is refused before anything is written, in one line that says what was found, and loses nothing."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from shared.checkpoints import check_checkpoint_folder, list_checkpoints, run_id
+from shared.errors import RecipeError
+
+from conftest import ok, read_json, run_here
+
+RUN = ("--synthetic", "--batch_size", "4", "--tracker", "none")
+
+
+def run(out: Path, checkpoints: Path, *args) -> object:
+    return run_here("cifar_cnn", *RUN, "--output_dir", out, "--checkpoint_dir", checkpoints, *args)
+
+
+def contents(folder: Path) -> dict:
+    """Every file under `folder` and its hash: what a refused start must leave as it was."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def refused(result, *needles: str) -> str:
+    line = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 1 and "Traceback" not in result.stderr and line.startswith("error: "), result.stderr
+    assert all(needle in line for needle in needles), line
+    return line
+
+
+@pytest.fixture(scope="module")
+def run_a(tmp_path_factory) -> tuple[Path, Path]:
+    """Run A: 6 steps, a checkpoint every 2, keeping 2, in a folder of its own outside its run folder."""
+    root = tmp_path_factory.mktemp("a")
+    ok(run(root / "a", root / "shared", "--max_steps", "6", "--checkpoint_every", "2", "--keep_checkpoints", "2"))
+    return root / "a", root / "shared"
+
+
+def test_every_checkpoint_records_its_runs_id(run_a):
+    out, checkpoints = run_a
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_4", "step_6"]
+    assert {run_id(p) for p in checkpoints.iterdir()} == {read_json(out / "config.json")["run_id"]}
+
+
+def test_another_run_is_refused_a_checkpoint_folder_in_use_and_nothing_is_lost(run_a, tmp_path):
+    """Run B given run A's folder: before, B's pruning deleted A's checkpoints and B's --resume latest continued A's."""
+    a, checkpoints = run_a
+    before = contents(checkpoints)
+    result = run(tmp_path / "b", checkpoints, "--max_steps", "6", "--checkpoint_every", "1", "--keep_checkpoints", "1")
+    refused(result, f"--checkpoint_dir {checkpoints} holds 'step_4', a checkpoint of run "
+                    f"'{read_json(a / 'config.json')['run_id']}'")
+    assert contents(checkpoints) == before and not (tmp_path / "b").exists()
+
+
+def test_a_users_own_step_folders_are_refused_and_kept(tmp_path):
+    """A folder of the user's that happens to hold step_1..step_5 (notes): before, three were deleted at the first
+    save, exit 0."""
+    mine = tmp_path / "mine"
+    for n in range(1, 6):
+        (mine / f"step_{n}").mkdir(parents=True)
+        (mine / f"step_{n}" / "notes.txt").write_text(f"notes {n}")
+    before = contents(mine)
+    result = run(tmp_path / "run", mine, "--max_steps", "4", "--checkpoint_every", "1", "--keep_checkpoints", "2")
+    refused(result, "holds 'step_1', no checkpoint of this run", "pass an empty or new folder")
+    assert contents(mine) == before
+
+
+def test_overwrite_replaces_the_replaced_runs_checkpoints_and_keeps_its_own(tmp_path):
+    """Run B overwrites run A, both keeping checkpoints in one folder: before, B pruned its own step_3 and its
+    --resume latest continued A's step_6."""
+    out, checkpoints = tmp_path / "run", tmp_path / "ck"
+    ok(run(out, checkpoints, "--max_steps", "6", "--checkpoint_every", "2", "--keep_checkpoints", "2"))
+    ok(run(out, checkpoints, "--max_steps", "5", "--checkpoint_every", "3", "--keep_checkpoints", "2", "--seed", "1",
+           "--overwrite"))
+    b = read_json(out / "config.json")["run_id"]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_3", "step_5"]
+    assert {run_id(p) for p in checkpoints.iterdir()} == {b}
+    (out / "model.safetensors").unlink()  # as if stopped after its last checkpoint, before its weights
+    # a synthetic run: its config.json records data "SYNTHETIC data", which before was refused as a --data
+    resumed = ok(run(out, checkpoints, "--resume", "latest"))
+    assert f"resuming from {checkpoints / 'step_5'}" in resumed.stdout
+
+
+def test_overwrite_is_refused_before_anything_is_deleted_where_another_run_has_checkpoints(run_a, tmp_path):
+    """Before, --overwrite deleted the replaced run's weights and metrics, then failed on a checkpoint it did not
+    write ("exists but this run did not write it")."""
+    out, checkpoints = tmp_path / "run", tmp_path / "ck"
+    ok(run(out, checkpoints, "--max_steps", "2", "--checkpoint_every", "1"))
+    (checkpoints / "step_4").symlink_to(run_a[1] / "step_4")  # not even a copy: refused as a link first
+    (checkpoints / "step_4").unlink()
+    (checkpoints / "step_4").mkdir()
+    (checkpoints / "step_4" / "config.json").write_bytes((run_a[1] / "step_4" / "config.json").read_bytes())
+    before = contents(tmp_path)
+    result = run(out, checkpoints, "--max_steps", "6", "--checkpoint_every", "2", "--overwrite")
+    refused(result, "holds 'step_4', a checkpoint of run")
+    assert contents(tmp_path) == before
+
+
+def test_a_link_in_a_checkpoint_folder_is_one_line(tmp_path):
+    """A step_0 link: before, the first pruning ended in shutil.rmtree's traceback."""
+    checkpoints = tmp_path / "ck"
+    checkpoints.mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (checkpoints / "step_0").symlink_to(tmp_path / "elsewhere")
+    refused(run(tmp_path / "run", checkpoints, "--max_steps", "2", "--checkpoint_every", "1"), "is a symbolic link")
+    assert (checkpoints / "step_0").is_symlink() and (tmp_path / "elsewhere").is_dir()
+
+
+def test_pruning_and_latest_see_only_the_runs_own_checkpoints(tmp_path):
+    """Two runs writing into one folder at once pass the check at the start: each still sees only its own."""
+    for step, run in ((1, "aaaa"), (2, "bbbb"), (3, "aaaa"), (4, "bbbb")):
+        (tmp_path / f"step_{step}").mkdir()
+        (tmp_path / f"step_{step}" / "config.json").write_text(f'{{"run_id": "{run}"}}')
+    (tmp_path / "step_5").mkdir()  # no config.json: no run's
+    assert [p.name for p in list_checkpoints(tmp_path, "aaaa")] == ["step_1", "step_3"]
+    with pytest.raises(RecipeError, match="holds 'step_2', a checkpoint of run 'bbbb'"):
+        check_checkpoint_folder(tmp_path, "aaaa")
+    assert check_checkpoint_folder(tmp_path / "new", None) == []

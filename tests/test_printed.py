@@ -1,0 +1,171 @@
+"""What the project prints and writes from names it did not choose: the resume command a stop prints (pasted, it runs
+nothing but the run; shown, it holds no secret), and names from files, folders and flags (a terminal shows their
+control characters, it never acts on them; a spreadsheet shows a CSV cell as text)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from unittest import mock
+
+import pytest
+from PIL import Image
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from recipes.cifar_cnn import Config
+from shared import checkpoints
+from shared.checkpoints import launch_environment, shell_word
+
+from conftest import ok, run_here
+from tiny_data import cifar_binary_dataset, imagefolder_dataset
+
+HOSTILE_ENVIRONMENT = {
+    # kept: what the resume needs
+    "ACCELERATE_USE_CPU": "true", "CUDA_VISIBLE_DEVICES": "0,1", "OMP_NUM_THREADS": "1", "HF_HOME": "/data/my hf",
+    # not needed by a resume: never printed, whatever they hold
+    "WANDB_BASE_URL": "https://user:hunter2@wandb.example", "HF_ENDPOINT": "https://u:p@hub.example",
+    "WANDB_PASSWORD": "hunter2", "HF_API_SECRET": "s", "WANDB_AUTH": "a", "TORCH_HUB_AUTH": "t",
+    "https_proxy": "http://u:p@proxy:3128", "WANDB_$(touch M)": "1", "WANDB_X;touch M;Y": "1", "UNRELATED": "\udcff",
+    # needed, but bad: left out alone, and named
+    "ACCELERATE_password": "x", "ACCELERATE_X;touch M;Y": "1", "WANDB_DIR": "https://u:p@host/x",
+    "WANDB_PROJECT": "a\x1b]0;owned\x07b", "TORCH_HOME": "\udcff",
+}
+LEFT_OUT = {"ACCELERATE_password", "'ACCELERATE_X;touch M;Y'", "WANDB_DIR", "WANDB_PROJECT", "TORCH_HOME"}
+
+
+@pytest.fixture
+def stopped(tmp_path):
+    """A stop's Checkpoints, started from a process with HOSTILE_ENVIRONMENT: the line it prints, pasted into bash."""
+    process = subprocess.Popen(["sleep", "30"], env={name.encode(errors="surrogateescape"):
+                                                     value.encode(errors="surrogateescape")
+                                                     for name, value in HOSTILE_ENVIRONMENT.items()})
+    try:
+        environment, left_out = launch_environment(process.pid)
+    finally:
+        process.kill()
+    stop = checkpoints.StopOnSignals.__new__(checkpoints.StopOnSignals)
+    stop.launcher, stop.environment, stop.left_out = None, environment, left_out
+    stop.run_dir = tmp_path / "run\x1b[2J"
+    stop.cfg = Config(data="my photos\n$(touch M)")
+    return stop
+
+
+def test_the_resume_command_keeps_only_the_launchs_own_variables_and_no_secret(stopped):
+    environment = dict(word.split("=", 1) for word in stopped.environment)
+    assert environment == {"ACCELERATE_USE_CPU": "true", "CUDA_VISIBLE_DEVICES": "0,1", "OMP_NUM_THREADS": "1",
+                           "HF_HOME": "'/data/my hf'"}
+    assert set(stopped.left_out) == LEFT_OUT
+
+
+def test_the_resume_command_runs_nothing_when_pasted_and_prints_no_control_character(stopped, tmp_path):
+    with mock.patch.object(sys, "argv", ["recipes/cifar_cnn.py"]):
+        command = stopped.resume_command()
+    assert command.isprintable() and "hunter2" not in command, command
+    # Pasted into a shell that prints each word instead of running the recipe, in a folder where `touch M` would show
+    pasted = subprocess.run(["bash", "-c", f"recipe() {{ printf '%s\\n' \"$@\"; env; }}; recipe {command}"],
+                            cwd=tmp_path, capture_output=True, text=True, errors="surrogateescape")
+    assert pasted.returncode == 0 and not (tmp_path / "M").exists(), pasted.stderr
+    words = pasted.stdout.split("\n")
+    assert "my photos\n$(touch M)" in pasted.stdout and str(stopped.run_dir) in words, words
+
+
+@pytest.mark.parametrize("word", ["plain", "a b", "it's", "\x1b]0;title\x07", "\udcff", "tab\there", "back\\slash\n",
+                                  "é ü 名前"])
+def test_a_shell_word_is_the_same_word_pasted_and_printable_shown(word):
+    quoted = shell_word(word)
+    assert quoted.isprintable()
+    pasted = subprocess.run(["bash", "-c", f"printf %s {quoted}"], capture_output=True)
+    assert pasted.stdout == word.encode(errors="surrogateescape")
+
+
+@pytest.mark.slow  # launched: a signal
+def test_a_stop_of_a_real_run_names_what_it_left_out(env, tmp_path):
+    """The line a stop prints, from a real run: the command, then what it left out."""
+    out = tmp_path / "run"
+    command = [sys.executable, "recipes/cifar_cnn.py", "--synthetic", "--max_steps", "1", "--output_dir", str(out),
+               "--tracker", "none", "--batch_size", "4"]
+    faulty = dict(env, WANDB_PASSWORD="hunter2", ACCELERATE_SECRET_THING="hunter2",
+                  PYTHONPATH=str(Path(__file__).parent / "faults"), FAULT_SIGTERM_IN_TRAINING="1")
+    ran = subprocess.run(command, cwd=Path(__file__).parents[1], env=faulty, capture_output=True,
+                         text=True, timeout=300)
+    assert ran.returncode == 0 and "hunter2" not in ran.stdout + ran.stderr, ran.stderr[-2000:]
+    resume, left_out = ran.stdout.split("continue with:\n")[1].splitlines()[:2]
+    assert resume.strip().endswith(f"recipes/cifar_cnn.py --output_dir {out} --resume latest"), resume
+    assert left_out.strip() == "(left out: ACCELERATE_SECRET_THING; set them again if the run needs them)"
+    assert os.path.isdir(out / "checkpoints" / "step_1")
+
+
+# ------------------------------------------------------------------ names from files: a terminal, a spreadsheet
+HOSTILE_CLASSES = ["=cmd|' /C calc'!A0", "+1", "-2", "@SUM(A1)", "\tx", "\rx", "\x1b]0;owned\x07", "\x1b[2J",
+                   "ok\nerror: ALL TESTS PASSED", "$\\frac{$"]
+SHORT = ("--batch_size", "8", "--max_steps", "1", "--tracker", "none")
+
+
+def shown(text: str) -> None:
+    """Text a terminal would only show: no escape, no bell, no carriage return, and no line forged by a name."""
+    assert not set(text) & {"\x1b", "\x07", "\r", "\x9b"}, repr(text[-2000:])
+    assert not any(line.startswith("error: ALL TESTS") for line in text.splitlines()), text[-2000:]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[Path, Path]:
+    """A finished run, and its weights re-saved with HOSTILE_CLASSES as the classes their metadata names."""
+    root = tmp_path_factory.mktemp("printed")
+    data = cifar_binary_dataset(root / "data", sizes={"train": 16, "test": 8})
+    ok(run_here("cifar_cnn", "--data", data, "--output_dir", root / "run", *SHORT))
+    with safe_open(root / "run" / "model.safetensors", "pt") as f:
+        state, about = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    weights = root / "hostile" / "model.safetensors"
+    weights.parent.mkdir()
+    save_file(state, weights, metadata={**about, "classes": json.dumps(HOSTILE_CLASSES)})
+    return data, weights
+
+
+def test_predictions_show_names_and_their_csv_cells_are_text(trained, tmp_path):
+    _, weights = trained
+    images = tmp_path / "photos \x1b]0;owned\x07"
+    images.mkdir()
+    for name in ("=HYPERLINK(1).png", "@x.png", "\x1b[2J.png", "plain.png"):
+        Image.new("RGB", (32, 32), (200, 30, 30)).save(images / name)
+    result = ok(run_here("predict", "--weights", weights, "--images", images))
+    shown(result.stdout + result.stderr)
+    output = weights.parent / f"predictions-{images.name}.csv"  # the default: named after the folder
+    assert f"wrote {weights.parent}/predictions-photos \\x1b]0;owned\\x07.csv" in result.stdout, result.stdout
+    rows = list(csv.reader(output.open(newline="")))[1:]
+    assert len(rows) == 4 and {row[0] for row in rows} >= {"'=HYPERLINK(1).png", "'@x.png", "plain.png"}
+    for row in rows:
+        assert not row[0].startswith(("=", "+", "-", "@", "\t", "\r")), row
+        assert not row[1].startswith(("=", "+", "-", "@", "\t", "\r")) and not row[3].startswith(("=", "+", "@")), row
+        assert row[1] in HOSTILE_CLASSES or row[1][1:] in HOSTILE_CLASSES, row
+
+
+def test_init_from_names_the_classes_it_was_trained_on_without_their_escapes(trained, tmp_path):
+    data, weights = trained
+    result = ok(run_here("cifar_cnn", "--data", data, "--output_dir", tmp_path / "run", *SHORT, "--init_from",
+                         weights))
+    shown(result.stdout + result.stderr)
+    assert "its classifier was trained on =cmd|' /C calc'!A0, +1, -2, @SUM(A1), ..." in result.stdout, result.stdout
+
+
+def test_a_flag_that_holds_a_newline_is_one_error_line():
+    result = run_here("cifar_cnn", "--synthetic", "--batch_size", "1\nerror: ALL TESTS PASSED\x1b[2J")
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    shown(result.stderr)
+
+
+def test_class_names_a_terminal_or_matplotlib_would_act_on_are_drawn_as_text(tmp_path):
+    """Class folders named with an escape and with an unbalanced formula: before, matplotlib's formula parser stopped
+    the drawing of the confusion matrix in a traceback, after the run."""
+    data = imagefolder_dataset(tmp_path / "data", sizes={"train": 20, "test": 10}, num_classes=2)
+    for split in ("train", "test"):
+        folders = sorted((data / split).iterdir())
+        folders[0].rename(folders[0].with_name("$x_$"))
+        folders[1].rename(folders[1].with_name("\x1b]0;owned\x07"))
+    result = ok(run_here("cifar_cnn", "--data", data, "--output_dir", tmp_path / "run", *SHORT))
+    shown(result.stdout + result.stderr)
+    assert (tmp_path / "run" / "confusion_matrix.png").is_file()
