@@ -15,6 +15,7 @@ from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 from shared.errors import RecipeError, first_line, free_memory
 
 WIDE_MODES = {"I", "I;16", "I;16B", "I;16L", "I;16N", "F"}  # 16/32-bit and float pixels
+MAX_PNG_CHUNKS = 100_000  # libpng writes its pixels in chunks of 8 KiB: 800 MB; real files have a few dozen others
 
 
 def decode(file: bytes | str | Path, channels: int, where: str):
@@ -24,6 +25,7 @@ def decode(file: bytes | str | Path, channels: int, where: str):
     if not isinstance(file, bytes) and not Path(file).is_file():
         raise RecipeError(f"{where}: no such image file on this machine (datasets' paths are read, never fetched)")
     try:
+        check_png(file)  # before PIL reads a chunk
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)  # over PIL's limit: refused, not warned
             image = Image.open(io.BytesIO(file) if isinstance(file, bytes) else file)
@@ -33,8 +35,6 @@ def decode(file: bytes | str | Path, channels: int, where: str):
                                   "hold without clipping or guessing a range: scale the images to 8-bit L or RGB")
             own = 1 if image.mode in ("1", "L", "LA") else 3
             image.load()
-            if image.format == "PNG":
-                check_png_rows(file)
             if image.getexif().get(ExifTags.Base.Orientation) is not None:
                 image = ImageOps.exif_transpose(image)
             pixels = np.array(image.convert("L" if channels == 1 else "RGB"))
@@ -47,24 +47,40 @@ def decode(file: bytes | str | Path, channels: int, where: str):
     return torch.from_numpy(pixels).reshape(*pixels.shape[:2], channels).permute(2, 0, 1), own
 
 
-def check_png_rows(file: bytes | str | Path) -> None:
-    """PIL ends a PNG where its compressed pixels end, and leaves the rows they lack black: one row of a 9,400 x 9,400
-    image decoded without an error. Its IDAT chunks inflated must make every row (each pass's, if interlaced): read a
-    piece at a time, up to the last row, never the rest of the file."""
+def check_png(file: bytes | str | Path) -> None:
+    """A PNG, checked before PIL opens it, as the PNG specification reads it (other formats: nothing). IHDR first and
+    only once (PIL took a chunk before it, and the last of several); at most MAX_PNG_CHUNKS chunks (PIL keeps every
+    private one in memory: 16 million empty ones took 2.4 GB); PIL's pixel limit; and IDAT, inflated, must make every
+    row, each pass's if interlaced (PIL leaves the rows they lack black: one row of a 9,400 x 9,400 image decoded
+    without an error). Reads the chunks' headers up to IEND, the pixels a piece at a time up to the last row."""
     with io.BytesIO(file) if isinstance(file, bytes) else open(file, "rb") as f:
-        width, height, depth, colour, _, _, interlaced = struct.unpack(">16xIIBBBBB", f.read(29))
+        if f.read(8) != b"\x89PNG\r\n\x1a\n":
+            return
+        size, kind, width, height, depth, colour, _, _, interlaced = struct.unpack(">I4sIIBBBBB",
+                                                                                   f.read(21).ljust(21, b"\0"))
+        if (size, kind) != (13, b"IHDR"):
+            raise ValueError("its first chunk is not IHDR, as the PNG specification requires")
+        if width * height > Image.MAX_IMAGE_PIXELS:
+            raise Image.DecompressionBombError(f"{width}x{height} pixels")
         bits = depth * {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}.get(colour, 0)
         adam7 = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2))
         expected = sum(rows * (1 + (cols * bits + 7) // 8) for x, y, dx, dy in (adam7 if interlaced else [(0, 0, 1, 1)])
                        if (rows := -(-(height - y) // dy)) > 0 and (cols := -(-(width - x) // dx)) > 0)
         inflate, made = zlib.decompressobj(), 0
-        f.seek(8)  # the chunks, after the signature
-        while made < expected and len(header := f.read(8)) == 8:
-            left, kind = struct.unpack(">I4s", header)
-            while kind == b"IDAT" and left and made < expected and (piece := f.read(min(left, 2**16))):
-                made += len(inflate.decompress(piece, expected - made))
+        f.seek(33)  # the chunks after IHDR and its CRC
+        for _ in range(MAX_PNG_CHUNKS):
+            header = f.read(8)
+            left, kind = struct.unpack(">I4s", header) if len(header) == 8 else (0, b"IEND")  # the file's end
+            if kind in (b"IHDR", b"IEND"):
+                break
+            while kind == b"IDAT" and left and made < expected and (piece := f.read(min(left, 2**12))):
+                made += len(inflate.decompress(piece, expected - made))  # at most 1,032 times a piece: 4 MB
                 left -= len(piece)
             f.seek(left + 4, 1)  # the rest of the chunk, then its CRC
+        else:
+            raise ValueError(f"it has more than {MAX_PNG_CHUNKS:,} chunks")
+    if kind == b"IHDR":
+        raise ValueError("it has a second IHDR chunk")
     if made < expected:
         raise ValueError("image file is truncated: its compressed pixels end before its last row")
 

@@ -24,6 +24,7 @@ import tracemalloc
 import zipfile
 import zlib
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -905,20 +906,44 @@ def test_a_parquet_file_that_inflates_is_refused_before_a_page_is_read(env, tmp_
 
 
 # ------------------------------------------------------------------ images
-def png(path: Path, width: int, height: int, rows: int | None = None) -> Path:
-    """A grayscale PNG of zeros, `rows` of its rows present (all by default): 30000x30000 is about 1 MB."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+def chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
+
+def png(path: Path, width: int, height: int, rows: int | None = None, first: bytes = b"", then: bytes = b"") -> Path:
+    """A grayscale PNG of zeros, `rows` of its rows present (all by default): 30000x30000 is about 1 MB. `first`:
+    chunks before IHDR; `then`: chunks between IHDR and the pixels."""
     compressor, parts = zlib.compressobj(1), []
     row = bytes(width + 1)  # filter byte, then the pixels
     for _ in range(height if rows is None else rows):
         parts.append(compressor.compress(row))
     parts.append(compressor.flush())
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", b"".join(parts))
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + first + chunk(b"IHDR", ihdr) + then + chunk(b"IDAT", b"".join(parts))
                      + chunk(b"IEND", b""))
     return path
+
+
+ONE_BY_ONE = chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 1, 8, 0, 0, 0, 0))
+
+
+@pytest.mark.parametrize("first, then, needle", [
+    (chunk(b"tEXt", b"Comment\0hi"), b"", "its first chunk is not IHDR"),
+    (chunk(b"prIv", b"x"), b"", "its first chunk is not IHDR"),
+    (ONE_BY_ONE, b"", "it has a second IHDR chunk"),  # the 1 x 1 first: PIL took the last
+    (b"", ONE_BY_ONE, "it has a second IHDR chunk"),
+    (b"", chunk(b"prIv", b"") * 100_001, "it has more than 100,000 chunks"),  # PIL kept each: 16 million, 2.4 GB
+], ids=["text first", "private first", "two IHDRs", "IHDR again", "too many chunks"])
+def test_a_png_is_read_as_its_specification_reads_it_before_pil_opens_it(tmp_path, first, then, needle):
+    """Each with one row of pixels of 9,400: before, PIL decoded the rest black (or the 1 x 1 image), exit 0."""
+    from shared import images
+
+    photo = png(tmp_path / "odd.png", 9400, 9400, rows=1, first=first, then=then)
+    opened = []
+    with mock.patch.object(images.Image, "open", lambda *args: opened.append(args)):
+        with pytest.raises(RecipeError, match=f"odd.png is not a readable image \\(ValueError: {needle}"):
+            images.decode(photo, 1, "odd.png")
+    assert not opened
 
 
 def a_decompression_bomb(folder: Path) -> str:
