@@ -8,8 +8,9 @@ PATH (e.g. my_project/train.py). A recipe is code and weights come from anywhere
 imported or fetched. Its own make_model, preprocess, load_data and evaluate are used, so an edited copy works as is.
 
 --images: any image files (subfolders included), any size, mode or channel count, each converted as the training
-data was. The CSV (--output; by default predictions-<images>.csv in the weights' run folder, replaced there) gets a
-row per image: path (relative to --images), class, confidence (softmax probability), the top-k classes with theirs.
+data was. The CSV (--output; by default predictions-<images>.csv in the weights' run folder, replaced there if this
+script wrote it) gets a row per image: path (relative to --images), class, confidence (softmax probability), the top-k
+classes with theirs; a cell that would start a spreadsheet formula (= + - @) starts with an apostrophe.
 --evaluate: the recipe's evaluate() on the test split of --data, or of the data the weights were trained on where
 that is a folder on this machine, as one JSON line; under `accelerate launch` it runs on every process and
 precision of the config.
@@ -284,7 +285,7 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
     if output.is_dir() or not output.parent.is_dir():
         raise RecipeError(f"--output {output}: {'a folder' if output.is_dir() else 'its folder does not exist'}: pass "
                           "a file name in an existing folder")
-    if output.exists() and cfg.output and not cfg.overwrite:  # the default file: this script's own, replaced
+    if output.exists() and not cfg.overwrite and (cfg.output or not written_here(output)):
         raise RecipeError(f"{output} exists: pass --overwrite to replace it, or another --output")
     if skipped:
         print(f"skipped {len(skipped)} file(s) that are not images by their extension, e.g. {skipped[0]}")
@@ -305,7 +306,7 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
     try:  # under a temporary name, renamed when complete: see shared/errors.py
         with replacing(output) as partial, partial.open("x", newline="") as f:
             writer = csv.writer(f)
-            writer.writerow(["path", "class", "confidence", f"top_{k}"])
+            writer.writerow(["path", "class", "confidence", f"top_{k}"])  # what written_here knows it by
             writer.writerows(rows)
     except OSError as error:
         raise RecipeError(f"cannot write {output} ({error.strerror}): pass --output in a writable folder with room"
@@ -330,7 +331,17 @@ def default_output(weights: Path, images: Path) -> Path:
     folder = weights if weights.is_dir() else weights.parent
     if (folder / "custom_checkpoint_0.pkl").is_file():  # what every checkpoint holds (Progress)
         folder = folder.parent.parent if folder.parent.name == "checkpoints" else folder.parent
-    return folder / f"predictions-{images.stem if images.is_file() else images.resolve().name}.csv"
+    name = (images.stem if images.is_file() else images.resolve().name).encode(errors="surrogateescape")
+    return folder / f"predictions-{name[:200].decode(errors='ignore')}.csv"  # a file name: at most 255 bytes
+
+
+def written_here(path: Path) -> bool:
+    """Whether `path` is a CSV this script wrote, known by its first line: the default --output is replaced only then,
+    never a file of yours that happens to have its name."""
+    if not path.is_file():  # a FIFO would block the read
+        return False
+    with open(path, "rb") as f:
+        return re.fullmatch(rb"path,class,confidence,top_\d+\r?\n", f.readline(64)) is not None
 
 
 def run(cfg: Config) -> None:

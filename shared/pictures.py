@@ -3,7 +3,7 @@ The run's pictures, drawn with matplotlib: curves.png (RunFiles.finish) and the 
 An opt-in module: imported where a picture is drawn.
 """
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -14,6 +14,7 @@ from PIL import Image
 from shared.errors import printable, replacing
 from shared.tracking import is_point
 
+MAX_POINTS = 10_000  # of a curve: more than a picture 1,500 pixels wide shows (a metrics.jsonl may hold millions)
 MAX_MATRIX_CLASSES = 1_000  # above, a confusion matrix is no picture to read, and 10^5 classes take 80 GB
 
 
@@ -35,11 +36,16 @@ def label(name: str) -> str:
 def plot_curves(rows: Iterable[dict], path: Path, title: str) -> None:
     """Loss, the recipe's metrics (train and eval) and the gradient norm against the optimizer step. One pass over the
     rows, keeping only the numbers drawn."""
-    series, metrics = defaultdict(list), set()
+    series, metrics, seen, stride = defaultdict(list), set(), Counter(), defaultdict(lambda: 1)
     for row in rows:
         for key, value in row.items():
             if key.startswith(("train_", "eval_", "grad_norm")) and type(value) in (int, float):  # no text, no bool
-                series[key].append((row["step"], value))
+                if seen[key] % stride[key] == 0:  # memory for MAX_POINTS a series, whatever the file's length
+                    series[key].append((row["step"], value))
+                    if len(series[key]) > 2 * MAX_POINTS:  # every other point: the same curve, half the points
+                        del series[key][1::2]
+                        stride[key] *= 2
+                seen[key] += 1
                 # train_<name> and eval_<name> of each of metric_sums, from the training and evaluation points: not
                 # the summary's train_s (the run's training time), which is no metric
                 if is_point(row) and "loss" not in key and key not in ("eval_samples", "grad_norm"):

@@ -155,6 +155,26 @@ def test_predict_writes_beside_the_weights_by_default_and_says_where(env, run, f
     assert not (scratch / "step_12" / expected.name).exists()
 
 
+def test_predict_replaces_only_a_csv_it_wrote_and_names_it_within_a_file_names_limit(env, run, tmp_path):
+    """Before, the default CSV replaced a file of the user's with its name, and an --images folder of 250 characters
+    ended in an ENAMETOOLONG traceback."""
+    out, _ = run
+    weights = tmp_path / "run" / "model.safetensors"
+    weights.parent.mkdir()
+    shutil.copy(out / "model.safetensors", weights)
+    photos = tmp_path / ("p" * 250)
+    photos.mkdir()
+    Image.new("RGB", (32, 32), (10, 200, 10)).save(photos / "a.png")
+    result = predict(env, "--weights", weights, "--images", photos)
+    written = weights.parent / f"predictions-{'p' * 200}.csv"
+    assert result.returncode == 0 and f"wrote {written} (1 images)" in result.stdout, result.stderr
+    assert predict(env, "--weights", weights, "--images", photos).returncode == 0  # its own: replaced
+    written.write_text("my notes\n")
+    result = predict(env, "--weights", weights, "--images", photos)
+    assert result.returncode == 1 and f"{written} exists: pass --overwrite" in result.stderr, result.stderr
+    assert written.read_text() == "my notes\n"
+
+
 def test_predict_bad_input_is_one_line_and_keeps_what_is_on_disk(env, run, folder, tmp_path):
     out, _ = run
     root, _ = folder
