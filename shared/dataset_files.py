@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shared.errors import RecipeError, check_decoded_size, check_size, first_line
+from shared.errors import MAX_INFLATE_RATIO, RecipeError, check_decoded_size, check_size, first_line
 from shared.pickles import check_pickle
 
 FASHION_MNIST = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
@@ -37,6 +37,7 @@ FASHION_MNIST = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal"
 FASHION_MNIST_TEST_LABELS = "3d0e6c6ea990b53b"
 # Limits for files from anywhere (docs/troubleshooting.md): what a file or its header may claim.
 MAX_NAMES_BYTES = 2**20  # a file of class names: CIFAR-100's is under 1 KiB
+MAX_PICKLE_BYTES = 2**28  # one CIFAR pickle (its text costs 6 times its size to read): 400 MB of text took 3.3 GB
 IDX_SPLITS = {"train": ("train",), "test": ("t10k", "test")}
 CIFAR_BINARY = {  # folder -> the files of each split, the class names' file, the label bytes before each image
     "cifar-10-batches-bin": ({"train": [f"data_batch_{i}.bin" for i in range(1, 6)], "test": ["test_batch.bin"]},
@@ -144,6 +145,11 @@ def read_idx(path: Path, count_only: bool = False) -> np.ndarray | int:
             if count_only and len(dims) == 4 * magic[3]:
                 return shape[0]
             check_size(path, size)
+            stored = path.stat().st_size  # a gzip bomb inflates thousands of times (1 MB to 1.5 GB)
+            if path.suffix == ".gz" and size > MAX_INFLATE_RATIO * stored + 2**26:
+                raise RecipeError(f"{path} claims {size:,} bytes of data in {stored:,} bytes (a gzip file may hold "
+                                  f"{MAX_INFLATE_RATIO} times its size plus 64 MiB): damaged or hostile; download it "
+                                  "again")
             raw, extra = f.read(size), f.read(1)  # gzip: decompresses only what it returns
     except (OSError, EOFError, zlib.error, MemoryError) as error:  # a truncated or corrupt .gz; no memory left
         raise RecipeError(f"{path} cannot be read ({first_line(error)}): download it again") from None
@@ -267,6 +273,10 @@ def read_pickled_batch(path: Path) -> dict:
     try:
         # Read, checked and unpickled, a text with one 4-byte character takes 4 bytes a character: the peak was 6 times
         check_size(path, size := path.stat().st_size, times=6)  # the file's size (100 MB of text: 590 MB)
+        if size > MAX_PICKLE_BYTES:
+            raise RecipeError(f"{path} is {size:,} bytes, more than a CIFAR pickle holds ({MAX_PICKLE_BYTES >> 20} "
+                              "MiB; CIFAR-100's train file, the largest, is 155 MB): download the dataset again; a "
+                              "file you made: split it into data_batch_1, data_batch_2, ...")
         with open(path, "rb") as f:
             raw = f.read(size)  # the size checked, not a bound (read allocates what it is asked for: 4 GiB, untouched)
         check_pickle(raw)

@@ -30,7 +30,7 @@ from accelerate import PartialState
 from accelerate.utils import parse_flag_from_env
 
 MAX_FILE_BYTES = 4 * 2**30  # one dataset file: 4 GiB (the real MNIST family's largest is under 1 GiB)
-MAX_PARQUET_RATIO = 100  # what a parquet file may inflate to, times its size (a bomb: 70,000 times)
+MAX_INFLATE_RATIO = 100  # what a compressed file (parquet, gzip) may inflate to, times its size (bombs: 1,000s)
 
 
 class RecipeError(Exception):
@@ -254,7 +254,7 @@ def check_decoded_size(source: str, count: int, image_shape: tuple[int, int, int
 
 def check_parquet_files(folder: Path) -> None:
     """A parquet file's footer says how large its columns are once decompressed: a 52 KB file of compressed zeros
-    reached 3.6 GB. Refuse a file that claims more than MAX_PARQUET_RATIO times its size (images inside are compressed
+    reached 3.6 GB. Refuse a file that claims more than MAX_INFLATE_RATIO times its size (images inside are compressed
     already; raw pixel columns shrink a few times) or than the free memory, before a page is read."""
     import pyarrow.parquet as pq
 
@@ -267,7 +267,7 @@ def check_parquet_files(folder: Path) -> None:
             raise RecipeError(f"{file} is not a readable parquet file ({type(error).__name__}: "
                               f"{first_line(error)[:100]}): write it again") from None
         size, free = file.stat().st_size, free_memory()
-        if claimed > min(MAX_PARQUET_RATIO * size + 2**26, free):
+        if claimed > min(MAX_INFLATE_RATIO * size + 2**26, free):
             raise RecipeError(f"{file} claims {claimed:,} bytes once decompressed, from {size:,} on disk (over "
-                              f"{MAX_PARQUET_RATIO} times its size plus 64 MiB, or the {free / 2**30:.1f} GiB of free "
+                              f"{MAX_INFLATE_RATIO} times its size plus 64 MiB, or the {free / 2**30:.1f} GiB of free "
                               "memory): a damaged or hostile file; write it again")

@@ -510,11 +510,18 @@ def gzip_of_zeros(path: Path, header: bytes, zeros: int) -> None:
         f.write(header)
         for _ in range(zeros // 2**24):
             f.write(bytes(2**24))
+        f.write(bytes(zeros % 2**24))
 
 
 def idx_gzip_bomb(folder: Path) -> str:  # 2 GiB of zeros (2 MB gzipped) behind a header that claims 20 images
     gzip_of_zeros(folder / "t10k-images-idx3-ubyte.gz", bytes([0, 0, 8, 3]) + struct.pack(">3I", 20, 28, 28), 2**31)
     return "is more than 15,696 bytes, not what its header says ((20, 28, 28))"
+
+
+def idx_inflates(folder: Path) -> str:  # one image of 12,000 x 12,000 zeros: 144 MB from 140 KB (a 1 MB one: 1.5 GB)
+    gzip_of_zeros(folder / "train-images-idx3-ubyte.gz", bytes([0, 0, 8, 3]) + struct.pack(">3I", 1, 12000, 12000),
+                  144_000_000)
+    return "claims 144,000,000 bytes of data in "
 
 
 def idx_claims_too_much(folder: Path) -> str:  # one image of 2^32 x 2^32 pixels: 2^64 bytes
@@ -565,7 +572,7 @@ LAUNCHED = pytest.mark.slow  # under the memory limit, or where a read would blo
                                     marks=LAUNCHED), pytest.param(idx_claims_too_many, marks=LAUNCHED),
                                     idx_label_outside_the_named_classes,
                                     pytest.param(idx_fifo, marks=LAUNCHED), idx_zero_length,
-                                    pytest.param(idx_too_wide, marks=LAUNCHED)])
+                                    pytest.param(idx_too_wide, marks=LAUNCHED), idx_inflates])
 def test_idx_files_that_lie(env, tmp_path, damage):
     folder = idx_folder(tmp_path / "fashion-mnist", random_splits((28, 28)))
     needle = damage(folder)
@@ -662,6 +669,16 @@ def test_cifar_pickles_that_would_cost_what_they_claim(env, tmp_path, raw, needl
     (folder / "data_batch_2").write_bytes(raw)
     refused(env, tmp_path, "cifar_cnn", "--data", folder, *SHORT, "--output_dir", tmp_path / "out",
             needle=f"data_batch_2 is not a plain CIFAR pickle, refused ({needle}")
+
+
+def test_a_cifar_pickle_larger_than_any_published_one_is_refused_before_it_is_read(env, tmp_path):
+    """400 MB of text that widens once decoded peaked at 3,322 MB, and was accepted: free memory was the only bound."""
+    folder = cifar_python_folder(tmp_path / "cifar-10-batches-py", random_splits((3, 32, 32)),
+                                 [str(i) for i in range(10)])
+    with open(folder / "data_batch_2", "r+b") as f:
+        f.truncate(300 * 2**20)  # sparse: no disk used, and never read
+    refused(env, tmp_path, "cifar_cnn", "--data", folder, *SHORT, "--output_dir", tmp_path / "out",
+            needle="data_batch_2 is 314,572,800 bytes, more than a CIFAR pickle holds (256 MiB")
 
 
 @pytest.mark.slow  # launched: before the fix the interpreter crashed
