@@ -24,6 +24,7 @@ from shared.errors import printable
 MAX_JSON_BYTES = 2**24  # a config.json: a few KB, up to about 2 MB with 100,000 class names
 # Flags a resume takes from the command line only: where the run writes and what it continues (a run folder may come
 # from anywhere, and never chooses those).
+MAX_WORDS = 1_000  # a command line's words: a recipe has under 40 flags, of one or two words each
 FROM_THE_COMMAND_LINE = ("resume", "output_dir", "overwrite", "checkpoint_dir")
 
 
@@ -82,6 +83,8 @@ def parse_config(cls: type, argv: list[str] | None = None):
             parser.error(str(error))
 
     argv = sys.argv[1:] if argv is None else argv
+    if len(argv) > MAX_WORDS:  # argparse takes minutes over 100,000 (quadratic), and would list each unknown one
+        parser.error(f"{len(argv):,} words on the command line, more than a recipe's flags take ({MAX_WORDS:,})")
     cfg = parse(argv)
     if getattr(cfg, "resume", None):  # a run continues with its own flags (its config.json's), but those given here
         try:

@@ -116,7 +116,7 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
     if cfg.checkpoint_dir:
         check_shared(Path(cfg.checkpoint_dir), "--checkpoint_dir")
     # A resumed run keeps its run id (from config.json), so it continues the same wandb run.
-    run = mine if cfg.resume and is_run(run_dir) else None
+    run = mine if cfg.resume else None  # a folder that is not a run was refused above
     run, labels = run or uuid.uuid4().hex[:8], {"synthetic": True} if cfg.synthetic else {}
     chosen = {"wandb": lambda: [WandB(recipe, run_dir, run, tags=list(labels))],
               "tensorboard": lambda: [TensorBoard("tensorboard", run_dir)], "none": lambda: []}[cfg.tracker]()

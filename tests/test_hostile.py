@@ -1118,6 +1118,13 @@ def test_a_name_that_is_not_utf8_is_one_line(env, tmp_path, flag):
             "not UTF-8 (a name in another encoding, which datasets, safetensors and matplotlib refuse): rename it")
 
 
+def test_a_hundred_thousand_words_on_the_command_line_are_one_line_at_once(env, tmp_path):
+    """argparse took more than 120 s over 100,000 unknown flags (quadratic), then listed each in its error."""
+    line = refused(env, tmp_path, "cifar_cnn", *(f"--x{n}" for n in range(100_000)), status=2,
+                   needle="100,000 words on the command line, more than a recipe's flags take (1,000)")
+    assert len(line) < 200
+
+
 @pytest.mark.parametrize("output, needle", [("missing/p.csv", "its folder does not exist"), ("", "a folder")],
                          ids=["missing folder", "a folder"])
 def test_predict_output_that_cannot_be_a_file(env, run, tmp_path, output, needle):
