@@ -14,11 +14,13 @@ listed in docs/troubleshooting.md.
 import contextlib
 import errno
 import importlib.util
+import json
 import math
 import os
 import re
 import resource
 import sys
+import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager, redirect_stdout
@@ -104,8 +106,14 @@ def one_line_errors():
                        "died, start every node again with --resume latest")
         else:
             raise
-        if is_main_process():  # a file name may hold a newline: the line stays one, its author cannot add another
-            print("error: " + printable(message), file=sys.stderr, flush=True)
+        line = "error: " + printable(message)  # a file name may hold a newline: the line stays one
+        if is_main_process():
+            print(line, file=sys.stderr, flush=True)
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            # Under torchrun, which ends a failed run in its traceback and a summary of each process's exit: the
+            # summary shows this as the cause ("traceback : error: ..."), last on the screen, every process's.
+            with contextlib.suppress(OSError), open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+                json.dump({"message": line, "timestamp": int(time.time())}, f)
         sys.exit(1)
 
 

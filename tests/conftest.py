@@ -170,6 +170,15 @@ def exited_cleanly(returncode: int, stderr: str) -> bool:
     return False
 
 
+def printed_once_and_last(stderr: str, start: str) -> str:
+    """A run of several processes that failed: its line (starting with `start`) printed once by the processes, and
+    again as the root cause that ends torchrun's report, the last lines on the screen. Returns the line."""
+    lines = stderr.strip().splitlines()
+    own = [line for line in lines if line.startswith(start)]
+    assert len(own) == 1 and lines[-2].strip() == f"traceback : {own[0]}" and set(lines[-1]) == {"="}, lines[-14:]
+    return own[0]
+
+
 def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert exited_cleanly(result.returncode, result.stderr), (
         f"exit {result.returncode}\n--- stdout\n{result.stdout[-3000:]}\n--- stderr\n{result.stderr[-5000:]}")

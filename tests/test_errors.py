@@ -27,7 +27,17 @@ from safetensors.torch import load_file
 
 from shared.errors import RecipeError
 
-from conftest import ROOT, assert_bitwise_equal, launch, ok, read_json, read_jsonl, run_here, weights
+from conftest import (
+    ROOT,
+    assert_bitwise_equal,
+    launch,
+    ok,
+    printed_once_and_last,
+    read_json,
+    read_jsonl,
+    run_here,
+    weights,
+)
 from tiny_data import cifar_binary_dataset, image_splits, imagefolder_dataset, text_dataset
 
 RECIPES = ["cifar_cnn", "resnet18_fmnist", "deep_mlp_ckpt"]
@@ -179,7 +189,7 @@ def test_more_processes_than_gpus_on_a_cpu_machine(env, data, tmp_path):
     # 2gpu.yaml without GPUs and without ACCELERATE_USE_CPU: accelerate 1.x would start two runs.
     result = launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(tmp_path / "run"), config="2gpu")
     assert result.returncode != 0
-    assert result.stderr.count("error: 2 processes were launched but no GPUs were found") == 1
+    printed_once_and_last(result.stderr, "error: 2 processes were launched but no GPUs were found")
     assert "ACCELERATE_USE_CPU=true" in result.stderr and 'recipes/cifar_cnn.py", line' not in result.stderr
     assert not (tmp_path / "run").exists()
 
@@ -470,8 +480,24 @@ def test_an_error_in_a_two_process_run_stops_both_promptly_printed_once(env, tmp
     result = launch(env, "cifar_cnn", "--data", str(tmp_path / "missing"), "--tracker", "none",
                     "--output_dir", str(tmp_path / "run"), config="2gpu", use_cpu=True)
     assert result.returncode != 0 and time.monotonic() - started < 90
-    assert result.stderr.count("no such folder") == 1
+    # Printed once by the processes, and once more as the cause in torchrun's summary, which ends the screen (the
+    # launcher's traceback comes first): before, the line scrolled away above 30 lines of torchrun's
+    assert "no such folder" in printed_once_and_last(result.stderr, "error: ")
     assert 'recipes/cifar_cnn.py", line' not in result.stderr and "[rank1]" not in result.stderr
+
+
+def test_under_torchrun_an_error_is_the_cause_its_summary_shows(tmp_path):
+    """The file torchrun reads each failed process's cause from (TORCHELASTIC_ERROR_FILE), read by torch's own
+    reader: a quick test, so both ends of the torch range run it."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    error_file = tmp_path / "error.json"
+    result = run_here("cifar_cnn", "--data", tmp_path / "missing", "--output_dir", tmp_path / "run",
+                      env={"TORCHELASTIC_ERROR_FILE": str(error_file)})
+    line = result.stderr.strip().splitlines()[-1]
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(error_file))
+    summary = ChildFailedError("recipes/cifar_cnn.py", {0: failure}).format_msg().splitlines()
+    assert line.startswith("error: --data ") and summary[-2].strip() == f"traceback : {line}", summary
 
 
 @pytest.mark.slow  # two processes, one of them slowed down
