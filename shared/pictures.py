@@ -14,6 +14,8 @@ from PIL import Image
 from shared.errors import printable, replacing
 from shared.tracking import is_point
 
+COLOURS = {"train": "C0", "eval": "C1", "grad": "C2"}  # matplotlib's first three: blue, orange, green
+STYLES = ("-", "--", ":", "-.")
 MAX_POINTS = 10_000  # of a curve: more than a picture 1,500 pixels wide shows (a metrics.jsonl may hold millions)
 MAX_MATRIX_CLASSES = 1_000  # above, a confusion matrix is no picture to read, and 10^5 classes take 80 GB
 
@@ -34,12 +36,15 @@ def label(name: str) -> str:
 
 
 def plot_curves(rows: Iterable[dict], path: Path, title: str) -> None:
-    """Loss, the recipe's metrics (train and eval) and the gradient norm against the optimizer step. One pass over the
-    rows, keeping only the numbers drawn."""
-    series, metrics, seen, stride = defaultdict(list), set(), Counter(), defaultdict(lambda: 1)
+    """Loss, the recipe's metrics (train and eval) and the gradient norm against the optimizer step, with the epoch
+    above and each resume marked. One pass over the rows, keeping only the numbers drawn. One colour a series in every
+    panel (train blue, eval orange), a line style a metric; evaluations as dots over the training curves."""
+    series, metrics, seen, stride, resumed = defaultdict(list), set(), Counter(), defaultdict(lambda: 1), []
     for row in rows:
+        if row.get("resumed") is True and len(resumed) < MAX_POINTS:  # the row a resume writes (tracking.RunFiles)
+            resumed.append(row["step"])
         for key, value in row.items():
-            if key.startswith(("train_", "eval_", "grad_norm")) and type(value) in (int, float):  # no text, no bool
+            if (key.startswith(("train_", "eval_", "grad_norm")) or key == "epoch") and type(value) in (int, float):
                 if seen[key] % stride[key] == 0:  # memory for MAX_POINTS a series, whatever the file's length
                     series[key].append((row["step"], value))
                     if len(series[key]) > 2 * MAX_POINTS:  # every other point: the same curve, half the points
@@ -48,16 +53,28 @@ def plot_curves(rows: Iterable[dict], path: Path, title: str) -> None:
                 seen[key] += 1
                 # train_<name> and eval_<name> of each of metric_sums, from the training and evaluation points: not
                 # the summary's train_s (the run's training time), which is no metric
-                if is_point(row) and "loss" not in key and key not in ("eval_samples", "grad_norm"):
+                metric = key.startswith(("train_", "eval_")) and "loss" not in key and key != "eval_samples"
+                if is_point(row) and metric:
                     metrics.add(key)
+    names = sorted({key.split("_", 1)[1] for key in metrics})  # acc, top5, ...: a line style each
+    steps, epochs = map(np.array, zip(*series["epoch"])) if series["epoch"] else ([], [])
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for ax, keys, ylabel in zip(axes, (("train_loss", "eval_loss"), sorted(metrics), ("grad_norm",)),
-                                ("loss", "metric (a fraction)", "gradient L2 norm, before clipping")):
+    ordered = sorted(metrics, key=lambda k: (k.split("_", 1)[1], k.startswith("eval")))  # train_acc, eval_acc, ...
+    panels = (("train_loss", "eval_loss"), ordered, ("grad_norm",))
+    for ax, keys, ylabel in zip(axes, panels, ("loss", "metric (a fraction)", "gradient L2 norm, before clipping")):
         for key in keys:
             if series[key]:
-                ax.plot(*zip(*series[key]), marker="o" if key.startswith("eval") else None, markersize=3, label=key)
+                name, evaluation = key.split("_", 1)[1], key.startswith("eval")
+                ax.plot(*zip(*series[key]), color=COLOURS[key.split("_")[0]], label=key, zorder=3 if evaluation else 2,
+                        linestyle=STYLES[names.index(name) % len(STYLES)] if name in names else "-",
+                        marker="o" if evaluation else None, markersize=5)
+        for n, step in enumerate(resumed):
+            ax.axvline(step, color="grey", linestyle=":", label=None if n else "resumed")
         ax.set(xlabel="optimizer step", ylabel=ylabel, ylim=(0, 1) if ylabel.startswith("metric") else None)
+        if len(steps) > 1 and (np.diff(steps) > 0).all() and (np.diff(epochs) > 0).all():  # an axis needs both rising
+            ax.secondary_xaxis("top", functions=(lambda s: np.interp(s, steps, epochs),
+                                                 lambda e: np.interp(e, epochs, steps))).set_xlabel("epoch")
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend()

@@ -196,6 +196,9 @@ class RunFiles(GeneralTracker):
             rows = (row for row in read_rows(self.metrics) if row["step"] < step or row["step"] == step
                     and "train_loss" in row)
             write_atomic(self.metrics, (json.dumps(row) + "\n" for row in rows))  # one row in memory at a time
+        if step is not None:  # where the run was resumed, marked on curves.png
+            with self.metrics.open("a") as f:
+                f.write(json.dumps({"step": step, "resumed": True, **self.labels}) + "\n")
         write_json(self.run_dir / "config.json", {**values, "run_id": self.run_id})
 
     def log(self, values: dict, step: int | None = None, **kwargs):

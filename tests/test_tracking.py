@@ -362,6 +362,36 @@ def test_the_curves_show_the_metrics_and_nothing_of_the_summary(tmp_path, monkey
     assert sorted(labels) == ["eval_acc", "eval_loss", "grad_norm", "train_acc", "train_loss"]
 
 
+def test_the_curves_keep_a_colour_a_series_show_evaluations_over_them_the_epochs_and_each_resume(tmp_path, monkeypatch):
+    """Before: train blue in one panel and orange in the next (metrics sorted eval first), a run's one evaluation
+    hidden under the training curve, no epoch, a resume not shown."""
+    import matplotlib.axes
+
+    from shared.pictures import plot_curves
+
+    lines, marks, axes, plot = [], [], [], matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda ax, *args, **kwargs: (
+        lines.append(kwargs), plot(ax, *args, **kwargs))[1])
+    monkeypatch.setattr(matplotlib.axes.Axes, "axvline", lambda ax, x, **kwargs: marks.append(x))
+    secondary = matplotlib.axes.Axes.secondary_xaxis
+    monkeypatch.setattr(matplotlib.axes.Axes, "secondary_xaxis", lambda ax, *args, **kwargs: (
+        axes.append(kwargs["functions"]), secondary(ax, *args, **kwargs))[1])
+    rows = [{"step": n, "epoch": n / 10, "train_loss": 1 / n, "train_acc": 0.5, "train_top5": 0.9, "grad_norm": 1.0}
+            for n in range(1, 21)]
+    rows[10:10] = [{"step": 10, "eval_loss": 0.5, "eval_acc": 0.6, "eval_top5": 0.95, "eval_samples": 20},
+                   {"step": 10, "resumed": True}]
+    plot_curves(rows, tmp_path / "curves.png", "run")
+    colours = {line["label"]: line["color"] for line in lines}
+    assert colours == {"train_loss": "C0", "train_acc": "C0", "train_top5": "C0", "grad_norm": "C2", "eval_loss": "C1",
+                       "eval_acc": "C1", "eval_top5": "C1"}
+    styles = {line["label"]: line["linestyle"] for line in lines}
+    assert styles["train_acc"] == styles["eval_acc"] != styles["train_top5"] == styles["eval_top5"]
+    assert all(line["zorder"] > 2 and line["marker"] == "o" for line in lines if line["label"].startswith("eval"))
+    assert marks == [10, 10, 10]  # the resume, in each panel
+    to_epoch, to_step = axes[0]
+    assert len(axes) == 3 and to_epoch(15) == 1.5 and to_step(0.5) == 5
+
+
 def test_the_curves_of_a_metrics_file_of_any_length_keep_evenly_spaced_points_within_a_bound(tmp_path, monkeypatch):
     """Every point of metrics.jsonl was kept to be drawn: 3 million rows took 400 MB more on a resume (2.1 GB on the
     probe's machine). Now at most 2 * MAX_POINTS a series, every k-th row."""
