@@ -33,6 +33,7 @@ import torch
 from accelerate import PartialState
 from accelerate.tracking import GeneralTracker, TensorBoardTracker, WandBTracker, on_main_process
 from accelerate.utils import broadcast_object_list, gather_object
+from tqdm import tqdm
 
 from shared.checkpoints import (
     check_checkpoint_folder,
@@ -53,6 +54,7 @@ RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "curves.png", "conf
 _LOCKS: dict[Path, int] = {}  # run folder -> its open descriptor, locked while this process runs in it
 MAX_ROW_BYTES = 2**20  # one line of metrics.jsonl: a few hundred bytes as a run writes them
 HEARTBEAT_S = 30  # without a terminal, TrainWindow.heartbeat prints a line at least this often
+ESTIMATE_S, ESTIMATE_STEPS = 10, 20  # the time a run takes is said after this much of it (heartbeat)
 
 
 def open_run(cfg, recipe: str) -> tuple[Path, list]:
@@ -354,6 +356,7 @@ class TrainWindow:
         self.started = self.launched = self.last_line = time.perf_counter()
         self.wall_before = progress.wall_s
         self.first_step_at = None  # time.time() at this launch's first batch
+        self.first, self.estimated = None, False  # (step, time.perf_counter()) after this launch's first step
 
     def add(self, loss: torch.Tensor, metric_sums: dict, samples: int, grad_norm: torch.Tensor | None = None):
         """One batch of this process: its mean loss, the recipe's metrics summed over it, and its size; and the norm of
@@ -388,12 +391,24 @@ class TrainWindow:
         return point
 
     def heartbeat(self, step: int, total_steps: int) -> None:
-        """Without a terminal (a log file, a batch job) there is no progress bar: a line at least every HEARTBEAT_S
-        seconds, from the main process's own batches (it waits for no other process)."""
+        """After each optimizer step. Once, ESTIMATE_S seconds (or ESTIMATE_STEPS steps) after this launch's first
+        step, which warms caches up: the time the rest of the training takes at that pace. Without a terminal (a log
+        file, a batch job) there is no progress bar: a line at least every HEARTBEAT_S seconds, from the main
+        process's own batches (it waits for no other process)."""
         now = time.perf_counter()
+        self._clock()  # the training time so far: progress.train_s, evaluations and checkpoints left out
+        if self.first is None:
+            self.first = (step, self.progress.train_s)
+        elif not self.estimated and (self.progress.train_s - self.first[1] >= ESTIMATE_S
+                                     or step - self.first[0] >= ESTIMATE_STEPS):
+            self.estimated, seconds = True, (self.progress.train_s - self.first[1]) / (step - self.first[0])
+            left = seconds * (total_steps - step)
+            if self.accelerator.is_main_process:  # tqdm.write: above a progress bar, not through it
+                tqdm.write(f"about {f'{left / 60:.0f} min' if left >= 90 else f'{left:.0f} s'} of training to step "
+                           f"{total_steps}, at {seconds:.3g} s a step (steps {self.first[0] + 1}-{step}; evaluations "
+                           "and checkpoints come on top)")
         if now - self.last_line < HEARTBEAT_S or sys.stderr.isatty() or not self.accelerator.is_main_process:
             return
-        self._clock()
         self.last_line = now
         print(f"step {step}/{total_steps}  train_loss {total(self.losses).item() / max(self.batches, 1):.4f}  "
               f"{self.samples / max(self.seconds, 1e-9):.0f} samples/s (since the last log point)", flush=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -341,7 +342,11 @@ def test_without_a_terminal_a_line_comes_at_least_every_30_s(monkeypatch, capsys
     assert capsys.readouterr().out == "step 2/10  train_loss 0.5000  10 samples/s (since the last log point)\n"
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a terminal has the progress bar instead
     clock[0] += 60
-    window.heartbeat(3, 10)
+    window.heartbeat(3, 10)  # and once, ESTIMATE_S after the first step, the time the rest takes, on a terminal too
+    assert capsys.readouterr().out == ("about 4 min of training to step 10, at 31 s a step (steps 2-3; evaluations "
+                                       "and checkpoints come on top)\n")
+    clock[0] += 60
+    window.heartbeat(4, 10)
     assert capsys.readouterr().out == ""
 
 
@@ -360,6 +365,17 @@ def test_the_curves_show_the_metrics_and_nothing_of_the_summary(tmp_path, monkey
             {"step": 1, "train_s": 3.5, "wall_s": 4.0, "max_eval_acc": 0.2, "samples_per_s": 9.0}]
     plot_curves(rows, tmp_path / "curves.png", "run")
     assert sorted(labels) == ["eval_acc", "eval_loss", "grad_norm", "train_acc", "train_loss"]
+
+
+def test_the_time_the_rest_of_the_training_takes_is_said_once_early(data, tmp_path):
+    """Fine-tuning on a CPU defaulted to 10 epochs with nothing to say what they cost before the first epoch's end:
+    now one line, 20 steps (or 10 s) after the first step, which warms caches up."""
+    result = ok(run_here("cifar_cnn", "--data", data, "--max_steps", "30", "--batch_size", "4", "--tracker", "none",
+                         "--output_dir", tmp_path / "run"))
+    said = [line for line in result.stdout.splitlines() if line.startswith("about ")]
+    found = re.fullmatch(r"about \d+ (s|min) of training to step 30, at ([\d.e-]+) s a step \(steps 2-(\d+); "
+                         r"evaluations and checkpoints come on top\)", said[0])
+    assert len(said) == 1 and found and float(found[2]) > 0 and 2 < int(found[3]) <= 21, said
 
 
 def test_the_curves_keep_a_colour_a_series_show_evaluations_over_them_the_epochs_and_each_resume(tmp_path, monkeypatch):
