@@ -38,8 +38,10 @@ def decode(file: bytes | str | Path, channels: int, where: str):
             if image.getexif().get(ExifTags.Base.Orientation) is not None:
                 image = ImageOps.exif_transpose(image)
             # A grayscale image stays one channel here, and becomes three below as a view: the same values as
-            # PIL's L -> RGB, without PIL's 4 bytes a pixel (a 9,400 px scan: 350 MB)
-            pixels = np.array(image.convert("L" if channels == 1 or own == 1 else "RGB"))
+            # PIL's L -> RGB, without PIL's 4 bytes a pixel (a 9,400 px scan: 350 MB); an image already in the mode
+            # asked for is not copied by a convert (another 350 MB)
+            target = "L" if channels == 1 or own == 1 else "RGB"
+            pixels = np.array(image if image.mode == target else image.convert(target))
     except (Image.DecompressionBombWarning, Image.DecompressionBombError):
         raise RecipeError(f"{where} has more than {Image.MAX_IMAGE_PIXELS:,} pixels, PIL's limit against "
                           "decompression bombs: remove it, or shrink it first") from None

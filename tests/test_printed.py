@@ -30,6 +30,7 @@ HOSTILE_ENVIRONMENT = {
     # not needed by a resume: never printed, whatever they hold
     "WANDB_BASE_URL": "https://user:hunter2@wandb.example", "HF_ENDPOINT": "https://u:p@hub.example",
     "WANDB_PASSWORD": "hunter2", "HF_API_SECRET": "s", "WANDB_AUTH": "a", "TORCH_HUB_AUTH": "t",
+    "HF_HUB_CREDENTIALS": "c", "hf_token": "t", "wandb_api_key": "k", "accelerate_password": "p",
     "https_proxy": "http://u:p@proxy:3128", "WANDB_$(touch M)": "1", "WANDB_X;touch M;Y": "1", "UNRELATED": "\udcff",
     # needed, but bad: left out alone, and named
     "ACCELERATE_password": "x", "ACCELERATE_X;touch M;Y": "1", "WANDB_DIR": "https://u:p@host/x",
