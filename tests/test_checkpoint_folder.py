@@ -13,12 +13,18 @@ from shared.checkpoints import check_checkpoint_folder, list_checkpoints, run_id
 from shared.errors import RecipeError
 
 from conftest import ok, read_json, run_here
+from tiny_data import cifar_binary_dataset
 
-RUN = ("--synthetic", "--batch_size", "4", "--tracker", "none")
+RUN = ("--batch_size", "4", "--tracker", "none")
 
 
-def run(out: Path, checkpoints: Path, *args) -> object:
-    return run_here("cifar_cnn", *RUN, "--output_dir", out, "--checkpoint_dir", checkpoints, *args)
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return cifar_binary_dataset(tmp_path_factory.mktemp("folder") / "data", sizes={"train": 32, "test": 8})
+
+
+def run(data: Path, out: Path, checkpoints: Path, *args) -> object:
+    return run_here("cifar_cnn", "--data", data, *RUN, "--output_dir", out, "--checkpoint_dir", checkpoints, *args)
 
 
 def contents(folder: Path) -> dict:
@@ -35,10 +41,10 @@ def refused(result, *needles: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def run_a(tmp_path_factory) -> tuple[Path, Path]:
+def run_a(data, tmp_path_factory) -> tuple[Path, Path]:
     """Run A: 6 steps, a checkpoint every 2, keeping 2, in a folder of its own outside its run folder."""
     root = tmp_path_factory.mktemp("a")
-    ok(run(root / "a", root / "shared", "--max_steps", "6", "--checkpoint_every", "2", "--keep_checkpoints", "2"))
+    ok(run(data, root / "a", root / "shared", "--max_steps", "6", "--checkpoint_every", "2", "--keep_checkpoints", "2"))
     return root / "a", root / "shared"
 
 
@@ -48,17 +54,18 @@ def test_every_checkpoint_records_its_runs_id(run_a):
     assert {run_id(p) for p in checkpoints.iterdir()} == {read_json(out / "config.json")["run_id"]}
 
 
-def test_another_run_is_refused_a_checkpoint_folder_in_use_and_nothing_is_lost(run_a, tmp_path):
+def test_another_run_is_refused_a_checkpoint_folder_in_use_and_nothing_is_lost(data, run_a, tmp_path):
     """Run B given run A's folder: before, B's pruning deleted A's checkpoints and B's --resume latest continued A's."""
     a, checkpoints = run_a
     before = contents(checkpoints)
-    result = run(tmp_path / "b", checkpoints, "--max_steps", "6", "--checkpoint_every", "1", "--keep_checkpoints", "1")
+    result = run(data, tmp_path / "b", checkpoints, "--max_steps", "6", "--checkpoint_every", "1",
+                 "--keep_checkpoints", "1")
     refused(result, f"--checkpoint_dir {checkpoints} holds 'step_4', a checkpoint of run "
                     f"'{read_json(a / 'config.json')['run_id']}'")
     assert contents(checkpoints) == before and not (tmp_path / "b").exists()
 
 
-def test_a_users_own_step_folders_are_refused_and_kept(tmp_path):
+def test_a_users_own_step_folders_are_refused_and_kept(data, tmp_path):
     """A folder of the user's that happens to hold step_1..step_5 (notes): before, three were deleted at the first
     save, exit 0."""
     mine = tmp_path / "mine"
@@ -66,49 +73,49 @@ def test_a_users_own_step_folders_are_refused_and_kept(tmp_path):
         (mine / f"step_{n}").mkdir(parents=True)
         (mine / f"step_{n}" / "notes.txt").write_text(f"notes {n}")
     before = contents(mine)
-    result = run(tmp_path / "run", mine, "--max_steps", "4", "--checkpoint_every", "1", "--keep_checkpoints", "2")
+    result = run(data, tmp_path / "run", mine, "--max_steps", "4", "--checkpoint_every", "1", "--keep_checkpoints", "2")
     refused(result, "holds 'step_1', no checkpoint of this run", "pass an empty or new folder")
     assert contents(mine) == before
 
 
-def test_overwrite_replaces_the_replaced_runs_checkpoints_and_keeps_its_own(tmp_path):
+def test_overwrite_replaces_the_replaced_runs_checkpoints_and_keeps_its_own(data, tmp_path):
     """Run B overwrites run A, both keeping checkpoints in one folder: before, B pruned its own step_3 and its
     --resume latest continued A's step_6."""
     out, checkpoints = tmp_path / "run", tmp_path / "ck"
-    ok(run(out, checkpoints, "--max_steps", "6", "--checkpoint_every", "2", "--keep_checkpoints", "2"))
-    ok(run(out, checkpoints, "--max_steps", "5", "--checkpoint_every", "3", "--keep_checkpoints", "2", "--seed", "1",
-           "--overwrite"))
+    ok(run(data, out, checkpoints, "--max_steps", "6", "--checkpoint_every", "2", "--keep_checkpoints", "2"))
+    ok(run(data, out, checkpoints, "--max_steps", "5", "--checkpoint_every", "3", "--keep_checkpoints", "2",
+           "--seed", "1", "--overwrite"))
     b = read_json(out / "config.json")["run_id"]
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step_3", "step_5"]
     assert {run_id(p) for p in checkpoints.iterdir()} == {b}
     (out / "model.safetensors").unlink()  # as if stopped after its last checkpoint, before its weights
-    # a synthetic run: its config.json records data "SYNTHETIC data", which before was refused as a --data
-    resumed = ok(run(out, checkpoints, "--resume", "latest"))
+    resumed = ok(run(data, out, checkpoints, "--resume", "latest"))
     assert f"resuming from {checkpoints / 'step_5'}" in resumed.stdout
 
 
-def test_overwrite_is_refused_before_anything_is_deleted_where_another_run_has_checkpoints(run_a, tmp_path):
+def test_overwrite_is_refused_before_anything_is_deleted_where_another_run_has_checkpoints(data, run_a, tmp_path):
     """Before, --overwrite deleted the replaced run's weights and metrics, then failed on a checkpoint it did not
     write ("exists but this run did not write it")."""
     out, checkpoints = tmp_path / "run", tmp_path / "ck"
-    ok(run(out, checkpoints, "--max_steps", "2", "--checkpoint_every", "1"))
+    ok(run(data, out, checkpoints, "--max_steps", "2", "--checkpoint_every", "1"))
     (checkpoints / "step_4").symlink_to(run_a[1] / "step_4")  # not even a copy: refused as a link first
     (checkpoints / "step_4").unlink()
     (checkpoints / "step_4").mkdir()
     (checkpoints / "step_4" / "config.json").write_bytes((run_a[1] / "step_4" / "config.json").read_bytes())
     before = contents(tmp_path)
-    result = run(out, checkpoints, "--max_steps", "6", "--checkpoint_every", "2", "--overwrite")
+    result = run(data, out, checkpoints, "--max_steps", "6", "--checkpoint_every", "2", "--overwrite")
     refused(result, "holds 'step_4', a checkpoint of run")
     assert contents(tmp_path) == before
 
 
-def test_a_link_in_a_checkpoint_folder_is_one_line(tmp_path):
+def test_a_link_in_a_checkpoint_folder_is_one_line(data, tmp_path):
     """A step_0 link: before, the first pruning ended in shutil.rmtree's traceback."""
     checkpoints = tmp_path / "ck"
     checkpoints.mkdir()
     (tmp_path / "elsewhere").mkdir()
     (checkpoints / "step_0").symlink_to(tmp_path / "elsewhere")
-    refused(run(tmp_path / "run", checkpoints, "--max_steps", "2", "--checkpoint_every", "1"), "is a symbolic link")
+    result = run(data, tmp_path / "run", checkpoints, "--max_steps", "2", "--checkpoint_every", "1")
+    refused(result, "is a symbolic link")
     assert (checkpoints / "step_0").is_symlink() and (tmp_path / "elsewhere").is_dir()
 
 
@@ -122,3 +129,14 @@ def test_pruning_and_latest_see_only_the_runs_own_checkpoints(tmp_path):
     with pytest.raises(RecipeError, match="holds 'step_2', a checkpoint of run 'bbbb'"):
         check_checkpoint_folder(tmp_path, "aaaa")
     assert check_checkpoint_folder(tmp_path / "new", None) == []
+
+
+def test_a_synthetic_runs_recorded_data_is_no_flag_of_its_resume(tmp_path):
+    """A --synthetic run records data "SYNTHETIC data", which --resume latest refused as a --data naming no folder."""
+    from recipes.cifar_cnn import Config
+    from shared.config import recorded_flags
+
+    (tmp_path / "config.json").write_text('{"recipe": "cifar_cnn", "synthetic": true, "data": "SYNTHETIC data", '
+                                          '"batch_size": 4}')
+    words, _ = recorded_flags(Config(resume="latest", output_dir=str(tmp_path)), ["--resume", "latest"])
+    assert sorted(words) == ["--batch_size=4", "--synthetic"]

@@ -357,8 +357,10 @@ def test_kill_9_of_the_launcher_of_2_processes_stops_both_with_a_checkpoint(env,
     stdout, stderr = process.communicate(timeout=120)  # the pipes close when the orphaned processes exit
     psutil.wait_procs(workers, timeout=10)
     assert time.monotonic() - killed < 60 and not any(worker.is_running() for worker in workers), stderr[-3000:]
+    # Stopped by the signal, with a checkpoint: at step 20 too where the agreement fell on the last step (the steps
+    # of this tiny run take milliseconds, and the processes agree about once a second), which the resume finishes
     stopped = int(stdout.split("stopped by SIGTERM at step ")[1].split(",")[0])
-    assert stopped < 20 and (out / "checkpoints" / f"step_{stopped}").is_dir()
+    assert stopped <= 20 and (out / "checkpoints" / f"step_{stopped}").is_dir()
     ok(pasted(stdout.split("continue with:\n")[1].strip().splitlines()[0]))
     assert_bitwise_equal(weights(out), weights(reference_of_two))
 

@@ -85,18 +85,18 @@ def test_a_shell_word_is_the_same_word_pasted_and_printable_shown(word):
 
 
 @pytest.mark.slow  # launched: a signal
-def test_a_stop_of_a_real_run_names_what_it_left_out(env, tmp_path):
+def test_a_stop_of_a_real_run_names_what_it_left_out(env, data, tmp_path):
     """The line a stop prints, from a real run: the command, then what it left out."""
     out = tmp_path / "run"
-    command = [sys.executable, "recipes/cifar_cnn.py", "--synthetic", "--max_steps", "1", "--output_dir", str(out),
-               "--tracker", "none", "--batch_size", "4"]
+    command = [sys.executable, "recipes/cifar_cnn.py", "--data", str(data), "--max_steps", "1", "--output_dir",
+               str(out), "--tracker", "none", "--batch_size", "4"]
     faulty = dict(env, WANDB_PASSWORD="hunter2", ACCELERATE_SECRET_THING="hunter2",
                   PYTHONPATH=str(Path(__file__).parent / "faults"), FAULT_SIGTERM_IN_TRAINING="1")
     ran = subprocess.run(command, cwd=Path(__file__).parents[1], env=faulty, capture_output=True,
                          text=True, timeout=300)
     assert ran.returncode == 0 and "hunter2" not in ran.stdout + ran.stderr, ran.stderr[-2000:]
     resume, left_out = ran.stdout.split("continue with:\n")[1].splitlines()[:2]
-    assert resume.strip().endswith(f"recipes/cifar_cnn.py --output_dir {out} --resume latest"), resume
+    assert resume.strip().endswith(f"recipes/cifar_cnn.py --data {data} --output_dir {out} --resume latest"), resume
     assert left_out.strip() == "(left out: ACCELERATE_SECRET_THING; set them again if the run needs them)"
     assert os.path.isdir(out / "checkpoints" / "step_1")
 
@@ -114,10 +114,14 @@ def shown(text: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> tuple[Path, Path]:
+def data(tmp_path_factory) -> Path:
+    return cifar_binary_dataset(tmp_path_factory.mktemp("printed") / "data", sizes={"train": 16, "test": 8})
+
+
+@pytest.fixture(scope="module")
+def trained(data, tmp_path_factory) -> tuple[Path, Path]:
     """A finished run, and its weights re-saved with HOSTILE_CLASSES as the classes their metadata names."""
     root = tmp_path_factory.mktemp("printed")
-    data = cifar_binary_dataset(root / "data", sizes={"train": 16, "test": 8})
     ok(run_here("cifar_cnn", "--data", data, "--output_dir", root / "run", *SHORT))
     with safe_open(root / "run" / "model.safetensors", "pt") as f:
         state, about = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
