@@ -80,6 +80,8 @@ def check_checkpoint_folder(folder: Path, run: str | None) -> list[Path]:
     check_entries(folder)
     entries = sorted(Path(folder).iterdir())
     for entry in entries:
+        if entry.name == ".shared_check":  # left by a start of several nodes killed within its check (check_shared)
+            continue
         if not (re.fullmatch(r"(partial_)?step_\d+", entry.name) and run and run_id(entry) == run):
             found = f"a checkpoint of run {run_id(entry)!r}" if run_id(entry) else "no checkpoint of this run"
             raise RecipeError(f"--checkpoint_dir {folder} holds {entry.name!r}, {found}: a checkpoint folder holds one "

@@ -22,9 +22,9 @@ from typing import Literal
 from shared.errors import printable
 
 MAX_JSON_BYTES = 2**24  # a config.json: a few KB, up to about 2 MB with 100,000 class names
+MAX_WORDS = 1_000  # a command line's words: a recipe has under 40 flags, of one or two words each
 # Flags a resume takes from the command line only: where the run writes and what it continues (a run folder may come
 # from anywhere, and never chooses those).
-MAX_WORDS = 1_000  # a command line's words: a recipe has under 40 flags, of one or two words each
 FROM_THE_COMMAND_LINE = ("resume", "output_dir", "overwrite", "checkpoint_dir")
 
 

@@ -129,6 +129,9 @@ def test_pruning_and_latest_see_only_the_runs_own_checkpoints(tmp_path):
     with pytest.raises(RecipeError, match="holds 'step_2', a checkpoint of run 'bbbb'"):
         check_checkpoint_folder(tmp_path, "aaaa")
     assert check_checkpoint_folder(tmp_path / "new", None) == []
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / ".shared_check").write_text("x")  # left by a start of several nodes killed in its check
+    assert check_checkpoint_folder(tmp_path / "mine", "aaaa") == [tmp_path / "mine" / ".shared_check"]
 
 
 def test_a_synthetic_runs_recorded_data_is_no_flag_of_its_resume(tmp_path):
