@@ -67,7 +67,7 @@ def run_id(folder: Path) -> str | None:
 def list_checkpoints(folder: Path, run: str | None = None) -> list[Path]:
     """Complete checkpoints in a run's checkpoint folder, oldest first; with `run`, only those of the run of that id."""
     found = [p for p in Path(folder).glob("step_*") if p.is_dir() and STEP_DIR.search(p.name)
-             and run in (None, run_id(p))]
+             and (run is None or run_id(p) == run)]  # a config.json read only where a run's id is asked for
     return sorted(found, key=lambda p: int(STEP_DIR.search(p.name).group(1)))
 
 
@@ -82,8 +82,9 @@ def check_checkpoint_folder(folder: Path, run: str | None) -> list[Path]:
     for entry in entries:
         if entry.name == ".shared_check":  # left by a start of several nodes killed within its check (check_shared)
             continue
-        if not (re.fullmatch(r"(partial_)?step_\d+", entry.name) and run and run_id(entry) == run):
-            found = f"a checkpoint of run {run_id(entry)!r}" if run_id(entry) else "no checkpoint of this run"
+        owner = run_id(entry)
+        if not (re.fullmatch(r"(partial_)?step_\d+", entry.name) and run and owner == run):
+            found = f"a checkpoint of run {owner!r}" if owner else "no checkpoint of this run"
             raise RecipeError(f"--checkpoint_dir {folder} holds {entry.name!r}, {found}: a checkpoint folder holds one "
                               "run's checkpoints (this run's pruning and --resume latest would take the rest for its "
                               "own): pass an empty or new folder, or move that out")

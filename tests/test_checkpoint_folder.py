@@ -4,10 +4,10 @@ else is refused before anything is written, in one line that says what was found
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import pytest
+from test_errors import one_line, snapshot  # one line on stderr, exit 1; every file's hash
 
 from shared.checkpoints import check_checkpoint_folder, list_checkpoints, run_id
 from shared.errors import RecipeError
@@ -27,19 +27,6 @@ def run(data: Path, out: Path, checkpoints: Path, *args) -> object:
     return run_here("cifar_cnn", "--data", data, *RUN, "--output_dir", out, "--checkpoint_dir", checkpoints, *args)
 
 
-def contents(folder: Path) -> dict:
-    """Every file under `folder` and its hash: what a refused start must leave as it was."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def refused(result, *needles: str) -> str:
-    line = result.stderr.strip().splitlines()[-1]
-    assert result.returncode == 1 and "Traceback" not in result.stderr and line.startswith("error: "), result.stderr
-    assert all(needle in line for needle in needles), line
-    return line
-
-
 @pytest.fixture(scope="module")
 def run_a(data, tmp_path_factory) -> tuple[Path, Path]:
     """Run A: 6 steps, a checkpoint every 2, keeping 2, in a folder of its own outside its run folder."""
@@ -57,12 +44,12 @@ def test_every_checkpoint_records_its_runs_id(run_a):
 def test_another_run_is_refused_a_checkpoint_folder_in_use_and_nothing_is_lost(data, run_a, tmp_path):
     """Run B given run A's folder: before, B's pruning deleted A's checkpoints and B's --resume latest continued A's."""
     a, checkpoints = run_a
-    before = contents(checkpoints)
+    before = snapshot(checkpoints)
     result = run(data, tmp_path / "b", checkpoints, "--max_steps", "6", "--checkpoint_every", "1",
                  "--keep_checkpoints", "1")
-    refused(result, f"--checkpoint_dir {checkpoints} holds 'step_4', a checkpoint of run "
+    one_line(result, f"--checkpoint_dir {checkpoints} holds 'step_4', a checkpoint of run "
                     f"'{read_json(a / 'config.json')['run_id']}'")
-    assert contents(checkpoints) == before and not (tmp_path / "b").exists()
+    assert snapshot(checkpoints) == before and not (tmp_path / "b").exists()
 
 
 def test_a_users_own_step_folders_are_refused_and_kept(data, tmp_path):
@@ -72,10 +59,10 @@ def test_a_users_own_step_folders_are_refused_and_kept(data, tmp_path):
     for n in range(1, 6):
         (mine / f"step_{n}").mkdir(parents=True)
         (mine / f"step_{n}" / "notes.txt").write_text(f"notes {n}")
-    before = contents(mine)
+    before = snapshot(mine)
     result = run(data, tmp_path / "run", mine, "--max_steps", "4", "--checkpoint_every", "1", "--keep_checkpoints", "2")
-    refused(result, "holds 'step_1', no checkpoint of this run", "pass an empty or new folder")
-    assert contents(mine) == before
+    one_line(result, "holds 'step_1', no checkpoint of this run", "pass an empty or new folder")
+    assert snapshot(mine) == before
 
 
 def test_overwrite_replaces_the_replaced_runs_checkpoints_and_keeps_its_own(data, tmp_path):
@@ -102,10 +89,10 @@ def test_overwrite_is_refused_before_anything_is_deleted_where_another_run_has_c
     (checkpoints / "step_4").unlink()
     (checkpoints / "step_4").mkdir()
     (checkpoints / "step_4" / "config.json").write_bytes((run_a[1] / "step_4" / "config.json").read_bytes())
-    before = contents(tmp_path)
+    before = snapshot(tmp_path)
     result = run(data, out, checkpoints, "--max_steps", "6", "--checkpoint_every", "2", "--overwrite")
-    refused(result, "holds 'step_4', a checkpoint of run")
-    assert contents(tmp_path) == before
+    one_line(result, "holds 'step_4', a checkpoint of run")
+    assert snapshot(tmp_path) == before
 
 
 def test_a_link_in_a_checkpoint_folder_is_one_line(data, tmp_path):
@@ -115,7 +102,7 @@ def test_a_link_in_a_checkpoint_folder_is_one_line(data, tmp_path):
     (tmp_path / "elsewhere").mkdir()
     (checkpoints / "step_0").symlink_to(tmp_path / "elsewhere")
     result = run(data, tmp_path / "run", checkpoints, "--max_steps", "2", "--checkpoint_every", "1")
-    refused(result, "is a symbolic link")
+    one_line(result, "is a symbolic link")
     assert (checkpoints / "step_0").is_symlink() and (tmp_path / "elsewhere").is_dir()
 
 
