@@ -177,7 +177,7 @@ class StopOnSignals:
             # end. Asked here, the kernel sends SIGTERM to this process when its launcher dies, and the stop saves a
             # checkpoint (with several processes, they agree on it as on any stop). A script run with `python` has no
             # launcher to lose. Asked before the handlers are set, so that a process seen handling SIGTERM
-            # (tests/test_checkpoints.py) has both.
+            # (tests/test_stops.py) has both.
             ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
         # Python runs a handler only when the main thread returns to the interpreter, which a hung collective never
         # does; the C handler writes each signal's number to this pipe at once, read by a thread of its own.

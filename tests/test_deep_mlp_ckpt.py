@@ -131,7 +131,7 @@ def data(tmp_path_factory):
 
 @pytest.mark.slow  # two processes
 def test_trains_on_two_processes_in_bf16(env, data, tmp_path):
-    """One process with --ckpt sequential and dropout trains (and resumes bitwise) in test_checkpoints.py's kill -9
+    """One process with --ckpt sequential and dropout trains (and resumes bitwise) in test_stops.py's kill -9
     test."""
     out = tmp_path / "run"
     ok(launch(env, "deep_mlp_ckpt", "--data", str(data), "--ckpt", "sequential", "--segments", "8", "--dropout", "0.1",

@@ -2,7 +2,7 @@
 and on bare state dicts of the other two recipes.
 
 The EMA's exactness (2 processes == 1 process at twice the batch; resume bitwise) is tested with the other
-exactness tests, in test_equivalence.py and test_checkpoints.py.
+exactness tests, in test_equivalence.py and test_stops.py.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def run(env, data, tmp_path_factory):
-    """12 steps with every feature on (on 2 processes, --ema: test_checkpoints.py and test_deep_mlp_ckpt.py)."""
+    """12 steps with every feature on (on 2 processes, --ema: test_stops.py and test_deep_mlp_ckpt.py)."""
     out = tmp_path_factory.mktemp("features") / "run"
     result = ok(run_here("cifar_cnn", "--data", data, "--output_dir", out, "--batch_size", "8", "--max_steps", "12",
                          "--ema", "0.5", "--tta", "--tracker", "none"))

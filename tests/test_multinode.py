@@ -16,8 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 import slurm_cluster
-from test_checkpoints import safe_rows
 from test_cpu_speed import check_bf16_run
+from test_stops import safe_rows
 
 from conftest import ROOT, assert_bitwise_equal, exited_cleanly, free_ports, launch, ok, read_json, read_jsonl, weights
 from tiny_data import cifar_binary_dataset

@@ -23,10 +23,11 @@ from conftest import ROOT, launch, ok, read_json, read_jsonl, run_here
 from tiny_data import save_to_disk_dataset
 
 # The three recipes run one loop (test_layout.py keeps them in step), and their resumes are bitwise tested in
-# test_checkpoints.py: the resumes that bend run on resnet18_fmnist, whose learning rate also follows the world size.
+# test_checkpoints.py and test_stops.py: the resumes that bend run on resnet18_fmnist, whose learning rate also follows
+# the world size.
 SHAPES = {"cifar_cnn": (3, 32, 32), "resnet18_fmnist": (1, 28, 28)}
 # --ema 1e-6 averages over about one step: the average must equal the trained weights, BatchNorm statistics included,
-# also on 2 processes, where each process's statistics differ (their exactness over a resume: test_checkpoints.py).
+# also on 2 processes, where each process's statistics differ (their exactness over a resume: test_stops.py).
 RUN = ("--batch_size", "8", "--log_every", "1", "--checkpoint_every", "4", "--seed", "3", "--tracker", "none",
        "--ema", "1e-6")
 

@@ -1,0 +1,308 @@
+"""A stop that ends clean: SIGTERM, Ctrl-C and kill -9, to the training process and to each launcher, of 1 and 2
+processes; each run stopped resumes to the weights of the run never stopped (tests/test_checkpoints.py's exactness).
+
+Every test here needs processes of its own (a signal, a kill, gloo between two processes): two launches of about 5-10 s
+each, so the file takes minutes. While editing shared/checkpoints.py, run tests/test_checkpoints.py (seconds), then
+this before a commit. The 2-process runs also keep an EMA of the weights (--ema), which must come back bitwise too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from accelerate.utils import load as accelerate_load
+from safetensors.torch import load_file
+from test_checkpoints import RUN, reference_run, tiny_cifar
+
+from tools.runs import collect
+
+from conftest import ROOT, assert_bitwise_equal, ema_state, launch, ok, read_json, read_jsonl, run_here, weights
+from tiny_data import cifar_binary_dataset
+
+pytestmark = pytest.mark.slow  # signals, kills, two processes
+
+EMA = ("--ema", "0.9")  # on the 2-process runs; BatchNorm's statistics differ between their processes
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return tiny_cifar(tmp_path_factory.mktemp("stops"))
+
+
+@pytest.fixture(scope="module")
+def reference(data, tmp_path_factory) -> Path:
+    return reference_run(data, tmp_path_factory.mktemp("reference") / "one")
+
+
+@pytest.fixture(scope="module")
+def reference_of_two(env, data, tmp_path_factory) -> Path:
+    """The uninterrupted run of 2 processes (gloo), with --ema."""
+    out = tmp_path_factory.mktemp("reference") / "two"
+    ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out), *RUN, *EMA, config="2gpu",
+              use_cpu=True))
+    return out
+
+
+def ema_weights(run: Path) -> dict:
+    return ema_state(run / "checkpoints" / "step_20")
+
+
+def test_a_resume_of_2_processes_from_a_checkpoint_is_bitwise_exact(env, data, reference_of_two, tmp_path):
+    """From step 10, in the middle of epoch 3 (2 processes x 8: 4 steps an epoch): the weights and the EMA."""
+    step, out = 10, tmp_path / "resumed"
+    result = ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out), *RUN, *EMA, "--resume",
+                       str(reference_of_two / "checkpoints" / f"step_{step}"), config="2gpu", use_cpu=True))
+    assert "same configuration: the run continues exactly, to the same weights as a run never stopped" in result.stdout
+    assert_bitwise_equal(weights(out), weights(reference_of_two))
+    assert_bitwise_equal(ema_weights(out), ema_weights(reference_of_two))
+    steps = [row["step"] for row in read_jsonl(out / "metrics.jsonl") if "train_loss" in row]
+    assert steps == list(range(step + 1, 21))  # continued where the checkpoint stopped, each step once
+
+
+def pasted(command: str) -> subprocess.CompletedProcess:
+    """`command` pasted into a shell of a new terminal: the variables of a login, none of the test's (its HF_HOME,
+    ACCELERATE_USE_CPU, ...)."""
+    login = {name: os.environ[name] for name in ("PATH", "HOME", "LANG") if name in os.environ}
+    return subprocess.run(["bash", "-c", command], cwd=ROOT, env=login, capture_output=True, text=True, timeout=600)
+
+
+def start(env, *args) -> subprocess.Popen:
+    """`accelerate launch` in its own process group, so a signal can reach the whole tree."""
+    command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file",
+               "accelerate_configs/cpu.yaml", "recipes/cifar_cnn.py", *args]
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def wait_for(predicate, process, timeout=180.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert process.poll() is None, f"run ended first:\n{process.communicate()[1][-3000:]}"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def training_processes(launcher: int) -> list[int]:
+    try:
+        return [child.pid for child in psutil.Process(launcher).children(recursive=True)
+                if "recipes/cifar_cnn.py" in " ".join(child.cmdline())]
+    except psutil.Error:  # a process ended while being read
+        return []
+
+
+def catches_sigterm(pid: int) -> bool:
+    """Whether the process has a SIGTERM handler installed (Linux's SigCgt mask in /proc/<pid>/status)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(caught >> (signal.SIGTERM - 1) & 1)
+
+
+def test_kill_9_mid_epoch_between_checkpoints_then_resume(env, data, reference, tmp_path):
+    out = tmp_path / "run"
+    kill_after = 11  # after step 10's checkpoint, in the middle of the second epoch
+    process = start(env, "--data", str(data), "--output_dir", str(out), *RUN)
+    wait_for(lambda: any(r.get("step", 0) >= kill_after for r in safe_rows(out)), process)
+    trainers = psutil.Process(process.pid).children(recursive=True)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    psutil.wait_procs(trainers, timeout=60)  # gone, and with them the run folder's lock
+    ok(run_here("cifar_cnn", "--data", data, "--output_dir", out, *RUN, "--resume", "latest"))
+    assert_bitwise_equal(weights(out), weights(reference), f"killed after step {kill_after}")
+    assert not list((out / "checkpoints").glob("partial_*"))
+
+
+def safe_rows(run: Path) -> list[dict]:
+    try:
+        return read_jsonl(run / "metrics.jsonl")
+    except (FileNotFoundError, ValueError):  # not there yet, or a line half written
+        return []
+
+
+def test_kill_9_during_a_checkpoint_save_keeps_the_previous_one(env, tmp_path):
+    # The save of step 2 stops after its first file (a fault), and is killed there. The 72-layer MLP, with
+    # checkpointed segments and dropout: the resumed run must also replay dropout's masks exactly when it recomputes
+    # a segment.
+    data = cifar_binary_dataset(tmp_path / "data", sizes={"train": 32, "test": 8})
+    args = ("--data", str(data), "--batch_size", "8", "--max_steps", "2", "--checkpoint_every", "1",
+            "--keep_checkpoints", "1", "--log_every", "1", "--tracker", "none", "--ckpt", "sequential",
+            "--segments", "8", "--dropout", "0.1")
+    reference = tmp_path / "reference"
+    ok(run_here("deep_mlp_ckpt", *args, "--output_dir", reference))
+    out = tmp_path / "run"
+    command = [sys.executable, "recipes/deep_mlp_ckpt.py", *args, "--output_dir", str(out)]
+    held = dict(env, PYTHONPATH=str(ROOT / "tests" / "faults"), FAULT_HOLD_SAVE_AT_STEP="2")
+    process = subprocess.Popen(command, cwd=ROOT, env=held, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: any((out / "checkpoints" / "partial_step_2").glob("*")), process)
+    process.kill()
+    process.wait()
+    assert [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_")] == ["step_1"]
+    ok(run_here("deep_mlp_ckpt", *args, "--output_dir", out, "--resume", "latest"))
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2"]  # no half-written folder left
+    assert_bitwise_equal(weights(out), weights(reference))
+
+
+def test_sigterm_saves_the_current_step_exits_0_and_prints_a_working_resume_command(env, data, reference, tmp_path):
+    out = tmp_path / "run"
+    command = [sys.executable, "recipes/cifar_cnn.py", "--data", str(data), "--output_dir", str(out), *RUN]
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: catches_sigterm(process.pid), process)  # set before the first step: it stops after step 1 or 2
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 0, stderr
+    stopped = int(stdout.split("stopped by SIGTERM at step ")[1].split(",")[0])
+    assert 1 <= stopped < 20 and (out / "checkpoints" / f"step_{stopped}").is_dir()
+    assert not (out / "model.safetensors").exists()  # stopped, not finished
+    first = torch.load(out / "checkpoints" / f"step_{stopped}" / "custom_checkpoint_0.pkl", weights_only=True)
+    assert first["pieces"] == 1 and first["wall_s"] > 0 and first["train_samples"] == 8 * stopped
+    assert collect(out)[0]["state"] == f"stopped at step {read_json(out / 'summary.json')['step']}"
+    resume = stdout.split("continue with:\n")[1].strip().splitlines()[0]
+    # The run folder alone: its flags are in its config.json (the data is given: not the recipe's own)
+    assert resume.endswith(f"recipes/cifar_cnn.py --data {data} --output_dir {out} --resume latest"), resume
+    ok(pasted(resume))
+    assert_bitwise_equal(weights(out), weights(reference))
+    # The summary is the whole run's, both pieces: every sample trained on once, the first piece's time included.
+    summary, row = read_json(out / "summary.json"), collect(out)[0]
+    assert summary["pieces"] == 2 and summary["wall_s"] > first["wall_s"] and summary["train_s"] > first["train_s"]
+    assert round(summary["samples_per_s"] * summary["train_s"]) == 8 * 20 and summary["steps"] == 20
+    assert row["state"] == "finished" and row["pieces"] == 2 and row["wall_s"] == summary["wall_s"]
+
+
+def test_a_second_ctrl_c_stops_a_hung_evaluation_at_once(env, data, tmp_path):
+    """The first Ctrl-C asks for a stop after the step, which a hung evaluation never reaches; the second, a second
+    later, stops at once (exit 130) and leaves the checkpoints as they were."""
+    out, hung = tmp_path / "run", tmp_path / "hung"
+    faulty = dict(env, PYTHONPATH=str(ROOT / "tests" / "faults"), FAULT_HANG_IN_EVALUATION=str(hung))
+    command = [sys.executable, "recipes/cifar_cnn.py", "--data", str(data), "--output_dir", str(out), *RUN]
+    process = subprocess.Popen(command, cwd=ROOT, env=faulty, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    wait_for(hung.exists, process)  # the first epoch's evaluation, after step 8's checkpoint
+    process.send_signal(signal.SIGINT)
+    time.sleep(2)
+    assert process.poll() is None  # the first Ctrl-C waits for the step's end: never, here
+    saved = sorted(p.name for p in (out / "checkpoints").iterdir())
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=30)
+    assert process.returncode == 130 and "Ctrl-C again to stop at once" in stdout, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == (
+        f"error: stopped at once by a second Ctrl-C, without saving: continue from the newest checkpoint in "
+        f"{out / 'checkpoints'} with --resume latest")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == saved and saved[-1] == "step_8"
+
+
+@pytest.mark.parametrize("ctrl_c", [False, True])
+def test_a_stop_under_the_launcher_of_1_process(env, data, reference, tmp_path, ctrl_c):
+    """`accelerate launch` of one process starts the script and waits, forwarding no signal (accelerate #929): a
+    SIGTERM kills the launcher only (exit 143 in a shell). The training process asks the kernel for a SIGTERM when
+    its parent dies (PR_SET_PDEATHSIG), so it still saves its step, and the run resumes to the uninterrupted run's
+    weights (those of `python recipes/cifar_cnn.py`: one process trains the same under cpu.yaml). Ctrl-C reaches
+    both: the launcher ends in a KeyboardInterrupt traceback (exit 130 in a shell), the trainer saves."""
+    out = tmp_path / "run"
+    launcher = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "-q", "--config_file",
+                "accelerate_configs/cpu.yaml"]
+    process = subprocess.Popen([*launcher, "recipes/cifar_cnn.py", "--data", str(data), "--output_dir", str(out), *RUN],
+                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    # The trainer handles SIGTERM before its first step, and asked for its parent's death signal before that
+    wait_for(lambda: [catches_sigterm(pid) for pid in training_processes(process.pid)] == [True], process)
+    if ctrl_c:
+        os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+    else:
+        process.send_signal(signal.SIGTERM)  # to the launcher's pid, as Kubernetes or `kill <pid>` would
+    stdout, stderr = process.communicate(timeout=120)  # the pipes close when the orphaned trainer exits
+    name = "SIGINT" if ctrl_c else "SIGTERM"
+    assert process.returncode == -getattr(signal, name), stderr[-3000:]  # the launcher died; the trainer saved after
+    assert ("KeyboardInterrupt" in stderr) == ctrl_c and f"stopped by {name} at step " in stdout, stderr[-3000:]
+    stopped = int(stdout.split(f"stopped by {name} at step ")[1].split(",")[0])
+    assert 1 <= stopped < 20 and (out / "checkpoints" / f"step_{stopped}").is_dir()
+    assert not (out / "model.safetensors").exists()  # stopped, not finished
+    # The command printed is the launcher's own, its flags (-q, the config file) included
+    resume = stdout.split("continue with:\n")[1].strip().splitlines()[0]
+    words = [word for word in shlex.split(resume) if not re.match(r"[A-Z_]+=", word)]  # after NAME=value settings
+    assert words[:5] == ["accelerate", "launch", "-q", "--config_file", "accelerate_configs/cpu.yaml"], resume
+    ok(pasted(resume))
+    assert_bitwise_equal(weights(out), weights(reference))
+
+
+@pytest.mark.parametrize("ctrl_c", [False, True])
+def test_a_stop_of_2_processes_between_log_points(env, data, reference_of_two, tmp_path, ctrl_c):
+    """`accelerate launch` of several processes runs torchrun, which forwards a SIGTERM to every worker and kills
+    them TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds later (30 by default; 5 here). This run's only log point is its
+    last step, and it saves no checkpoint before it: the processes must agree on a stop between log points, save a
+    complete checkpoint before the kill, and resume from it to the weights of the uninterrupted 2-process run, which
+    logged every step and saved every 2 (neither changes what is trained). Ctrl-C reaches every process of the
+    terminal's group, and torchrun forwards it again at once: that copy is not a second Ctrl-C. torchrun itself
+    then ends in its SignalException traceback, exit 1 (what README.md says the user sees)."""
+    args = ("--data", str(data), "--batch_size", "8", "--max_steps", "20", "--log_every", "20", "--seed", "5",
+            "--tracker", "none", *EMA)
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file",
+               "accelerate_configs/2gpu.yaml", "recipes/cifar_cnn.py", *args, "--output_dir", str(out)]
+    process = subprocess.Popen(command, cwd=ROOT, env=dict(env, ACCELERATE_USE_CPU="true",
+                                                           TORCH_ELASTIC_SHUTDOWN_TIMEOUT="5"),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # Signalled as soon as both training processes catch SIGTERM (their handlers are in place, before the first of
+    # 20 steps, each an all-reduce between them): on any machine, the run is far from its only log point.
+    wait_for(lambda: [catches_sigterm(pid) for pid in training_processes(process.pid)] == [True, True], process)
+    if ctrl_c:
+        os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+    else:
+        process.send_signal(signal.SIGTERM)  # to torchrun, as Kubernetes or `kill <pid>` would
+    stdout, stderr = process.communicate(timeout=120)
+    name = "SIGINT" if ctrl_c else "SIGTERM"
+    assert f"stopped by {name} at step " in stdout, stderr[-3000:]
+    assert process.returncode == 1 and "SignalException" in stderr  # torchrun's own ending
+    stopped = int(stdout.split(f"stopped by {name} at step ")[1].split(",")[0])
+    checkpoint = out / "checkpoints" / f"step_{stopped}"
+    assert stopped < 20 and sorted(p.name for p in checkpoint.glob("random_states_*")) == [
+        "random_states_0.pkl", "random_states_1.pkl"]
+    # Each process draws its own crops and flips (set_seed(..., device_specific=True)).
+    states = [accelerate_load(checkpoint / f"random_states_{rank}.pkl") for rank in (0, 1)]
+    assert not torch.equal(states[0]["torch_manual_seed"], states[1]["torch_manual_seed"])
+    # Pasted into a shell without ACCELERATE_USE_CPU=true: the command printed sets it (it failed: no GPUs).
+    resume = stdout.split("continue with:\n")[1].strip().splitlines()[0]
+    assert "ACCELERATE_USE_CPU=true " in resume and " accelerate launch --config_file " in resume, resume
+    ok(pasted(resume))
+    # model.safetensors holds the EMA (--ema), the last checkpoint the trained weights: both as if never stopped.
+    assert_bitwise_equal(weights(out), weights(reference_of_two))
+    assert_bitwise_equal(load_file(out / "checkpoints" / "step_20" / "model.safetensors"),
+                         load_file(reference_of_two / "checkpoints" / "step_20" / "model.safetensors"))
+
+
+def test_kill_9_of_the_launcher_of_2_processes_stops_both_with_a_checkpoint(env, data, reference_of_two, tmp_path):
+    """kill -9 of `accelerate launch` (or an OOM kill of it) forwards nothing: its two training processes trained on,
+    orphaned, to the run's end. Each asks the kernel for a SIGTERM when its launcher dies (PR_SET_PDEATHSIG), so both
+    stop within seconds, agree on a step and save it, and the command they print continues the run to the weights of
+    the run never stopped."""
+    args = ("--data", str(data), "--batch_size", "8", "--max_steps", "20", "--log_every", "20", "--seed", "5",
+            "--tracker", "none", *EMA)
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file",
+               "accelerate_configs/2gpu.yaml", "recipes/cifar_cnn.py", *args, "--output_dir", str(out)]
+    process = subprocess.Popen(command, cwd=ROOT, env=dict(env, ACCELERATE_USE_CPU="true"), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_for(lambda: [catches_sigterm(pid) for pid in training_processes(process.pid)] == [True, True], process)
+    workers = [psutil.Process(pid) for pid in training_processes(process.pid)]
+    process.kill()
+    killed = time.monotonic()
+    stdout, stderr = process.communicate(timeout=120)  # the pipes close when the orphaned processes exit
+    psutil.wait_procs(workers, timeout=10)
+    assert time.monotonic() - killed < 60 and not any(worker.is_running() for worker in workers), stderr[-3000:]
+    # Stopped by the signal, with a checkpoint: at step 20 too where the agreement fell on the last step (the steps
+    # of this tiny run take milliseconds, and the processes agree about once a second), which the resume finishes
+    stopped = int(stdout.split("stopped by SIGTERM at step ")[1].split(",")[0])
+    assert stopped <= 20 and (out / "checkpoints" / f"step_{stopped}").is_dir()
+    ok(pasted(stdout.split("continue with:\n")[1].strip().splitlines()[0]))
+    assert_bitwise_equal(weights(out), weights(reference_of_two))
