@@ -33,6 +33,9 @@ from accelerate.utils import parse_flag_from_env
 
 MAX_FILE_BYTES = 4 * 2**30  # one dataset file: 4 GiB (the real MNIST family's largest is under 1 GiB)
 MAX_INFLATE_RATIO = 100  # what a compressed file (parquet, gzip) may inflate to, times its size (bombs: 1,000s)
+# An allocation refused, as torch's CPU allocator, oneDNN and the dynamic loader (a library imported late) say it: under
+# an address-space limit (ulimit -v), where a run may stop at any of them, this is the limit.
+ALLOCATION_FAILED = ("can't allocate memory", "could not create a primitive", "failed to map segment")
 
 
 class RecipeError(Exception):
@@ -58,6 +61,11 @@ def process_limit(error: BaseException) -> str | None:
         return "threads (ulimit -u, a container's pids limit, or the memory for their stacks: ulimit -v)"
     if isinstance(error, OSError) and error.errno in (errno.EMFILE, errno.ENFILE):
         return "open files (ulimit -n)"
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit != resource.RLIM_INFINITY and (isinstance(error, MemoryError) or any(
+            failed in str(error) for failed in ALLOCATION_FAILED)):
+        return (f"address space (ulimit -v: {limit / 2**30:.1f} GiB, of which torch's libraries map about 5 GiB; a "
+                "smaller --batch_size needs less)")
     return None
 
 
@@ -87,18 +95,18 @@ def one_line_errors():
     try:
         with redirect_stdout(PrintableLines(sys.stdout)):
             yield
-    except (RecipeError, MemoryError, torch.OutOfMemoryError, RuntimeError, OSError) as error:
+    except (RecipeError, MemoryError, torch.OutOfMemoryError, RuntimeError, OSError, ImportError) as error:
         if isinstance(error, RecipeError):
             message = str(error)
         elif isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):  # metrics, pictures, ...
             written = error.filename or "the run's files"  # a failed write() names no file
             message = (f"writing {written} failed ({error.strerror}): free space, then continue with --resume latest "
                        "(the complete checkpoints are kept)")
+        elif limit := process_limit(error):
+            message = f"this process reached its limit on {limit}: raise it, then run again"
         elif isinstance(error, MemoryError) or "DefaultCPUAllocator: can't allocate memory" in str(error):
             # a CPU allocation, Python's or torch's (a RuntimeError); the readers of data files name the file themselves
             message = "out of memory: lower --batch_size, or check that --data holds what it should"
-        elif limit := process_limit(error):
-            message = f"this process reached its limit on {limit}: raise it, then run again"
         elif isinstance(error, torch.OutOfMemoryError):
             message = f"out of GPU memory ({first_line(error)[:120]}): lower --batch_size"
         elif os.environ.get("WORLD_SIZE", "1") != "1" and in_collective(error):

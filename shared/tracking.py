@@ -55,6 +55,9 @@ _LOCKS: dict[Path, int] = {}  # run folder -> its open descriptor, locked while 
 MAX_ROW_BYTES = 2**20  # one line of metrics.jsonl: a few hundred bytes as a run writes them
 HEARTBEAT_S = 30  # without a terminal, TrainWindow.heartbeat prints a line at least this often
 ESTIMATE_S, ESTIMATE_STEPS = 10, 20  # the time a run takes is said after this much of it (heartbeat)
+# No monitor thread behind the progress bars (it only retunes the refresh rate of a bar that stalls): under `ulimit -v`
+# its start hung the run for ever, a thread that never began while tqdm held its lock (a 4.5 GB address space here).
+tqdm.monitor_interval = 0
 
 
 def open_run(cfg, recipe: str) -> tuple[Path, list]:

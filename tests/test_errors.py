@@ -557,8 +557,37 @@ def test_a_batch_whose_activations_do_not_fit_in_memory_is_one_line(env, tmp_pat
     result = subprocess.run([sys.executable, "recipes/resnet18_fmnist.py", "--synthetic", "--batch_size", "4096",
                              "--max_steps", "1", "--tracker", "none", "--output_dir", str(tmp_path / "out")],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, preexec_fn=limit)
-    one_line(result, "out of memory: lower --batch_size")
+    one_line(result, "this process reached its limit on address space (ulimit -v: 8.0 GiB, of which torch's libraries "
+             "map about 5 GiB; a smaller --batch_size needs less): raise it, then run again")
     assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("error", [MemoryError(), RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried "
+                                   "to allocate 8589934592 bytes"), RuntimeError("could not create a primitive"),
+                                   ImportError("libtorch_cuda.so: failed to map segment from shared object")],
+                         ids=["Python", "torch", "oneDNN", "the loader"])
+def test_an_allocation_refused_under_an_address_space_limit_names_the_limit(monkeypatch, capsys, error):
+    """Under `prlimit --as` a run stopped wherever the limit fell: "out of memory: lower --batch_size, or check that
+    --data holds what it should" (3.5 GB), or a traceback of oneDNN (4.5 GB) or of a late import. Without a limit,
+    oneDNN's and the loader's errors keep their traceback: they may be a programming error."""
+    from shared import errors
+
+    real, limit = errors.resource.getrlimit, [errors.resource.RLIM_INFINITY]
+    monkeypatch.setattr(errors.resource, "getrlimit", lambda kind: (limit[0], limit[0])
+                        if kind == errors.resource.RLIMIT_AS else real(kind))
+    if isinstance(error, MemoryError) or "can't allocate memory" in str(error):  # Python's or torch's
+        with pytest.raises(SystemExit, match="1"), errors.one_line_errors():
+            raise error
+        assert capsys.readouterr().err.startswith("error: out of memory: lower --batch_size")
+    else:
+        with pytest.raises(type(error)), errors.one_line_errors():
+            raise error
+    limit[0] = 4 * 2**30
+    with pytest.raises(SystemExit, match="1"), errors.one_line_errors():
+        raise error
+    assert capsys.readouterr().err == (
+        "error: this process reached its limit on address space (ulimit -v: 4.0 GiB, of which torch's libraries map "
+        "about 5 GiB; a smaller --batch_size needs less): raise it, then run again\n")
 
 
 @pytest.mark.slow  # a process of its own, whose threads are refused

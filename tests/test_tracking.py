@@ -323,6 +323,17 @@ def test_pictures_are_drawn_from_tensors_on_any_device(tmp_path, on_the_gpu):
         assert image.format == "PNG" and image.size[0] >= 400
 
 
+def test_a_run_starts_no_progress_bar_monitor_thread(data, tmp_path):
+    """tqdm's monitor thread (it only retunes a stalled bar's refresh rate) hung a run under `ulimit -v` (4.5 GB of
+    address space): it never began while tqdm held its lock, and Thread.start waited for ever, deaf to SIGTERM."""
+    import threading
+
+    before = set(threading.enumerate())
+    ok(run_here("cifar_cnn", "--data", data, "--max_steps", "1", "--batch_size", "8", "--tracker", "none",
+                "--output_dir", tmp_path / "run"))
+    assert not [thread.name for thread in set(threading.enumerate()) - before if "monitor" in thread.name]
+
+
 def test_without_a_terminal_a_line_comes_at_least_every_30_s(monkeypatch, capsys):
     from accelerate import Accelerator
 
