@@ -42,13 +42,17 @@ LEFT_OUT = {"ACCELERATE_password", "'ACCELERATE_X;touch M;Y'", "WANDB_DIR", "WAN
 @pytest.fixture
 def stopped(tmp_path):
     """A stop's Checkpoints, started from a process with HOSTILE_ENVIRONMENT: the line it prints, pasted into bash."""
-    process = subprocess.Popen(["sleep", "30"], env={name.encode(errors="surrogateescape"):
-                                                     value.encode(errors="surrogateescape")
-                                                     for name, value in HOSTILE_ENVIRONMENT.items()})
+    # A process that says when it runs: just after an exec, /proc/<pid>/environ can still read empty (CI saw {}).
+    process = subprocess.Popen([sys.executable, "-c", "import time; print(flush=True); time.sleep(30)"],
+                               stdout=subprocess.PIPE, env={name.encode(errors="surrogateescape"):
+                                                            value.encode(errors="surrogateescape")
+                                                            for name, value in HOSTILE_ENVIRONMENT.items()})
     try:
+        process.stdout.readline()
         environment, left_out = launch_environment(process.pid)
     finally:
         process.kill()
+        process.communicate()  # reaped, its pipe closed
     stop = checkpoints.StopOnSignals.__new__(checkpoints.StopOnSignals)
     stop.launcher, stop.environment, stop.left_out = None, environment, left_out
     stop.run_dir = tmp_path / "run\x1b[2J"
