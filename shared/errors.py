@@ -104,6 +104,8 @@ def one_line_errors():
                        "(the complete checkpoints are kept)")
         elif limit := process_limit(error):
             message = f"this process reached its limit on {limit}: raise it, then run again"
+        elif isinstance(error, ImportError):  # caught for the limit above only: a package that does not load says why
+            raise
         elif isinstance(error, MemoryError) or "DefaultCPUAllocator: can't allocate memory" in str(error):
             # a CPU allocation, Python's or torch's (a RuntimeError); the readers of data files name the file themselves
             message = "out of memory: lower --batch_size, or check that --data holds what it should"

@@ -528,6 +528,8 @@ def test_ddp_errors_keep_their_message_and_collective_failures_are_one_line(monk
 
     with pytest.raises(RuntimeError, match=message), one_line_errors():
         raise_in("nn/parallel/distributed.py", RuntimeError(message))
+    with pytest.raises(ImportError), one_line_errors():  # a package that does not load: not another process's stop
+        raise_in("distributed/distributed_c10d.py", ImportError("cannot import name 'ProcessGroupGloo'"))
     with pytest.raises(SystemExit), one_line_errors():
         raise_in("distributed/distributed_c10d.py", RuntimeError("[gloo] Connection closed by peer"))
     assert capsys.readouterr().err.startswith("error: another process of this run stopped ([gloo] Connection closed")
