@@ -232,15 +232,6 @@ def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=True, fused=True)
 
 
-def training_plan(cfg: Config) -> str:
-    """What is frozen and how fast each part learns, in a line."""
-    if cfg.weights == "none" and cfg.init_from is None:
-        return f"{cfg.model} from random weights (--weights none): nothing frozen, every layer trains at --lr"
-    start = f"--init_from {cfg.init_from}" if cfg.init_from else f"its {cfg.weights} weights"
-    return (f"{cfg.model} from {start}: the new classifier alone for {cfg.freeze_epochs} epoch(s), then every layer, "
-            f"the pretrained ones at {cfg.backbone_lr_scale:g} x --lr")
-
-
 LABEL_SMOOTHING = 0.1  # the targets 0.9 for the class and 0.1 spread over all: less overconfidence on small sets
 
 
@@ -355,7 +346,6 @@ def train(cfg: Config) -> None:
                       f"{accelerator.num_processes} process(es) on {accelerator.device}, "
                       f"precision {accelerator.mixed_precision} | "
                       f"global batch {global_batch_size}, {total_steps} steps ({run_epochs:.3g} epochs) | {run_dir}")
-    accelerator.print(training_plan(cfg))
     config = tracking.run_config(cfg, accelerator, run_dir, recipe=RECIPE, script=__file__, data=data_name,
                                  global_batch_size=global_batch_size, total_steps=total_steps,
                                  train_size=len(train_set), test_size=len(test_set), classes=train_set.classes,

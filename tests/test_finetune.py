@@ -140,8 +140,6 @@ def test_evaluation_sees_the_images_as_the_weights_were_evaluated(tmp_path, mode
 def test_without_pretrained_weights_nothing_is_frozen(capsys):
     cfg = finetune.Config.parse(["--weights", "none"])
     assert cfg.freeze_epochs == 0 and cfg.backbone_lr_scale == 1
-    assert finetune.training_plan(cfg) == ("resnet18 from random weights (--weights none): nothing frozen, every "
-                                           "layer trains at --lr")
     pretrained = finetune.Config.parse([])
     assert pretrained.freeze_epochs == 1 and pretrained.backbone_lr_scale == 0.1
     for flag in (["--freeze_epochs", "1"], ["--backbone_lr_scale", "0.5"]):

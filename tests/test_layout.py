@@ -111,7 +111,6 @@ INTENDED = {
     + load_pretrained(model, pretrained, cfg)
     + backbone = [p for group in optimizer.param_groups if group["backbone"] for p in group["params"]]
     + head = [p for group in optimizer.param_groups if not group["backbone"] for p in group["params"]]
-    + accelerator.print(training_plan(cfg))
     - def train_step(images, labels):  # one batch; on one GPU, a CUDA graph of it is replayed (shared/loop.py)
     - with accelerator.accumulate(model):  # DDP syncs gradients only on the last batch of each accumulation
     - inputs = preprocess(images, cfg.augment)
