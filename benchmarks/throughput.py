@@ -54,8 +54,8 @@ from torchvision import transforms
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from shared.data import make_synthetic
 from shared.loop import keep_freed_memory
+from shared.synthetic import make_synthetic
 from tools.measure import synchronize
 
 # recipe -> CPU batch size, image shape, classes, the seed-style per-image augmentation.

@@ -1,6 +1,5 @@
 """Everything a resume reads, in one place: full-state checkpoints (save, find, check, load), the run's progress, the
-final weights file (model.safetensors) and --init_from, the stop on a signal, and whether a folder is a run of these
-recipes.
+final weights file (model.safetensors), the stop on a signal, and whether a folder is a run of these recipes.
 
 A checkpoint is `accelerator.save_state` (model, optimizer, grad scaler, every process's RNG state and the
 registered `Progress`) in checkpoints/step_<N>/, written under a temporary name and renamed when complete: a
@@ -10,13 +9,13 @@ run killed mid-save leaves the previous checkpoint as the newest. The learning r
 - `find_checkpoint`: which checkpoint --resume names; `check_resume`: what a resume continues (steps left, and what
   changed since the checkpoint, from the config.json saved in it, and what that does to the sample order, exactness
   and schedule);
-- `Checkpoints`: the run's checkpoint folder, `resume`, `save`, `save_weights`, `initial_weights` (--init_from), and
-  through `StopOnSignals` a stop on SIGTERM or Ctrl-C with a checkpoint and the command that continues the run;
+- `Checkpoints`: the run's checkpoint folder, `resume`, `save`, `save_weights`, `initial_weights` (--init_from, in
+  shared/init_from.py, an opt-in module), and through `StopOnSignals` a stop on SIGTERM or Ctrl-C with a checkpoint
+  and the command that continues the run;
 - `is_run`, `check_entries`, `new_folder`: a run folder, checked as one from anywhere.
 """
 
 import ctypes
-import hashlib
 import itertools
 import json
 import os
@@ -34,7 +33,7 @@ import torch
 from accelerate import PartialState
 from accelerate.utils import load as accelerate_load  # torch.load(weights_only=True) + NumPy RNG types
 from accelerate.utils import set_seed
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from shared.config import read_json
@@ -497,59 +496,13 @@ class Checkpoints(StopOnSignals):
 
     @staticmethod
     def initial_weights(model, cfg, classes: list[str]) -> str | None:
-        """--init_from: a model.safetensors of this model (or the one in a run or checkpoint folder), loaded into it.
-        Its classifier (the model's last layer) starts new where the file's was trained on other classes than the
-        data's (the names it records), unless --keep_classifier. Weights of another model (a tensor missing, or of
-        another shape) are refused, unless --init_partial loads what fits. A resumed run takes its weights from the
-        checkpoint: the file is only hashed. Returns its sha256 (config.json), or None without --init_from."""
+        """--init_from: a model.safetensors loaded into `model` (shared/init_from.py). Returns its sha256 (config.json),
+        or None without --init_from."""
         if not cfg.init_from:
             return None
-        path = Path(cfg.init_from) / "model.safetensors" if Path(cfg.init_from).is_dir() else Path(cfg.init_from)
-        if not path.is_file() or path.suffix != ".safetensors":  # a regular file: a FIFO would block the read
-            raise RecipeError(f"--init_from {cfg.init_from}: no .safetensors file there: pass a run's "
-                              "model.safetensors, or the run or checkpoint folder that holds one")
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            for piece in iter(lambda: f.read(2**24), b""):
-                digest.update(piece)
-        if cfg.resume:
-            return digest.hexdigest()
-        expected = model.state_dict()
-        head = next(reversed(expected)).rsplit(".", 1)[0] + "."  # the classifier: the model's last layer
-        try:  # safetensors: a header of names, shapes and offsets, checked against the file; no code
-            with safe_open(path, "pt") as f:
-                keys = {plain_name(key): key for key in f.keys()}
-                shapes = {name: tuple(f.get_slice(key).get_shape()) for name, key in keys.items()}
-                recorded = json.loads((f.metadata() or {}).get("classes", "null"))
-                if not (recorded is None or isinstance(recorded, list) and all(isinstance(c, str) for c in recorded)):
-                    raise RecipeError(f"--init_from {path} records its classes as {str(recorded)[:60]!r}, not a list "
-                                      "of names: pass a model.safetensors written by a run")
-                other_classes = recorded not in (None, classes) and not cfg.keep_classifier
-                wrong = mismatch(expected, shapes, skip=head)
-                if wrong and not cfg.init_partial:
-                    raise RecipeError(f"--init_from {path} holds another model's weights ({wrong}): pass weights of "
-                                      "this model, with the model flags in the config.json beside them, or "
-                                      "--init_partial to load only the tensors that fit")
-                loaded = {name: f.get_tensor(keys[name]) for name, tensor in expected.items()  # no larger than ours
-                          if shapes.get(name) == tuple(tensor.shape) and not (other_classes and name.startswith(head))}
-        except RecipeError:
-            raise
-        except Exception as error:
-            raise RecipeError(f"--init_from {path} cannot be read ({type(error).__name__}: {first_line(error)[:200]}"
-                              "): pass a model.safetensors written by a run") from None
-        if not loaded or all(name.startswith(head) for name in loaded):
-            raise RecipeError(f"--init_from {path}: {'no tensor' if not loaded else 'only the last layer'} of it fits "
-                              "this model (same name and shape): pass weights of the same model")
-        if not all(torch.isfinite(tensor).all() for tensor in loaded.values() if tensor.is_floating_point()):
-            raise RecipeError(f"--init_from {path} holds NaN or infinite weights: pass weights of a finished run")
-        model.load_state_dict(loaded, strict=False)
-        new = [name for name in expected if name not in loaded]
-        why = (f" (its classifier was trained on {', '.join(map(str, recorded[:4]))}{', ...' * (len(recorded) > 4)}, "
-               f"this data's classes are {', '.join(classes[:4])}{', ...' * (len(classes) > 4)}: --keep_classifier "
-               "keeps it)") if other_classes else ""
-        PartialState().print(f"--init_from {path}: {len(loaded)} of {len(expected)} tensors loaded; new: "
-                             f"{', '.join(new) if new else 'none'}{why}")
-        return digest.hexdigest()
+        from shared.init_from import initial_weights  # only the runs that start from a file: an opt-in module
+
+        return initial_weights(model, cfg, classes)
 
 
 def mismatch(expected: dict, shapes: dict, skip: str = "\0") -> str:

@@ -1,8 +1,9 @@
 """Image-classification data as uint8 tensors, a split as one tensor served a whole batch at a time (ImageTensors),
 in the resumable order of EpochOrder. load_image_data runs four stages in order, each in its own file:
 
-1. the source (here; published files in shared/dataset_files.py, imported only for a folder): a hub id, a
-   save_to_disk, parquet or imagefolder folder, IDX files or CIFAR's files; its splits, their sizes and the class names;
+1. the source (here; published files and the parquet check in shared/dataset_files.py, imported only for local
+   data): a hub id, a save_to_disk, parquet or imagefolder folder, IDX files or CIFAR's files; its splits, their
+   sizes and the class names;
 2. the bounds (shared/errors.py): both splits' images, converted, must fit in the free memory, checked before an
    image is decoded or a published file's pixels are read (their count from the IDX headers or CIFAR's sizes);
 3. the decoding (shared/images.py): each image into the recipe's channels and size, once (one line says what was
@@ -10,7 +11,7 @@ in the resumable order of EpochOrder. load_image_data runs four stages in order,
 4. the cache (here): the tensors saved by what they came from (datasets' fingerprints, or the files' paths, sizes and
    times) and the code that made them, so that the next run reads them back in seconds.
 
---synthetic generates a stand-in instead (never a fallback).
+--synthetic generates a stand-in instead (shared/synthetic.py, an opt-in module; never a fallback).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from huggingface_hub.constants import HF_HOME
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
@@ -35,7 +35,6 @@ from shared import images
 from shared.errors import (
     RecipeError,
     check_decoded_size,
-    check_parquet_files,
     first_line,
     is_main_process,
     process_limit,
@@ -122,7 +121,9 @@ def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: b
                     interpolation: str = "bilinear") -> tuple[ImageTensors, ImageTensors]:
     """(train, test) with images of `image_shape` (C, H, W), resized with `interpolation` (torchvision's names); the
     synthetic stand-in has the real set's sizes."""
-    if synthetic:
+    if synthetic:  # what only --synthetic runs need: an opt-in module
+        from shared.synthetic import make_synthetic
+
         return make_synthetic(image_shape, *synthetic_sizes, num_classes=synthetic_classes)
     found = find_source(source)  # 1
     how = "" if interpolation == "bilinear" else f"-{interpolation}"
@@ -145,10 +146,12 @@ def find_source(source: str) -> Source:
     """Published files in a folder, else a dataset: checked as far as can be without decoding an image (a bad first
     image is one line at once)."""
     path, files = Path(source).expanduser(), None
-    if path.is_dir():  # the published formats (IDX, CIFAR's files) are an opt-in module: what no dataset needs
+    if path.exists():  # the published formats (IDX, CIFAR's files) and the parquet check: an opt-in module
         from shared import dataset_files
 
-        files = dataset_files.find_dataset_files(path)
+        files = dataset_files.find_dataset_files(path) if path.is_dir() else None
+        if not files:  # what datasets will read, bounded first
+            dataset_files.check_parquet_files(path)
     if files:
         stamps = [(str(file.resolve()), file.stat().st_size, file.stat().st_mtime_ns) for file in files.all_files()]
         readers = inspect.getsource(dataset_files)  # they name the classes kept in the cache too
@@ -179,8 +182,7 @@ def open_dataset(source: str) -> datasets.DatasetDict:
             if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
                 loaded = datasets.load_from_disk(str(path))  # written by save_to_disk
             else:
-                check_parquet_files(path)
-                loaded = datasets.load_dataset(str(path))  # parquet files or an imagefolder
+                loaded = datasets.load_dataset(str(path))  # parquet files (checked by find_source) or an imagefolder
         except RecipeError:
             raise
         except Exception as error:
@@ -321,37 +323,3 @@ def write_cache(path: Path, splits: dict, classes: list[str], source: str) -> No
         reason = error.strerror if isinstance(error, OSError) else first_line(error)[:100]
         raise RecipeError(f"cannot write the decoded images to {path.parent} ({reason}): set HF_HOME (or "
                           "HF_DATASETS_CACHE) to a writable folder with room") from None
-
-
-def make_synthetic(image_shape, train_size: int, test_size: int,
-                   num_classes: int = 10) -> tuple[ImageTensors, ImageTensors]:
-    """Learnable stand-in: a smooth pattern per class at low contrast, over a distractor pattern that carries no
-    class, under pixel noise; a small CNN climbs from chance to about 75% in a few hundred steps. A fixed seed:
-    every run and process sees the same images, whatever --seed is."""
-    channels, height, width = image_shape
-    cache = CACHE_DIR / f"synthetic-v1-{channels}x{height}x{width}-{train_size}-{test_size}-{num_classes}.safetensors"
-    if cache.exists():
-        return tuple(ImageTensors(*read_cache(cache, split), name=f"synthetic {split}") for split in ("train", "test"))
-    generator = torch.Generator().manual_seed(1234)
-
-    def smooth_patterns(count):  # random 4x4 fields upsampled: blobs, in -128..127
-        coarse = torch.rand(count, channels, 4, 4, generator=generator)
-        fields = F.interpolate(coarse, size=(height, width), mode="bicubic", align_corners=False).clamp(0, 1)
-        return ((fields - 0.5) * 255).round().to(torch.int16)
-
-    patterns, distractors = smooth_patterns(num_classes), smooth_patterns(256)
-    tensors = {}
-    for split, size in (("train", train_size), ("test", test_size)):
-        labels = torch.randint(num_classes, (size,), generator=generator)
-        images = torch.empty(size, channels, height, width, dtype=torch.uint8)
-        for start in range(0, size, 10_000):  # int16 math in chunks: small and fast
-            chunk = labels[start:start + 10_000]
-            contrast = torch.randint(2, 5, (len(chunk), 1, 1, 1), generator=generator, dtype=torch.int16)
-            distractor = distractors[torch.randint(len(distractors), (len(chunk),), generator=generator)]
-            noise = torch.randint(-80, 81, (len(chunk), *image_shape), generator=generator, dtype=torch.int16)
-            pixels = 128 + patterns[chunk] * contrast // 16 + distractor // 2 + noise
-            images[start:start + len(chunk)] = pixels.clamp_(0, 255).to(torch.uint8)
-        tensors[split] = (images, labels)
-    classes = [f"synthetic_{i}" for i in range(num_classes)]
-    write_cache(cache, tensors, classes, source="synthetic")
-    return tuple(ImageTensors(*tensors[split], classes, f"synthetic {split}") for split in ("train", "test"))

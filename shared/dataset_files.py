@@ -11,7 +11,8 @@
   the operations first (`read_pickled_batch`). A folder holding both versions is read in the binary one.
 Every reader checks the size a file or header claims against MAX_FILE_BYTES and the free memory before it
 allocates. `.read()` returns {"train": (images, labels), "test": ...}, uint8 (N, C, H, W) and int64 (N,), and the
-class names.
+class names. `check_parquet_files` bounds, for datasets' reader, what a folder's parquet files claim once
+decompressed.
 """
 
 import functools
@@ -27,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shared.errors import MAX_INFLATE_RATIO, RecipeError, check_decoded_size, check_size, first_line
+from shared.errors import RecipeError, check_decoded_size, first_line, free_memory, walk
 from shared.pickles import check_pickle
 
 FASHION_MNIST = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
@@ -36,6 +37,8 @@ FASHION_MNIST = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal"
 # folder's name, say that the files are Fashion-MNIST's.
 FASHION_MNIST_TEST_LABELS = "3d0e6c6ea990b53b"
 # Limits for files from anywhere (docs/troubleshooting.md): what a file or its header may claim.
+MAX_FILE_BYTES = 4 * 2**30  # one dataset file: 4 GiB (the real MNIST family's largest is under 1 GiB)
+MAX_INFLATE_RATIO = 100  # what a compressed file (parquet, gzip) may inflate to, times its size (bombs: 1,000s)
 MAX_NAMES_BYTES = 2**20  # a file of class names: CIFAR-100's is under 1 KiB
 MAX_PICKLE_BYTES = 2**28  # one CIFAR pickle (its text costs 6 times its size to read): 400 MB of text took 3.3 GB
 IDX_SPLITS = {"train": ("train",), "test": ("t10k", "test")}
@@ -50,6 +53,38 @@ CIFAR_PICKLED = {  # folder -> the files of each split, the class names' file, i
     "cifar-100-python": ({"train": ["train"], "test": ["test"]}, "meta", "fine_label_names", "fine_labels"),
 }
 BINARY_OF = {"cifar-10-batches-py": "cifar-10-batches-bin", "cifar-100-python": "cifar-100-binary"}
+
+
+def check_size(path: Path, size: int, times: int = 1) -> None:
+    """Refuse a file whose header claims more bytes than MAX_FILE_BYTES, or than this machine's free memory holds
+    `times` over."""
+    free = free_memory()
+    if size > min(MAX_FILE_BYTES, free / times):
+        raise RecipeError(f"{path} claims {size:,} bytes of data, over the {MAX_FILE_BYTES / 2**30:.0f} GiB a dataset "
+                          f"file may hold here (or the {free / 2**30:.1f} GiB of free memory"
+                          f"{f' {times} times over' if times > 1 else ''}): a damaged or hostile file; download it "
+                          "again")
+
+
+def check_parquet_files(folder: Path) -> None:
+    """A parquet file's footer says how large its columns are once decompressed: a 52 KB file of compressed zeros
+    reached 3.6 GB. Refuse a file that claims more than MAX_INFLATE_RATIO times its size (images inside are compressed
+    already; raw pixel columns shrink a few times) or than the free memory, before a page is read."""
+    import pyarrow.parquet as pq
+
+    for file in sorted(Path(entry.path) for entry in walk(folder) if entry.name.endswith(".parquet")):
+        try:
+            meta = pq.read_metadata(file)
+            claimed = sum(meta.row_group(i).column(j).total_uncompressed_size
+                          for i in range(meta.num_row_groups) for j in range(meta.num_columns))
+        except Exception as error:
+            raise RecipeError(f"{file} is not a readable parquet file ({type(error).__name__}: "
+                              f"{first_line(error)[:100]}): write it again") from None
+        size, free = file.stat().st_size, free_memory()
+        if claimed > min(MAX_INFLATE_RATIO * size + 2**26, free):
+            raise RecipeError(f"{file} claims {claimed:,} bytes once decompressed, from {size:,} on disk (over "
+                              f"{MAX_INFLATE_RATIO} times its size plus 64 MiB, or the {free / 2**30:.1f} GiB of free "
+                              "memory): a damaged or hostile file; write it again")
 
 
 @dataclass

@@ -6,9 +6,9 @@ A recipe raises `RecipeError` for anything the user can fix. Every process of a 
 rank 0 alone prints. Programming errors keep their traceback: those are for whoever changes the code.
 
 Files from anywhere: what one may claim, checked before anything is allocated (the free memory, what this process
-may still allocate; a dataset file's size, a dataset's decoded size, a parquet file's decompressed size), a walk of a
-folder tree that no depth breaks, and a write that neither a crash nor a link breaks (`replacing`). The limits are
-listed in docs/troubleshooting.md.
+may still allocate; a dataset's decoded size; a dataset file's size and a parquet file's decompressed size are checked
+in shared/dataset_files.py), a walk of a folder tree that no depth breaks, and a write that neither a crash nor a link
+breaks (`replacing`). The limits are listed in docs/troubleshooting.md.
 """
 
 import contextlib
@@ -31,8 +31,6 @@ import torch
 from accelerate import PartialState
 from accelerate.utils import parse_flag_from_env
 
-MAX_FILE_BYTES = 4 * 2**30  # one dataset file: 4 GiB (the real MNIST family's largest is under 1 GiB)
-MAX_INFLATE_RATIO = 100  # what a compressed file (parquet, gzip) may inflate to, times its size (bombs: 1,000s)
 # An allocation refused, as torch's CPU allocator, oneDNN and the dynamic loader (a library imported late) say it: under
 # an address-space limit (ulimit -v), where a run may stop at any of them, this is the limit.
 ALLOCATION_FAILED = ("can't allocate memory", "could not create a primitive", "failed to map segment")
@@ -249,17 +247,6 @@ def replacing(path: Path) -> Iterator[Path]:
         partial.unlink(missing_ok=True)  # after a failed write: a full disk, pieces read from a damaged file
 
 
-def check_size(path: Path, size: int, times: int = 1) -> None:
-    """Refuse a file whose header claims more bytes than MAX_FILE_BYTES, or than this machine's free memory holds
-    `times` over."""
-    free = free_memory()
-    if size > min(MAX_FILE_BYTES, free / times):
-        raise RecipeError(f"{path} claims {size:,} bytes of data, over the {MAX_FILE_BYTES / 2**30:.0f} GiB a dataset "
-                          f"file may hold here (or the {free / 2**30:.1f} GiB of free memory"
-                          f"{f' {times} times over' if times > 1 else ''}): a damaged or hostile file; download it "
-                          "again")
-
-
 def check_decoded_size(source: str, count: int, image_shape: tuple[int, int, int]) -> None:
     """Every pixel of both splits is held at once, converted to `image_shape` (150 KB a 224-px photo: 15 GB for
     100,000): refuse more than the free memory before a byte is decoded or converted."""
@@ -268,24 +255,3 @@ def check_decoded_size(source: str, count: int, image_shape: tuple[int, int, int
         raise RecipeError(f"{source}: {count:,} images of {'x'.join(map(str, image_shape))} take "
                           f"{need / 2**30:.1f} GiB decoded, more than the {free / 2**30:.1f} GiB of free memory: use "
                           "smaller images (finetune.py: --image_size) or fewer, or a machine with more memory")
-
-
-def check_parquet_files(folder: Path) -> None:
-    """A parquet file's footer says how large its columns are once decompressed: a 52 KB file of compressed zeros
-    reached 3.6 GB. Refuse a file that claims more than MAX_INFLATE_RATIO times its size (images inside are compressed
-    already; raw pixel columns shrink a few times) or than the free memory, before a page is read."""
-    import pyarrow.parquet as pq
-
-    for file in sorted(Path(entry.path) for entry in walk(folder) if entry.name.endswith(".parquet")):
-        try:
-            meta = pq.read_metadata(file)
-            claimed = sum(meta.row_group(i).column(j).total_uncompressed_size
-                          for i in range(meta.num_row_groups) for j in range(meta.num_columns))
-        except Exception as error:
-            raise RecipeError(f"{file} is not a readable parquet file ({type(error).__name__}: "
-                              f"{first_line(error)[:100]}): write it again") from None
-        size, free = file.stat().st_size, free_memory()
-        if claimed > min(MAX_INFLATE_RATIO * size + 2**26, free):
-            raise RecipeError(f"{file} claims {claimed:,} bytes once decompressed, from {size:,} on disk (over "
-                              f"{MAX_INFLATE_RATIO} times its size plus 64 MiB, or the {free / 2**30:.1f} GiB of free "
-                              "memory): a damaged or hostile file; write it again")

@@ -5,8 +5,8 @@
 - `RunFiles`, an accelerate tracker writing the files readable without any service: config.json (at
   init_trackers), metrics.jsonl (one line per accelerator.log), summary.json (the last value of every key, like
   wandb's run summary) and curves.png (at end_training, drawn by shared/pictures.py, an opt-in module);
-- wandb (offline without an API key) and TensorBoard as accelerate's trackers, and `run_config`, what config.json
-  and the tracker record;
+- wandb (offline without an API key) as accelerate's tracker (TensorBoard: shared/tensorboard_tracker.py, an opt-in
+  module), and `run_config`, what config.json and the tracker record;
 - `TrainWindow`: training between log points, and the run's time and samples across its pieces.
 """
 
@@ -31,7 +31,7 @@ from urllib.parse import urlparse
 import psutil
 import torch
 from accelerate import PartialState
-from accelerate.tracking import GeneralTracker, TensorBoardTracker, WandBTracker, on_main_process
+from accelerate.tracking import GeneralTracker, WandBTracker, on_main_process
 from accelerate.utils import broadcast_object_list, gather_object
 from tqdm import tqdm
 
@@ -123,8 +123,13 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
     # A resumed run keeps its run id (from config.json), so it continues the same wandb run.
     run = mine if cfg.resume else None  # a folder that is not a run was refused above
     run, labels = run or uuid.uuid4().hex[:8], {"synthetic": True} if cfg.synthetic else {}
-    chosen = {"wandb": lambda: [WandB(recipe, run_dir, run, tags=list(labels))],
-              "tensorboard": lambda: [TensorBoard("tensorboard", run_dir)], "none": lambda: []}[cfg.tracker]()
+    chosen = []
+    if cfg.tracker == "wandb":
+        chosen = [WandB(recipe, run_dir, run, tags=list(labels))]
+    elif cfg.tracker == "tensorboard":
+        from shared.tensorboard_tracker import TensorBoard  # only the runs that ask for it: an opt-in module
+
+        chosen = [TensorBoard("tensorboard", run_dir)]
     # RunFiles first: its config.json makes the folder a run before wandb or TensorBoard write into it, so a job
     # stopped between the two is still a run to its next start.
     return run_dir, [RunFiles(run_dir, run, labels)] + chosen
@@ -308,30 +313,6 @@ class WandB(WandBTracker):
     @on_main_process
     def log(self, values: dict, step: int | None = None, **kwargs):
         self.run.log({**values, "step": step}, **kwargs)
-
-
-class TensorBoard(TensorBoardTracker):
-    """accelerate's TensorBoard tracker, one run and one history per run folder: the flags go into the run's own
-    event file (add_hparams writes them as a second run, pytorch#32651); a resume hides the events logged after its
-    checkpoint (a branch's abandoned points, a piece killed after its checkpoint) with SummaryWriter's purge_step;
-    the summary's one-point scalars stay in summary.json."""
-
-    @on_main_process
-    def store_init_configuration(self, values: dict):
-        from torch.utils.tensorboard.summary import hparams
-
-        if values.get("resumed_step") is not None:
-            self.writer.close()
-            self.writer = type(self.writer)(self.logging_dir, purge_step=values["resumed_step"] + 1)
-        flags = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in values.items()}
-        for summary in hparams(flags, {}):  # hparams take numbers, strings and booleans only
-            self.writer.file_writer.add_summary(summary)
-        self.writer.flush()
-
-    @on_main_process
-    def log(self, values: dict, step: int | None = None, **kwargs):
-        if is_point(values):  # the summary stays in summary.json: one point a key
-            super().log(values, step=step, **kwargs)
 
 
 def run_config(cfg, accelerator, run_dir: Path, **extra) -> dict:

@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 import recipes.deep_mlp_ckpt
 import shared.data
+import shared.synthetic
 from recipes.deep_mlp_ckpt import Config, DeepMLP, make_model, make_optimizer, preprocess
 from recipes.deep_mlp_sweep import saved_bytes
 
@@ -106,7 +107,7 @@ def test_the_72_layers_learn(tmp_path, monkeypatch):
     """The recipe's model, optimizer and inputs leave chance (loss ln 100 = 4.6, accuracy 0.01) within 15 steps (3.99
     and 0.13 here)."""
     monkeypatch.setattr(shared.data, "CACHE_DIR", tmp_path)
-    train, test = shared.data.make_synthetic((3, 32, 32), 64 * 15, 500, num_classes=100)
+    train, test = shared.synthetic.make_synthetic((3, 32, 32), 64 * 15, 500, num_classes=100)
     torch.manual_seed(0)
     model = make_model(100)
     optimizer = make_optimizer(model, Config())  # the seed's Adam at a constant 0.002

@@ -33,7 +33,7 @@ import torchvision
 from PIL import Image
 from safetensors.torch import save_file
 
-from shared import errors
+from shared import dataset_files
 from shared.data import CACHE_DIR
 from shared.dataset_files import find_dataset_files, read_pickled_batch
 from shared.errors import RecipeError
@@ -725,11 +725,11 @@ def test_a_cifar_pickle_is_read_only_where_6_times_its_size_is_free(tmp_path, mo
     at 590 MB): a file is read only where the free memory holds it 6 times over, else refused before it is read."""
     path = tmp_path / "data_batch_1"
     path.write_bytes(pickle.dumps({"batch_label": "a" * 2**20 + "\U0001F600"}, protocol=4))
-    monkeypatch.setattr(errors, "free_memory", lambda: 5 * path.stat().st_size)
+    monkeypatch.setattr(dataset_files, "free_memory", lambda: 5 * path.stat().st_size)
     with pytest.raises(RecipeError, match=r"data_batch_1 claims 1,048,6\d\d bytes of data, over the 4 GiB a dataset "
                                           r"file may hold here \(or the 0.0 GiB of free memory 6 times over\)"):
         read_pickled_batch(path)
-    monkeypatch.setattr(errors, "free_memory", lambda: 7 * path.stat().st_size)
+    monkeypatch.setattr(dataset_files, "free_memory", lambda: 7 * path.stat().st_size)
     assert len(read_pickled_batch(path)["batch_label"]) == 2**20 + 1
 
 

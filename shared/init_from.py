@@ -1,0 +1,67 @@
+"""--init_from: a new run started from a model.safetensors. An opt-in module, imported by shared/checkpoints.py's
+`Checkpoints.initial_weights` for the runs that pass --init_from."""
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from accelerate import PartialState
+from safetensors import safe_open
+
+from shared.checkpoints import mismatch, plain_name
+from shared.errors import RecipeError, first_line
+
+
+def initial_weights(model, cfg, classes: list[str]) -> str | None:
+    """--init_from: a model.safetensors of this model (or the one in a run or checkpoint folder), loaded into it.
+    Its classifier (the model's last layer) starts new where the file's was trained on other classes than the
+    data's (the names it records), unless --keep_classifier. Weights of another model (a tensor missing, or of
+    another shape) are refused, unless --init_partial loads what fits. A resumed run takes its weights from the
+    checkpoint: the file is only hashed. Returns its sha256 (config.json)."""
+    path = Path(cfg.init_from) / "model.safetensors" if Path(cfg.init_from).is_dir() else Path(cfg.init_from)
+    if not path.is_file() or path.suffix != ".safetensors":  # a regular file: a FIFO would block the read
+        raise RecipeError(f"--init_from {cfg.init_from}: no .safetensors file there: pass a run's "
+                          "model.safetensors, or the run or checkpoint folder that holds one")
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for piece in iter(lambda: f.read(2**24), b""):
+            digest.update(piece)
+    if cfg.resume:
+        return digest.hexdigest()
+    expected = model.state_dict()
+    head = next(reversed(expected)).rsplit(".", 1)[0] + "."  # the classifier: the model's last layer
+    try:  # safetensors: a header of names, shapes and offsets, checked against the file; no code
+        with safe_open(path, "pt") as f:
+            keys = {plain_name(key): key for key in f.keys()}
+            shapes = {name: tuple(f.get_slice(key).get_shape()) for name, key in keys.items()}
+            recorded = json.loads((f.metadata() or {}).get("classes", "null"))
+            if not (recorded is None or isinstance(recorded, list) and all(isinstance(c, str) for c in recorded)):
+                raise RecipeError(f"--init_from {path} records its classes as {str(recorded)[:60]!r}, not a list "
+                                  "of names: pass a model.safetensors written by a run")
+            other_classes = recorded not in (None, classes) and not cfg.keep_classifier
+            wrong = mismatch(expected, shapes, skip=head)
+            if wrong and not cfg.init_partial:
+                raise RecipeError(f"--init_from {path} holds another model's weights ({wrong}): pass weights of "
+                                  "this model, with the model flags in the config.json beside them, or "
+                                  "--init_partial to load only the tensors that fit")
+            loaded = {name: f.get_tensor(keys[name]) for name, tensor in expected.items()  # no larger than ours
+                      if shapes.get(name) == tuple(tensor.shape) and not (other_classes and name.startswith(head))}
+    except RecipeError:
+        raise
+    except Exception as error:
+        raise RecipeError(f"--init_from {path} cannot be read ({type(error).__name__}: {first_line(error)[:200]}"
+                          "): pass a model.safetensors written by a run") from None
+    if not loaded or all(name.startswith(head) for name in loaded):
+        raise RecipeError(f"--init_from {path}: {'no tensor' if not loaded else 'only the last layer'} of it fits "
+                          "this model (same name and shape): pass weights of the same model")
+    if not all(torch.isfinite(tensor).all() for tensor in loaded.values() if tensor.is_floating_point()):
+        raise RecipeError(f"--init_from {path} holds NaN or infinite weights: pass weights of a finished run")
+    model.load_state_dict(loaded, strict=False)
+    new = [name for name in expected if name not in loaded]
+    why = (f" (its classifier was trained on {', '.join(map(str, recorded[:4]))}{', ...' * (len(recorded) > 4)}, "
+           f"this data's classes are {', '.join(classes[:4])}{', ...' * (len(classes) > 4)}: --keep_classifier "
+           "keeps it)") if other_classes else ""
+    PartialState().print(f"--init_from {path}: {len(loaded)} of {len(expected)} tensors loaded; new: "
+                         f"{', '.join(new) if new else 'none'}{why}")
+    return digest.hexdigest()
