@@ -149,7 +149,7 @@ def find_source(source: str) -> Source:
     if path.exists():  # the published formats (IDX, CIFAR's files) and the parquet check: an opt-in module
         from shared import dataset_files
 
-        files = dataset_files.find_dataset_files(path) if path.is_dir() else None
+        files = dataset_files.find_dataset_files(path)
         if not files:  # what datasets will read, bounded first
             dataset_files.check_parquet_files(path)
     if files:

@@ -209,6 +209,18 @@ def test_local_data_path_missing(env, tmp_path):
              "no such folder", "--synthetic")
 
 
+def test_a_file_passed_as_data_is_named_as_a_file(tmp_path):
+    """--data train.parquet, one file of a dataset instead of its folder, said "cannot list the folders under
+    train.parquet (Not a directory): move the files nearer the root", which is not the cause."""
+    from shared.data import find_source
+
+    file = tmp_path / "train.parquet"
+    file.write_bytes(b"PAR1")
+    with pytest.raises(RecipeError, match=r"--data \S+/train.parquet is a file, not a folder: pass the folder that "
+                                          r"holds the dataset's files"):
+        find_source(str(file))
+
+
 def test_a_bare_name_that_is_no_folder_is_one_line_not_a_hub_lookup(env):
     # A hub lookup of a local name would fall back to a stale cache of another folder with that name when offline.
     result = run_here("cifar_cnn", "--data", "my_photos", "--tracker", "none")
