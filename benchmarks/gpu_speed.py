@@ -6,6 +6,9 @@ In the order they run (the most wanted first: a run cut short keeps them), until
 - time_to_accuracy, `new_process` true: the README's GPU line as a user runs it, `accelerate launch` of the ResNet
   on the real Fashion-MNIST in the GPU setting, seed 0: `seconds` is the run's own wall_s (summary.json: from its
   loop's start to its summary, after the last evaluation), `process_s` from the launch to the exit.
+- start: benchmarks/start_cost.py in the GPU setting, after the seeds' new processes (the data's cache made): the
+  start of the README's GPU line, phase by phase (the launcher, torch's import, CUDA's set-up, the data, torch._dynamo's
+  import, the first and the second step).
 - time_to_accuracy, `new_process` false: the same in this process, seeds 0, 1, 2 (the first run of the process
   pays CUDA's start: `runs_before_in_process`). `seconds` runs from its first
   training step to the end of its last evaluation; `reached` is that evaluation's test accuracy and `met`
@@ -79,7 +82,7 @@ class Speed:
         self.results = {"device": device_name(), "date": time.strftime("%Y-%m-%d"), "commit": commit(),
                         "torch": torch.__version__, "dry_run": args.dry_run, "budget_s": args.budget_s,
                         "gpu_setting": {**GPU_SETTING, "epochs": GPU_EPOCHS}, "runs": str(self.runs),
-                        "profile": None, "profile_summary": None, "rows": [],
+                        "profile": None, "profile_summary": None, "rows": [], "start": [],
                         "time_to_accuracy": [], "skipped": [], "errors": []}
 
     def save(self) -> None:
@@ -195,6 +198,19 @@ class Speed:
                 "epochs": epochs, "seed": seed, "flags": list(flags),
                 "evaluations": [row["eval_acc"] for row in read_rows(folder) if "eval_acc" in row],
                 "process_s": process_s, "new_process": True}
+
+    def start(self) -> dict:
+        """benchmarks/start_cost.py in the GPU setting: where the start of the README's GPU line goes, phase by phase,
+        each in new processes."""
+        config = ROOT / "accelerate_configs" / ("cpu.yaml" if self.args.dry_run else "bf16.yaml")
+        batch_size = 8 if self.args.dry_run else int(GPU_SETTING["flags"][1])
+        env = {key: value for key, value in os.environ.items() if key != "ACCELERATE_MIXED_PRECISION"}
+        done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "start_cost.py"), "--config", str(config),
+                               "--fashion_mnist", self.args.fashion_mnist, "--batch_size", str(batch_size)],
+                              env=env, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"start_cost.py exited {done.returncode}: {done.stderr[-2000:]}")
+        return json.loads(done.stdout)
 
     def speed(self, name: str, setting: str, precision: str, ema: bool = False, flag: str | None = None,
               compile: str | None = None) -> dict:
@@ -318,6 +334,7 @@ def main() -> None:
     for seed in range(1 if args.dry_run else args.seeds):
         speed.measure("time_to_accuracy", f"resnet18_fmnist to {TARGET}, a new process, seed {seed}",
                       speed.time_to_accuracy_new_process, seed)
+    speed.measure("start", "where the start goes, phase by phase (benchmarks/start_cost.py)", speed.start)
     speed.measure("time_to_accuracy", f"resnet18_fmnist to {TARGET}, a new process, --no-cuda_graph",
                   speed.time_to_accuracy_new_process, 0, ("--no-cuda_graph",))
     speed.measure("time_to_accuracy", f"resnet18_fmnist to {TARGET}, seed 0", speed.time_to_accuracy, 0)

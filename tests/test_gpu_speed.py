@@ -75,6 +75,12 @@ def test_the_gpu_speed_check_makes_every_measurement_on_the_cpu(env, tmp_path):
     config = json.loads((runs / "resnet18_fmnist-tta-new-process-0-no-cuda_graph" / "config.json").read_text())
     assert config["cuda_graph"] is False
     assert not run["new_process"]
+    (start,) = figures["start"]  # benchmarks/start_cost.py: the start's phases, in the order a run meets them
+    phases = ("interpreter_s", "launcher_s", "import_torch_s", "import_recipe_s", "device_s", "data_s", "model_s",
+              "dynamo_import_s", "prepare_s", "first_step_s", "second_step_s")
+    assert all(start[phase] > 0 for phase in phases), start
+    assert start["to_first_step_s"] >= sum(start[phase] for phase in phases[2:-1]) and start["launcher_s"] > 0.1, start
+    assert start["device"] == "cpu" and start["batch_size"] == 8 and not start["decoded"], start  # the run's cache
     assert RUN <= run.keys() and run["data"] == str(fashion) and run["epochs"] == 1 and run["seed"] == 0, run
     assert run["target"] == 0.93 and 0 <= run["reached"] <= 1 and run["met"] == (run["reached"] >= 0.93)
     assert 0 < run["seconds"] < run["start_s"] + run["seconds"] and run["load_data_s"] > 0
