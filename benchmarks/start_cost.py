@@ -26,6 +26,7 @@ import time
 STARTED = time.perf_counter()  # before any import: the probe's phases count from here
 
 import argparse  # noqa: E402 (after the clock: the imports are what is measured)
+import importlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
@@ -51,7 +52,7 @@ def probe(fashion_mnist: str, batch_size: int) -> dict:
     sys.path.insert(0, str(ROOT))
     from accelerate import Accelerator
 
-    recipe = __import__("recipes.resnet18_fmnist", fromlist=["Config"])
+    recipe = importlib.import_module("recipes.resnet18_fmnist")
     from shared import data, loop
 
     mark("import_recipe_s")
@@ -64,7 +65,7 @@ def probe(fashion_mnist: str, batch_size: int) -> dict:
     train_set, test_set = recipe.load_data(cfg)
     decoded = bool(set(data.CACHE_DIR.glob("*.safetensors")) - cached)  # the cache was made here: a decode
     if loop.data_on_device(accelerator.device, cfg.data_on_device, train_set, test_set):
-        train_set = train_set.to(accelerator.device)
+        train_set, test_set = train_set.to(accelerator.device), test_set.to(accelerator.device)
     mark("data_s")
     model = recipe.make_model(len(train_set.classes), cfg).to(accelerator.device)
     if cfg.channels_last:
