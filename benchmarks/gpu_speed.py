@@ -58,6 +58,7 @@ sys.path.insert(0, str(ROOT))
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import ProfileKwargs
 
+from benchmarks import start_cost
 from shared import loop
 
 RECIPES = ("cifar_cnn", "resnet18_fmnist", "deep_mlp_ckpt")
@@ -204,13 +205,7 @@ class Speed:
         each in new processes."""
         config = ROOT / "accelerate_configs" / ("cpu.yaml" if self.args.dry_run else "bf16.yaml")
         batch_size = 8 if self.args.dry_run else int(GPU_SETTING["flags"][1])
-        env = {key: value for key, value in os.environ.items() if key != "ACCELERATE_MIXED_PRECISION"}
-        done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "start_cost.py"), "--config", str(config),
-                               "--fashion_mnist", self.args.fashion_mnist, "--batch_size", str(batch_size)],
-                              env=env, capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"start_cost.py exited {done.returncode}: {done.stderr[-2000:]}")
-        return json.loads(done.stdout)
+        return start_cost.measure(str(config), self.args.fashion_mnist, batch_size)  # its own new processes
 
     def speed(self, name: str, setting: str, precision: str, ema: bool = False, flag: str | None = None,
               compile: str | None = None) -> dict:
