@@ -66,6 +66,13 @@ def check_size(path: Path, size: int, times: int = 1) -> None:
                           "again")
 
 
+def check_regular(file: Path, what: str) -> None:
+    """Refuse a file that is not a regular one (after its links): a FIFO blocks its first read forever."""
+    if not file.is_file():
+        raise RecipeError(f"{str(file)!r} is not a regular file (a FIFO, socket, device or folder): replace it by "
+                          f"{what}")
+
+
 def check_parquet_files(folder: Path) -> None:
     """A parquet file's footer says how large its columns are once decompressed: a 52 KB file of compressed zeros
     reached 3.6 GB. Refuse a file that claims more than MAX_INFLATE_RATIO times its size (images inside are compressed
@@ -73,6 +80,7 @@ def check_parquet_files(folder: Path) -> None:
     import pyarrow.parquet as pq
 
     for file in sorted(Path(entry.path) for entry in walk(folder) if entry.name.endswith(".parquet")):
+        check_regular(file, "the parquet file")  # datasets' read after this one would block too
         try:
             meta = pq.read_metadata(file)
             claimed = sum(meta.row_group(i).column(j).total_uncompressed_size
@@ -100,9 +108,7 @@ class DatasetFiles:
         once bounded: each split's files by their size, and both splits converted to `image_shape` by how many images
         the files hold (IDX: the headers; CIFAR: at most one per 3,072 bytes)."""
         for file in self.all_files():
-            if not file.is_file():  # a FIFO would block the first read forever
-                raise RecipeError(f"{str(file)!r} is not a regular file (a FIFO, socket, device or folder): replace "
-                                  "it by the downloaded file")
+            check_regular(file, "the downloaded file")
         for split in ("train", "test"):  # its files together, before any is read: they become one array
             files = self.files[split]
             check_size(files[0] if len(files) == 1 else files[0].parent / f"{split} files",

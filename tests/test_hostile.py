@@ -923,6 +923,16 @@ def test_a_parquet_file_that_inflates_is_refused_before_a_page_is_read(env, tmp_
             needle="train.parquet claims 100,000,052 bytes once decompressed, from", launched=True)
 
 
+@pytest.mark.slow  # a read that would block forever: launched, under the timeout
+def test_a_fifo_named_as_a_parquet_file_is_refused_instead_of_blocking(env, tmp_path):
+    """A FIFO named train-0.parquet in --data blocked the parquet check's read of its footer for ever."""
+    (tmp_path / "data" / "data").mkdir(parents=True)
+    os.mkfifo(tmp_path / "data" / "data" / "train-0.parquet")
+    refused(env, tmp_path, "cifar_cnn", "--data", tmp_path / "data", *SHORT, "--output_dir", tmp_path / "out",
+            needle="train-0.parquet' is not a regular file (a FIFO, socket, device or folder): replace it by the "
+                   "parquet file", launched=True)
+
+
 # ------------------------------------------------------------------ images
 def chunk(kind: bytes, data: bytes) -> bytes:
     return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
