@@ -33,6 +33,15 @@ def test_config_loads_with_accelerate(name):
     assert (config.distributed_type, config.num_processes, config.mixed_precision, config.use_cpu) == EXPECTED[name]
 
 
+def test_one_machine_of_several_processes_takes_a_free_port_at_each_launch():
+    """Without a port, accelerate takes 29500 where it looks free: two launches started together both see it free and
+    the second dies in EADDRINUSE (it happened to two of this suite's launches at once). 0 asks for a free one."""
+    several = [name for name, (_, processes, *_) in EXPECTED.items() if processes > 1 and name != "multinode"]
+    assert several == ["2gpu", "multigpu_bf16"]
+    for name in several:
+        assert load_config_from_file(str(CONFIGS / f"{name}.yaml")).main_process_port == 0, name
+
+
 def test_multinode_template_names_its_rendezvous():
     config = load_config_from_file(str(CONFIGS / "multinode.yaml"))
     assert config.num_machines == 2 and config.machine_rank == 0
