@@ -1,6 +1,6 @@
 """What every recipe repeats, one job per module (what only sweeps, benchmarks, the runs table and new projects use is
-in tools/, outside the recipes' path). A recipe imports the first eight; the last six are opt-in, imported inside
-the one function that needs them:
+in tools/, outside the recipes' path). A recipe imports the first eight; the last seven are opt-in, imported inside
+the function that needs them:
 
 - config: flags from the Config dataclass, a field's comment its --help
 - data: datasets and published files -> uint8 tensors, decoded once and cached; a split served a batch at a time,
@@ -10,15 +10,16 @@ the one function that needs them:
 - loop: the learning rate and the EMA's decay as functions of the step; the training step captured once as a CUDA
   graph and replayed (on one GPU); the device's settings (the CPU allocator; TF32, cuDNN, the data on the GPU)
 - tracking: the run folder, wandb, readable run files, the training window
-- checkpoints: everything a resume reads: full-state checkpoints, the run's progress, model.safetensors, which
-  checkpoint --resume names and what a resume changes, a stop on SIGTERM or Ctrl-C with a checkpoint and the command
-  that continues the run
+- checkpoints: full-state checkpoints, the run's progress, model.safetensors, a stop on SIGTERM or Ctrl-C with a
+  checkpoint and the command that continues the run
 - errors: one-line errors, the launch checks, the free memory and what a dataset may take decoded, a folder's walk, a
   write that no crash breaks
 - dataset_files: IDX files and CIFAR's binary and Python versions, read as published, and the bounds on a dataset
   file's size and a parquet file's decompressed size (opt-in: imported for local data)
 - pickles: a CIFAR pickle or a file for torch.load from anywhere, checked before it is unpickled (opt-in)
 - pictures: curves.png and the confusion matrix, with matplotlib (opt-in: imported where one is drawn)
+- resume: everything --resume does: the flags it continues with, the checkpoint it names, checked and loaded, what
+  changed since it, and a branch from an older one (opt-in)
 - synthetic: the generated stand-in of --synthetic (opt-in)
 - init_from: --init_from's model.safetensors loaded into a new run (opt-in)
 - tensorboard_tracker: accelerate's TensorBoard tracker for --tracker tensorboard (opt-in)

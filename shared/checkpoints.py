@@ -1,17 +1,15 @@
-"""Everything a resume reads, in one place: full-state checkpoints (save, find, check, load), the run's progress, the
-final weights file (model.safetensors), the stop on a signal, and whether a folder is a run of these recipes.
+"""Full-state checkpoints (saved here; found, checked and loaded by shared/resume.py, an opt-in module), the run's
+progress, the final weights file (model.safetensors), the stop on a signal, and whether a folder is a run of these
+recipes.
 
 A checkpoint is `accelerator.save_state` (model, optimizer, grad scaler, every process's RNG state and the
 registered `Progress`) in checkpoints/step_<N>/, written under a temporary name and renamed when complete: a
 run killed mid-save leaves the previous checkpoint as the newest. The learning rate is a function of the step
 (shared/loop.py), so there is no scheduler state and a run can be resumed with another length.
 
-- `find_checkpoint`: which checkpoint --resume names; `check_resume`: what a resume continues (steps left, and what
-  changed since the checkpoint, from the config.json saved in it, and what that does to the sample order, exactness
-  and schedule);
-- `Checkpoints`: the run's checkpoint folder, `resume`, `save`, `save_weights`, `initial_weights` (--init_from, in
-  shared/init_from.py, an opt-in module), and through `StopOnSignals` a stop on SIGTERM or Ctrl-C with a checkpoint
-  and the command that continues the run;
+- `Checkpoints`: the run's checkpoint folder, `save`, `save_weights`, `resume` and `check_resume_and_branch`
+  (--resume, in shared/resume.py), `initial_weights` (--init_from, in shared/init_from.py, an opt-in module), and
+  through `StopOnSignals` a stop on SIGTERM or Ctrl-C with a checkpoint and the command that continues the run;
 - `is_run`, `check_entries`, `new_folder`: a run folder, checked as one from anywhere.
 """
 
@@ -30,9 +28,6 @@ from pathlib import Path
 
 import psutil
 import torch
-from accelerate import PartialState
-from accelerate.utils import load as accelerate_load  # torch.load(weights_only=True) + NumPy RNG types
-from accelerate.utils import set_seed
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
@@ -41,11 +36,6 @@ from shared.errors import RecipeError, first_line, replacing, walk
 
 STEP_DIR = re.compile(r"step_(\d+)$")
 FINISHED_FILES = ("model.safetensors", "summary.json", "curves.png", "confusion_matrix.png")  # a finished run's record
-DATA_ORDER_KEYS = ("data", "synthetic", "train_size", "seed")  # change one, and the rest of the epoch is another
-BATCHING_KEYS = ("world_size", "batch_size", "grad_accum")  # these only cut the same order into other batches
-# Not settings of the training: where the run was started from, and which copy of the script ran it.
-NOT_SETTINGS = ("resume", "resumed_step", "resumed_from", "run_id", "overwrite", "output_dir", "versions", "script",
-                "checkpoint_dir")
 STOP_CHECK_S = 1.0  # several processes agree on a stop about this often (seconds of training)
 SECOND_INTERRUPT_S = 1.0  # a SIGINT this long after the first is the user's second Ctrl-C, not torchrun's copy
 PR_SET_PDEATHSIG = 1  # prctl: the signal this process gets when its parent dies (<linux/prctl.h>)
@@ -88,61 +78,6 @@ def check_checkpoint_folder(folder: Path, run: str | None) -> list[Path]:
                               "run's checkpoints (this run's pruning and --resume latest would take the rest for its "
                               "own): pass an empty or new folder, or move that out")
     return entries
-
-
-def find_checkpoint(folder: Path | None, resume: str, run: str | None = None) -> Path:
-    """The checkpoint --resume names: the run's (id `run`) newest complete one in its checkpoint folder (`latest`),
-    or a checkpoint folder."""
-    if resume != "latest":
-        if not (Path(resume) / "custom_checkpoint_0.pkl").is_file() or not STEP_DIR.search(Path(resume).name):
-            raise RecipeError(f"--resume {resume}: not a checkpoint folder (expected checkpoints/step_<N> of a run)")
-        return Path(resume)
-    checkpoints = list_checkpoints(folder, run)
-    if not checkpoints:
-        raise RecipeError(f"--resume latest: {folder} has no checkpoints: start it without --resume, "
-                          "or pass --output_dir of a run that saved one (--checkpoint_every N)")
-    return checkpoints[-1]
-
-
-def check_resume(checkpoint: Path, config: dict, progress) -> None:
-    """Refuse a resume with no step left to run (`progress`: the restored Progress). Otherwise print where the run
-    continues, what changed since the checkpoint (the config.json saved in it), and what that does to the sample
-    order, exactness and schedule."""
-    checkpoint, total_steps = Path(checkpoint), config["total_steps"]
-    if progress.step > total_steps:
-        raise RecipeError(f"--resume {checkpoint} is at step {progress.step}, past the {total_steps} steps asked for: "
-                          "raise --max_steps or --epochs, or resume from an earlier checkpoint")
-    finishing = progress.step == total_steps  # the last step's checkpoint; the weights, unless the run was stopped
-    if finishing and (Path(config["output_dir"]) / "model.safetensors").exists():
-        raise RecipeError(f"{config['output_dir']} already finished its {total_steps} steps: "
-                          "raise --max_steps or --epochs to train on")
-    if not PartialState().is_main_process:
-        return
-    if finishing:  # stopped after its last checkpoint, before its weights: the recipe evaluates and writes them
-        return print(f"resuming from {checkpoint}: its last step ({total_steps}), the run stopped before writing its "
-                     "weights: evaluating and writing them now")
-    epoch, left = progress.epoch + 1, config["train_size"] - progress.samples_into_epoch
-    print(f"resuming from {checkpoint}: step {progress.step}, epoch {epoch} after {progress.samples_into_epoch} of its "
-          f"{config['train_size']} samples")
-    before = read_json(checkpoint / "config.json")  # the configuration that wrote the checkpoint, saved in it
-    if not isinstance(before, dict):
-        return print(f"no readable config.json in {checkpoint}: what changed since it cannot be listed")
-    changed = [key for key in config if key not in NOT_SETTINGS and before.get(key) != config[key]]
-    if not changed:
-        return print("same configuration: the run continues exactly, to the same weights as a run never stopped")
-    print("changed since the checkpoint: " + ", ".join(f"{k} {before.get(k)!r} -> {config[k]!r}" for k in changed))
-    if any(key in DATA_ORDER_KEYS for key in changed):
-        print(f"the sample order is NOT a run's never stopped ({', '.join(k for k in changed if k in DATA_ORDER_KEYS)} "
-              f"changed): the rest of epoch {epoch} follows another order, so some of its samples are trained on "
-              "twice and others not at all")
-    elif any(key in BATCHING_KEYS for key in changed):
-        print(f"the sample order continues exactly: the rest of epoch {epoch} is the {left} samples not yet trained "
-              f"on, in global batches of {config['global_batch_size']} (a remainder smaller than one is dropped, "
-              "as at the end of every epoch)")
-    else:
-        print("the sample order continues exactly")
-    if "total_steps" in changed:
-        print(f"length {before.get('total_steps')} -> {total_steps} steps, learning rate: {config['lr_schedule']}")
 
 
 class StopOnSignals:
@@ -348,84 +283,24 @@ class Checkpoints(StopOnSignals):
         return run_id(self.run_dir) if self.cfg.checkpoint_dir else None
 
     def resume(self, progress: Progress) -> Path | None:
-        """With --resume: accelerator.load_state (restoring `progress` too), after checking that no file in the
-        checkpoint can run code. On another number of processes than the checkpoint's, every process is re-seeded."""
+        """With --resume: the checkpoint it names, loaded (restoring `progress` too) by shared/resume.py; else None."""
         if not self.cfg.resume:
             return None
-        from shared.pickles import check_archive  # files from anywhere, checked: an opt-in module
+        from shared.resume import load  # only the runs that resume: an opt-in module
 
-        checkpoint = find_checkpoint(self.folder, self.cfg.resume, self.owner())
-        check_entries(checkpoint)  # --checkpoint_dir: outside the run folder its open_run checked
-        for pickled in sorted(path for path in checkpoint.iterdir() if path.suffix in (".pkl", ".bin", ".pt")):
-            check_archive(pickled, fix="resume from another checkpoint")
-            try:  # accelerate loads registered objects with weights_only=False: refuse what weights_only would
-                accelerate_load(pickled, map_location="cpu")
-            except Exception as error:
-                raise RecipeError(f"--resume {checkpoint}: {pickled.name} is corrupt or holds more than tensors "
-                                  f"and numbers ({type(error).__name__}): resume from another checkpoint") from None
-        try:
-            self.accelerator.load_state(checkpoint)
-        except Exception as error:  # a size mismatch, a missing or truncated file: all mean "not this run's"
-            lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-            detail = next((line for line in lines if line.startswith(("size mismatch", "Missing key",
-                                                                       "Unexpected key"))), first_line(error))
-            raise RecipeError(f"--resume {checkpoint} cannot be loaded into this run ({type(error).__name__}: "
-                              f"{detail[:200]}): resume with the recipe and flags that wrote it, "
-                              "or from another checkpoint") from None
-        # Checkpoints fall between optimizer steps. The micro-batch counter saved with them would, under another
-        # --grad_accum, end the first accumulation early (10 batches saved, --grad_accum 4: a step after 2).
-        self.accelerator.step = 0
-        saved_processes = len(list(checkpoint.glob("random_states_*.pkl")))
-        if saved_processes != self.accelerator.num_processes:
-            # Each process restores random_states_<its rank>.pkl, and accelerate skips a missing one silently: 1 -> 2
-            # would leave the new process replaying the start of the run (accelerate #784).
-            set_seed(self.cfg.seed + progress.step, device_specific=True)
-            self.accelerator.print(
-                f"the checkpoint was written by {saved_processes} process(es), this run has "
-                f"{self.accelerator.num_processes}: their random states do not map onto each other, so every "
-                f"process is re-seeded from (--seed, step {progress.step}, rank). Augmentation and dropout draws "
-                "differ from a run never stopped: bitwise equality holds only on the same world size")
-        self.resumed_from = checkpoint
-        if checkpoint.resolve() == (self.folder / checkpoint.name).resolve():
-            self.saved.add(self.folder / checkpoint.name)  # resumed at the last step: not saved again
-        return checkpoint
-
-    def branch(self, checkpoint: Path, step: int) -> None:
-        """Resumed from a checkpoint older than the run's newest: move the later history (its checkpoints, final
-        weights, summary and pictures, a copy of its metrics) aside into abandoned/, so that it is neither deleted
-        nor ever continued by --resume latest or mixed into this history's files."""
-        later = [p for p in list_checkpoints(self.folder, self.owner()) if int(p.name.split("_")[1]) > step]
-        if self.accelerator.is_main_process and later:
-            # -2, -3 after the name for branches from one step in one second; a read-only abandoned/ (a run folder
-            # from elsewhere) makes nothing, and the first move fails, before anything moved
-            aside = Path(new_folder(f"{self.run_dir}/abandoned/after_step_{step}-{time.strftime('%Y%m%d-%H%M%S')}"))
-            try:  # the copies first, which need room on the disk; then the moves, renames within it, which need none
-                for name in ("metrics.jsonl", "config.json"):
-                    if (self.run_dir / name).exists():
-                        shutil.copy2(self.run_dir / name, aside / name)
-                for path in later + [self.run_dir / name for name in FINISHED_FILES]:
-                    if path.exists():
-                        os.replace(path, aside / path.name)
-            except OSError as error:
-                raise RecipeError(f"moving the run's later history aside into {aside} failed ({error.strerror}): "
-                                  f"{aside.parent} must be a folder you can write in (and the run's folders too), "
-                                  "with room on its disk, then resume again; nothing was deleted") from None
-            print(f"{checkpoint} is older than the run's newest checkpoint ({later[-1].name}): this is a new branch "
-                  f"of the run; the later history ({', '.join(p.name for p in later)}) moved to {aside}")
-        self.accelerator.wait_for_everyone()
+        self.resumed_from = load(self, progress)
+        if self.resumed_from.resolve() == (self.folder / self.resumed_from.name).resolve():
+            self.saved.add(self.folder / self.resumed_from.name)  # resumed at the last step: not saved again
+        return self.resumed_from
 
     def check_resume_and_branch(self, config: dict, progress: Progress) -> None:
         """After a resume: refuse it if no step is left to run; print where the run continues and what changed; from
-        an older checkpoint than the newest, move the later history aside (`branch`). A finished run resumed with more
-        steps is extended: its final files stay as they are until the longer run finishes (`save_weights`)."""
+        an older checkpoint than the newest, move the later history aside (shared/resume.py). A finished run resumed
+        with more steps is extended: its final files stay as they are until the longer run finishes (`save_weights`)."""
         if self.resumed_from:
-            check_resume(self.resumed_from, config, progress)
-            self.branch(self.resumed_from, progress.step)
-            self.extending = (self.run_dir / "model.safetensors").exists()  # still there: no later history
-            if self.extending:
-                self.accelerator.print(
-                    f"extending the finished run to {config['total_steps']} steps: its model.safetensors and "
-                    f"summary.json stay until this run finishes, then move to {self.run_dir / 'finished'}/")
+            from shared.resume import check_resume_and_branch  # only the runs that resume: an opt-in module
+
+            self.extending = check_resume_and_branch(self, config, progress)
 
     def save(self, model, step: int) -> Path:
         """The full training state in checkpoints/step_<step>, keeping the newest --keep_checkpoints. Weights that

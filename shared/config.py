@@ -3,7 +3,8 @@ its `--help`, so default, unit and meaning sit on one line in the recipe. The co
 as simple-parsing reads them: no second list of help texts to keep in step; without a file (a notebook cell, exec())
 the flags work without help. Booleans become `--flag / --no-flag`, `Literal[...]` fields get their choices,
 `X | None = None` fields are optional. With --resume, a run continues with its own flags: those its config.json
-records, each parsed as if typed, and those given on the command line over them (`recorded_flags`)."""
+records, each parsed as if typed, and those given on the command line over them (shared/resume.py's
+`recorded_flags`)."""
 
 import argparse
 import dataclasses
@@ -23,9 +24,6 @@ from shared.errors import printable
 
 MAX_JSON_BYTES = 2**24  # a config.json: a few KB, up to about 2 MB with 100,000 class names
 MAX_WORDS = 1_000  # a command line's words: a recipe has under 40 flags, of one or two words each
-# Flags a resume takes from the command line only: where the run writes and what it continues (a run folder may come
-# from anywhere, and never chooses those).
-FROM_THE_COMMAND_LINE = ("resume", "output_dir", "overwrite", "checkpoint_dir")
 
 
 def parse_config(cls: type, argv: list[str] | None = None):
@@ -87,6 +85,8 @@ def parse_config(cls: type, argv: list[str] | None = None):
         parser.error(f"{len(argv):,} words on the command line, more than a recipe's flags take ({MAX_WORDS:,})")
     cfg = parse(argv)
     if getattr(cfg, "resume", None):  # a run continues with its own flags (its config.json's), but those given here
+        from shared.resume import recorded_flags  # only the runs that resume: an opt-in module
+
         try:
             recorded, path = recorded_flags(cfg, argv)
         except ValueError as error:
@@ -107,39 +107,6 @@ def read_json(path: Path):
     except (OSError, ValueError, RecursionError):
         pass
     return None
-
-
-def recorded_flags(cfg, argv: list[str]):
-    """The flags of the run that --resume continues, as words of a command line, and the config.json they come from:
-    the one saved in the checkpoint (`--resume latest`: the run's own). Every field of the Config it records but those
-    given in `argv` and those FROM_THE_COMMAND_LINE, each to be parsed as if typed; refused: a run of another recipe,
-    and a --data that names no folder here and is not the recipe's own (a run folder never makes a run fetch)."""
-    recipe = getattr(sys.modules[type(cfg).__module__], "RECIPE", None)
-    if cfg.resume == "latest" and not cfg.output_dir:  # never a guess at which run the user meant
-        raise ValueError(f"--resume latest needs the run to continue: add --output_dir runs/{recipe}-<time>")
-    path = Path(cfg.output_dir if cfg.resume == "latest" else cfg.resume) / "config.json"
-    recorded = read_json(path)
-    if not isinstance(recorded, dict):
-        return [], path  # none: the flags given (a run that is none: open_run says so)
-    if recorded.get("recipe") not in (None, recipe):
-        raise ValueError(f"{path} is a run of {str(recorded['recipe'])[:60]}, not of {recipe}: resume it with the "
-                         "recipe that wrote it")
-    given = {word[2:].split("=")[0].removeprefix("no-") for word in argv if word.startswith("--")}
-    words = []
-    for field in dataclasses.fields(cfg):
-        value = recorded.get(field.name)
-        if field.name == "checkpoint_dir" and value and "checkpoint_dir" not in given:  # a run writes only where told
-            raise ValueError(f"{path} keeps its checkpoints in {str(value)[:200]!r}: pass --checkpoint_dir with that "
-                             "folder to continue it")
-        synthetic = field.name == "data" and recorded.get("synthetic") is True  # recorded as "SYNTHETIC data"
-        if field.name in (*FROM_THE_COMMAND_LINE, *given) or value is None or synthetic:
-            continue
-        if field.name == "data" and value != field.default and not Path(str(value)).expanduser().exists():
-            raise ValueError(f"{path} records --data {str(value)[:200]!r}, which is no folder here: pass --data to "
-                             "continue (a run folder never makes a run fetch what it names)")
-        # one word a flag, `--name=value`: a value that starts with "--" stays a value
-        words.append(f"--{'no-' * (not value)}{field.name}" if isinstance(value, bool) else f"--{field.name}={value}")
-    return words, path
 
 
 @dataclass

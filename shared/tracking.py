@@ -38,13 +38,11 @@ from tqdm import tqdm
 from shared.checkpoints import (
     check_checkpoint_folder,
     check_entries,
-    find_checkpoint,
     is_run,
     launcher_command,
     new_folder,
     run_id,
 )
-from shared.config import read_json
 from shared.errors import RecipeError, check_launch, first_line, replacing
 from shared.loop import SCHEDULE_RULE
 
@@ -67,19 +65,9 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
     state = PartialState()
     output_dir = cfg.output_dir
     if cfg.resume and cfg.resume != "latest":  # a checkpoint folder: it continues its own run, or a new one
-        checkpoint = find_checkpoint(None, cfg.resume).resolve()
-        its_run = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else None
-        recorded = read_json(Path(output_dir) / "config.json") if output_dir else None
-        if isinstance(recorded, dict) and Path(recorded.get("checkpoint_dir") or "/").resolve() == checkpoint.parent:
-            its_run = Path(output_dir).resolve()  # a checkpoint in the run's --checkpoint_dir
-        if output_dir is None and not (its_run and is_run(its_run)):
-            raise RecipeError(f"--resume {cfg.resume} is not in a run's checkpoints/ folder, so there is no run to "
-                              "continue in: add --output_dir NEW_FOLDER to continue it there as a new run")
-        output_dir = output_dir or its_run
-        check_entries(checkpoint)
-        if Path(output_dir).resolve() != its_run and (Path(output_dir) / "config.json").exists():
-            raise RecipeError(f"--resume {cfg.resume} is not a checkpoint of {output_dir}, which holds another run: "
-                              "pass a new --output_dir to continue the checkpoint there (two histories never mix)")
+        from shared.resume import run_of_checkpoint  # only the runs that resume: an opt-in module
+
+        output_dir = run_of_checkpoint(cfg)
     if output_dir is None:
         name, stamp = [None], time.strftime("%Y%m%d-%H%M%S")
         if state.is_main_process:

@@ -124,7 +124,7 @@ def test_pruning_and_latest_see_only_the_runs_own_checkpoints(tmp_path):
 def test_a_synthetic_runs_recorded_data_is_no_flag_of_its_resume(tmp_path):
     """A --synthetic run records data "SYNTHETIC data", which --resume latest refused as a --data naming no folder."""
     from recipes.cifar_cnn import Config
-    from shared.config import recorded_flags
+    from shared.resume import recorded_flags
 
     (tmp_path / "config.json").write_text('{"recipe": "cifar_cnn", "synthetic": true, "data": "SYNTHETIC data", '
                                           '"batch_size": 4}')

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.checkpoints import Progress, check_resume
+from shared.checkpoints import Progress
 from shared.data import EpochOrder
 from shared.loop import SCHEDULE_RULE, one_cycle_lr
+from shared.resume import check_resume
 
 from conftest import ROOT, launch, ok, read_json, read_jsonl, run_here
 from tiny_data import save_to_disk_dataset

@@ -1,0 +1,221 @@
+"""Resuming a run (--resume), in one place; imported only by the runs that resume (an opt-in module).
+
+- `recorded_flags`: the flags a resume continues with, those its run's config.json records (Config.parse);
+- `run_of_checkpoint`: the run folder that --resume PATH, a checkpoint folder, continues (open_run);
+- `find_checkpoint`: the checkpoint --resume names; `load`: it, loaded after checking that no file in it can run
+  code (Checkpoints.resume);
+- `check_resume_and_branch`: what a resume continues (steps left, what changed since the checkpoint and what that
+  does to the sample order, exactness and schedule); from an older checkpoint than the newest, the later history
+  moved aside (`branch`).
+"""
+
+import dataclasses
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from accelerate import PartialState
+from accelerate.utils import load as accelerate_load  # torch.load(weights_only=True) + NumPy RNG types
+from accelerate.utils import set_seed
+
+from shared.checkpoints import FINISHED_FILES, STEP_DIR, check_entries, is_run, list_checkpoints, new_folder
+from shared.config import read_json
+from shared.errors import RecipeError, first_line
+
+DATA_ORDER_KEYS = ("data", "synthetic", "train_size", "seed")  # change one, and the rest of the epoch is another
+BATCHING_KEYS = ("world_size", "batch_size", "grad_accum")  # these only cut the same order into other batches
+# Not settings of the training: where the run was started from, and which copy of the script ran it.
+NOT_SETTINGS = ("resume", "resumed_step", "resumed_from", "run_id", "overwrite", "output_dir", "versions", "script",
+                "checkpoint_dir")
+# Flags a resume takes from the command line only: where the run writes and what it continues (a run folder may come
+# from anywhere, and never chooses those).
+FROM_THE_COMMAND_LINE = ("resume", "output_dir", "overwrite", "checkpoint_dir")
+
+
+def recorded_flags(cfg, argv: list[str]):
+    """The flags of the run that --resume continues, as words of a command line, and the config.json they come from:
+    the one saved in the checkpoint (`--resume latest`: the run's own). Every field of the Config it records but those
+    given in `argv` and those FROM_THE_COMMAND_LINE, each to be parsed as if typed; refused: a run of another recipe,
+    and a --data that names no folder here and is not the recipe's own (a run folder never makes a run fetch)."""
+    recipe = getattr(sys.modules[type(cfg).__module__], "RECIPE", None)
+    if cfg.resume == "latest" and not cfg.output_dir:  # never a guess at which run the user meant
+        raise ValueError(f"--resume latest needs the run to continue: add --output_dir runs/{recipe}-<time>")
+    path = Path(cfg.output_dir if cfg.resume == "latest" else cfg.resume) / "config.json"
+    recorded = read_json(path)
+    if not isinstance(recorded, dict):
+        return [], path  # none: the flags given (a run that is none: open_run says so)
+    if recorded.get("recipe") not in (None, recipe):
+        raise ValueError(f"{path} is a run of {str(recorded['recipe'])[:60]}, not of {recipe}: resume it with the "
+                         "recipe that wrote it")
+    given = {word[2:].split("=")[0].removeprefix("no-") for word in argv if word.startswith("--")}
+    words = []
+    for field in dataclasses.fields(cfg):
+        value = recorded.get(field.name)
+        if field.name == "checkpoint_dir" and value and "checkpoint_dir" not in given:  # a run writes only where told
+            raise ValueError(f"{path} keeps its checkpoints in {str(value)[:200]!r}: pass --checkpoint_dir with that "
+                             "folder to continue it")
+        synthetic = field.name == "data" and recorded.get("synthetic") is True  # recorded as "SYNTHETIC data"
+        if field.name in (*FROM_THE_COMMAND_LINE, *given) or value is None or synthetic:
+            continue
+        if field.name == "data" and value != field.default and not Path(str(value)).expanduser().exists():
+            raise ValueError(f"{path} records --data {str(value)[:200]!r}, which is no folder here: pass --data to "
+                             "continue (a run folder never makes a run fetch what it names)")
+        # one word a flag, `--name=value`: a value that starts with "--" stays a value
+        words.append(f"--{'no-' * (not value)}{field.name}" if isinstance(value, bool) else f"--{field.name}={value}")
+    return words, path
+
+
+def run_of_checkpoint(cfg) -> Path:
+    """--resume PATH, a checkpoint folder: the run folder it continues (its own run's; or --output_dir, a new run or
+    the run whose --checkpoint_dir holds it), checked."""
+    output_dir = cfg.output_dir
+    checkpoint = find_checkpoint(None, cfg.resume).resolve()
+    its_run = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else None
+    recorded = read_json(Path(output_dir) / "config.json") if output_dir else None
+    if isinstance(recorded, dict) and Path(recorded.get("checkpoint_dir") or "/").resolve() == checkpoint.parent:
+        its_run = Path(output_dir).resolve()  # a checkpoint in the run's --checkpoint_dir
+    if output_dir is None and not (its_run and is_run(its_run)):
+        raise RecipeError(f"--resume {cfg.resume} is not in a run's checkpoints/ folder, so there is no run to "
+                          "continue in: add --output_dir NEW_FOLDER to continue it there as a new run")
+    output_dir = output_dir or its_run
+    check_entries(checkpoint)
+    if Path(output_dir).resolve() != its_run and (Path(output_dir) / "config.json").exists():
+        raise RecipeError(f"--resume {cfg.resume} is not a checkpoint of {output_dir}, which holds another run: "
+                          "pass a new --output_dir to continue the checkpoint there (two histories never mix)")
+    return Path(output_dir)
+
+
+def find_checkpoint(folder: Path | None, resume: str, run: str | None = None) -> Path:
+    """The checkpoint --resume names: the run's (id `run`) newest complete one in its checkpoint folder (`latest`),
+    or a checkpoint folder."""
+    if resume != "latest":
+        if not (Path(resume) / "custom_checkpoint_0.pkl").is_file() or not STEP_DIR.search(Path(resume).name):
+            raise RecipeError(f"--resume {resume}: not a checkpoint folder (expected checkpoints/step_<N> of a run)")
+        return Path(resume)
+    checkpoints = list_checkpoints(folder, run)
+    if not checkpoints:
+        raise RecipeError(f"--resume latest: {folder} has no checkpoints: start it without --resume, "
+                          "or pass --output_dir of a run that saved one (--checkpoint_every N)")
+    return checkpoints[-1]
+
+
+def check_resume(checkpoint: Path, config: dict, progress) -> None:
+    """Refuse a resume with no step left to run (`progress`: the restored Progress). Otherwise print where the run
+    continues, what changed since the checkpoint (the config.json saved in it), and what that does to the sample
+    order, exactness and schedule."""
+    checkpoint, total_steps = Path(checkpoint), config["total_steps"]
+    if progress.step > total_steps:
+        raise RecipeError(f"--resume {checkpoint} is at step {progress.step}, past the {total_steps} steps asked for: "
+                          "raise --max_steps or --epochs, or resume from an earlier checkpoint")
+    finishing = progress.step == total_steps  # the last step's checkpoint; the weights, unless the run was stopped
+    if finishing and (Path(config["output_dir"]) / "model.safetensors").exists():
+        raise RecipeError(f"{config['output_dir']} already finished its {total_steps} steps: "
+                          "raise --max_steps or --epochs to train on")
+    if not PartialState().is_main_process:
+        return
+    if finishing:  # stopped after its last checkpoint, before its weights: the recipe evaluates and writes them
+        return print(f"resuming from {checkpoint}: its last step ({total_steps}), the run stopped before writing its "
+                     "weights: evaluating and writing them now")
+    epoch, left = progress.epoch + 1, config["train_size"] - progress.samples_into_epoch
+    print(f"resuming from {checkpoint}: step {progress.step}, epoch {epoch} after {progress.samples_into_epoch} of its "
+          f"{config['train_size']} samples")
+    before = read_json(checkpoint / "config.json")  # the configuration that wrote the checkpoint, saved in it
+    if not isinstance(before, dict):
+        return print(f"no readable config.json in {checkpoint}: what changed since it cannot be listed")
+    changed = [key for key in config if key not in NOT_SETTINGS and before.get(key) != config[key]]
+    if not changed:
+        return print("same configuration: the run continues exactly, to the same weights as a run never stopped")
+    print("changed since the checkpoint: " + ", ".join(f"{k} {before.get(k)!r} -> {config[k]!r}" for k in changed))
+    if any(key in DATA_ORDER_KEYS for key in changed):
+        print(f"the sample order is NOT a run's never stopped ({', '.join(k for k in changed if k in DATA_ORDER_KEYS)} "
+              f"changed): the rest of epoch {epoch} follows another order, so some of its samples are trained on "
+              "twice and others not at all")
+    elif any(key in BATCHING_KEYS for key in changed):
+        print(f"the sample order continues exactly: the rest of epoch {epoch} is the {left} samples not yet trained "
+              f"on, in global batches of {config['global_batch_size']} (a remainder smaller than one is dropped, "
+              "as at the end of every epoch)")
+    else:
+        print("the sample order continues exactly")
+    if "total_steps" in changed:
+        print(f"length {before.get('total_steps')} -> {total_steps} steps, learning rate: {config['lr_schedule']}")
+
+
+def load(checkpoints, progress) -> Path:
+    """The checkpoint --resume names, loaded by accelerator.load_state (restoring `progress` too) after checking that
+    no file in it can run code; returned. On another number of processes than the checkpoint's, every process is
+    re-seeded."""
+    from shared.pickles import check_archive  # files from anywhere, checked: an opt-in module
+
+    checkpoint = find_checkpoint(checkpoints.folder, checkpoints.cfg.resume, checkpoints.owner())
+    check_entries(checkpoint)  # --checkpoint_dir: outside the run folder its open_run checked
+    for pickled in sorted(path for path in checkpoint.iterdir() if path.suffix in (".pkl", ".bin", ".pt")):
+        check_archive(pickled, fix="resume from another checkpoint")
+        try:  # accelerate loads registered objects with weights_only=False: refuse what weights_only would
+            accelerate_load(pickled, map_location="cpu")
+        except Exception as error:
+            raise RecipeError(f"--resume {checkpoint}: {pickled.name} is corrupt or holds more than tensors "
+                              f"and numbers ({type(error).__name__}): resume from another checkpoint") from None
+    try:
+        checkpoints.accelerator.load_state(checkpoint)
+    except Exception as error:  # a size mismatch, a missing or truncated file: all mean "not this run's"
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        detail = next((line for line in lines if line.startswith(("size mismatch", "Missing key",
+                                                                   "Unexpected key"))), first_line(error))
+        raise RecipeError(f"--resume {checkpoint} cannot be loaded into this run ({type(error).__name__}: "
+                          f"{detail[:200]}): resume with the recipe and flags that wrote it, "
+                          "or from another checkpoint") from None
+    # Checkpoints fall between optimizer steps. The micro-batch counter saved with them would, under another
+    # --grad_accum, end the first accumulation early (10 batches saved, --grad_accum 4: a step after 2).
+    checkpoints.accelerator.step = 0
+    saved_processes = len(list(checkpoint.glob("random_states_*.pkl")))
+    if saved_processes != checkpoints.accelerator.num_processes:
+        # Each process restores random_states_<its rank>.pkl, and accelerate skips a missing one silently: 1 -> 2
+        # would leave the new process replaying the start of the run (accelerate #784).
+        set_seed(checkpoints.cfg.seed + progress.step, device_specific=True)
+        checkpoints.accelerator.print(
+            f"the checkpoint was written by {saved_processes} process(es), this run has "
+            f"{checkpoints.accelerator.num_processes}: their random states do not map onto each other, so every "
+            f"process is re-seeded from (--seed, step {progress.step}, rank). Augmentation and dropout draws "
+            "differ from a run never stopped: bitwise equality holds only on the same world size")
+    return checkpoint
+
+
+def branch(checkpoints, checkpoint: Path, step: int) -> None:
+    """Resumed from a checkpoint older than the run's newest: move the later history (its checkpoints, final
+    weights, summary and pictures, a copy of its metrics) aside into abandoned/, so that it is neither deleted
+    nor ever continued by --resume latest or mixed into this history's files."""
+    later = [p for p in list_checkpoints(checkpoints.folder, checkpoints.owner()) if int(p.name.split("_")[1]) > step]
+    if checkpoints.accelerator.is_main_process and later:
+        # -2, -3 after the name for branches from one step in one second; a read-only abandoned/ (a run folder
+        # from elsewhere) makes nothing, and the first move fails, before anything moved
+        aside = Path(new_folder(f"{checkpoints.run_dir}/abandoned/after_step_{step}-{time.strftime('%Y%m%d-%H%M%S')}"))
+        try:  # the copies first, which need room on the disk; then the moves, renames within it, which need none
+            for name in ("metrics.jsonl", "config.json"):
+                if (checkpoints.run_dir / name).exists():
+                    shutil.copy2(checkpoints.run_dir / name, aside / name)
+            for path in later + [checkpoints.run_dir / name for name in FINISHED_FILES]:
+                if path.exists():
+                    os.replace(path, aside / path.name)
+        except OSError as error:
+            raise RecipeError(f"moving the run's later history aside into {aside} failed ({error.strerror}): "
+                              f"{aside.parent} must be a folder you can write in (and the run's folders too), "
+                              "with room on its disk, then resume again; nothing was deleted") from None
+        print(f"{checkpoint} is older than the run's newest checkpoint ({later[-1].name}): this is a new branch "
+              f"of the run; the later history ({', '.join(p.name for p in later)}) moved to {aside}")
+    checkpoints.accelerator.wait_for_everyone()
+
+
+def check_resume_and_branch(checkpoints, config: dict, progress) -> bool:
+    """After a resume: refuse it if no step is left to run; print where the run continues and what changed; from an
+    older checkpoint than the newest, move the later history aside (`branch`). Returns whether a finished run is
+    extended (resumed with more steps): its final files then stay as they are until the longer run finishes."""
+    check_resume(checkpoints.resumed_from, config, progress)
+    branch(checkpoints, checkpoints.resumed_from, progress.step)
+    extending = (checkpoints.run_dir / "model.safetensors").exists()  # still there: no later history
+    if extending:
+        checkpoints.accelerator.print(
+            f"extending the finished run to {config['total_steps']} steps: its model.safetensors and "
+            f"summary.json stay until this run finishes, then move to {checkpoints.run_dir / 'finished'}/")
+    return extending
