@@ -119,9 +119,11 @@ def one_line_errors():
             print(line, file=sys.stderr, flush=True)
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):
             # Under torchrun, which ends a failed run in its traceback and a summary of each process's exit: the
-            # summary shows this as the cause ("traceback : error: ..."), last on the screen, every process's.
-            with contextlib.suppress(OSError), open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
-                json.dump({"message": line, "timestamp": int(time.time())}, f)
+            # summary shows this as the cause ("traceback : error: ..."), last on the screen, every process's. Whole
+            # or absent: torchrun stops the other processes as soon as one fails, then reads their files too, and
+            # one stopped between opening and writing left an empty file that ended torchrun in a JSONDecodeError.
+            with contextlib.suppress(OSError), replacing(Path(os.environ["TORCHELASTIC_ERROR_FILE"])) as partial:
+                partial.write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
         sys.exit(1)
 
 

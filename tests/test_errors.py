@@ -512,6 +512,26 @@ def test_under_torchrun_an_error_is_the_cause_its_summary_shows(tmp_path):
     assert line.startswith("error: --data ") and summary[-2].strip() == f"traceback : {line}", summary
 
 
+def test_a_process_stopped_while_writing_its_cause_for_torchrun_leaves_no_half_file(monkeypatch, tmp_path):
+    """torchrun stops the other processes as soon as one fails, then reads their files too: one stopped between
+    opening its file and writing it left it empty, and torchrun's reader ended in a JSONDecodeError (a CI run)."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from shared.errors import one_line_errors
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt  # stands for the SIGTERM that ends the process here
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.setattr("json.dump", stopped)
+    monkeypatch.setattr("json.dumps", stopped)
+    with pytest.raises(KeyboardInterrupt), one_line_errors():
+        raise RecipeError("--data x: no such folder")
+    ProcessFailure(local_rank=1, pid=1, exitcode=-15, error_file=str(error_file))  # torch's reader: whole or absent
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.slow  # two processes, one of them slowed down
 def test_overwrite_on_two_processes_deletes_only_once_every_process_has_checked(env, data, finished, tmp_path):
     """A process that read the folder late (here 3 s late) found the old run half deleted by the main process, stopped
