@@ -1,5 +1,5 @@
 """What every recipe repeats, one job per module (what only sweeps, benchmarks, the runs table and new projects use is
-in tools/, outside the recipes' path). A recipe imports the first eight; the last seven are opt-in, imported inside
+in tools/, outside the recipes' path). A recipe imports the first eight; the last nine are opt-in, imported inside
 the function that needs them:
 
 - config: flags from the Config dataclass, a field's comment its --help
@@ -16,10 +16,12 @@ the function that needs them:
   write that no crash breaks
 - dataset_files: IDX files and CIFAR's binary and Python versions, read as published, and the bounds on a dataset
   file's size and a parquet file's decompressed size (opt-in: imported for local data)
+- png: a PNG from anywhere, checked before PIL opens it (opt-in: imported where an image file is decoded)
 - pickles: a CIFAR pickle or a file for torch.load from anywhere, checked before it is unpickled (opt-in)
 - pictures: curves.png and the confusion matrix, with matplotlib (opt-in: imported where one is drawn)
 - resume: everything --resume does: the flags it continues with, the checkpoint it names, checked and loaded, what
   changed since it, and a branch from an older one (opt-in)
+- nodes: on several machines, the check that every node sees the run's folders (opt-in)
 - synthetic: the generated stand-in of --synthetic (opt-in)
 - init_from: --init_from's model.safetensors loaded into a new run (opt-in)
 - tensorboard_tracker: accelerate's TensorBoard tracker for --tracker tensorboard (opt-in)

@@ -3,9 +3,7 @@ converted to the recipe's channels and size (`to_channels`, `fit`: torchvision's
 says what was converted."""
 
 import io
-import struct
 import warnings
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +13,6 @@ from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 from shared.errors import RecipeError, first_line, free_memory
 
 WIDE_MODES = {"I", "I;16", "I;16B", "I;16L", "I;16N", "F"}  # 16/32-bit and float pixels
-MAX_PNG_CHUNKS = 100_000  # libpng writes its pixels in chunks of 8 KiB: 800 MB; real files have a few dozen others
 
 
 def decode(file: bytes | str | Path, channels: int, where: str):
@@ -24,6 +21,8 @@ def decode(file: bytes | str | Path, channels: int, where: str):
     file, one over PIL's pixel limit (read from its header, before decoding), 16-bit pixels: one line naming `where`."""
     if not isinstance(file, bytes) and not Path(file).is_file():
         raise RecipeError(f"{where}: no such image file on this machine (datasets' paths are read, never fetched)")
+    from shared.png import check_png  # a check of files from anywhere: an opt-in module
+
     try:
         check_png(file)  # before PIL reads a chunk
         with warnings.catch_warnings():
@@ -49,44 +48,6 @@ def decode(file: bytes | str | Path, channels: int, where: str):
         raise RecipeError(f"{where} is not a readable image ({type(error).__name__}: {first_line(error)[:120]}): "
                           "remove it or replace it") from None
     return torch.from_numpy(pixels).reshape(*pixels.shape[:2], -1).permute(2, 0, 1).expand(channels, -1, -1), own
-
-
-def check_png(file: bytes | str | Path) -> None:
-    """A PNG, checked before PIL opens it, as the PNG specification reads it (other formats: nothing). IHDR first and
-    only once (PIL took a chunk before it, and the last of several); at most MAX_PNG_CHUNKS chunks (PIL keeps every
-    private one in memory: 16 million empty ones took 2.4 GB); PIL's pixel limit; and IDAT, inflated, must make every
-    row, each pass's if interlaced (PIL leaves the rows they lack black: one row of a 9,400 x 9,400 image decoded
-    without an error). Reads the chunks' headers up to IEND, the pixels a piece at a time up to the last row."""
-    with io.BytesIO(file) if isinstance(file, bytes) else open(file, "rb") as f:
-        if f.read(8) != b"\x89PNG\r\n\x1a\n":
-            return
-        size, kind, width, height, depth, colour, _, _, interlaced = struct.unpack(">I4sIIBBBBB",
-                                                                                   f.read(21).ljust(21, b"\0"))
-        if (size, kind) != (13, b"IHDR"):
-            raise ValueError("its first chunk is not IHDR, as the PNG specification requires")
-        if width * height > Image.MAX_IMAGE_PIXELS:
-            raise Image.DecompressionBombError(f"{width}x{height} pixels")
-        bits = depth * {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}.get(colour, 0)
-        adam7 = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2))
-        expected = sum(rows * (1 + (cols * bits + 7) // 8) for x, y, dx, dy in (adam7 if interlaced else [(0, 0, 1, 1)])
-                       if (rows := -(-(height - y) // dy)) > 0 and (cols := -(-(width - x) // dx)) > 0)
-        inflate, made = zlib.decompressobj(), 0
-        f.seek(33)  # the chunks after IHDR and its CRC
-        for _ in range(MAX_PNG_CHUNKS):
-            header = f.read(8)
-            left, kind = struct.unpack(">I4s", header) if len(header) == 8 else (0, b"IEND")  # the file's end
-            if kind in (b"IHDR", b"IEND"):
-                break
-            while kind == b"IDAT" and left and made < expected and (piece := f.read(min(left, 2**12))):
-                made += len(inflate.decompress(piece, expected - made))  # at most 1,032 times a piece: 4 MB
-                left -= len(piece)
-            f.seek(left + 4, 1)  # the rest of the chunk, then its CRC
-        else:
-            raise ValueError(f"it has more than {MAX_PNG_CHUNKS:,} chunks")
-    if kind == b"IHDR":
-        raise ValueError("it has a second IHDR chunk")
-    if made < expected:
-        raise ValueError("image file is truncated: its compressed pixels end before its last row")
 
 
 def read_image(file: bytes | str | Path, image_shape: tuple[int, int, int], where: str,

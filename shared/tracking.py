@@ -32,7 +32,7 @@ import psutil
 import torch
 from accelerate import PartialState
 from accelerate.tracking import GeneralTracker, WandBTracker, on_main_process
-from accelerate.utils import broadcast_object_list, gather_object
+from accelerate.utils import broadcast_object_list
 from tqdm import tqdm
 
 from shared.checkpoints import (
@@ -105,9 +105,12 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
             for path in [*(run_dir / name for name in RUN_FILES), *replaced]:
                 shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     state.wait_for_everyone()
-    check_shared(run_dir, "--output_dir")
-    if cfg.checkpoint_dir:
-        check_shared(Path(cfg.checkpoint_dir), "--checkpoint_dir")
+    if state.num_processes != int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes)):  # several machines
+        from shared.nodes import check_shared  # only the runs of several nodes: an opt-in module
+
+        check_shared(run_dir, "--output_dir")
+        if cfg.checkpoint_dir:
+            check_shared(Path(cfg.checkpoint_dir), "--checkpoint_dir")
     # A resumed run keeps its run id (from config.json), so it continues the same wandb run.
     run = mine if cfg.resume else None  # a folder that is not a run was refused above
     run, labels = run or uuid.uuid4().hex[:8], {"synthetic": True} if cfg.synthetic else {}
@@ -144,29 +147,6 @@ def lock(run_dir: Path) -> None:
     except OSError:
         pass  # a filesystem without locks (some network mounts): the folder stays unlocked
     _LOCKS[key] = descriptor
-
-
-def check_shared(folder: Path, flag: str) -> None:
-    """On several machines: refuse a run or checkpoint folder the nodes do not share (a file the main process writes
-    must be seen by all), since only the main process writes the run's files and completes its checkpoints."""
-    state = PartialState()
-    if state.num_processes == int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes)):
-        return  # one machine
-    token, check = [uuid.uuid4().hex], folder / ".shared_check"
-    broadcast_object_list(token)
-    if state.is_main_process:
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            check.write_text(token[0])
-        except OSError as error:
-            raise RecipeError(f"cannot write to {flag} {folder} ({error.strerror}): pass a writable folder") from None
-    state.wait_for_everyone()
-    seen = gather_object([check.is_file() and check.read_text() == token[0]])
-    if state.is_main_process:
-        check.unlink()
-    if not all(seen):
-        raise RecipeError(f"{flag} {folder} is not one folder shared by every node ({seen.count(False)} "
-                          "process(es) do not see the main process's files): put it on a filesystem all nodes mount")
 
 
 def is_point(row: dict) -> bool:
