@@ -145,13 +145,14 @@ def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: b
 def find_source(source: str) -> Source:
     """Published files in a folder, else a dataset: checked as far as can be without decoding an image (a bad first
     image is one line at once)."""
-    path, files = Path(source).expanduser(), None
-    if path.exists():  # the published formats (IDX, CIFAR's files) and the parquet check: an opt-in module
+    path, files, parquet = Path(source).expanduser(), None, []
+    if path.exists():  # the published formats (IDX, CIFAR's files) and the checks of datasets' files: an opt-in module
         from shared import dataset_files
 
         files = dataset_files.find_dataset_files(path)
         if not files:  # what datasets will read, bounded first
-            dataset_files.check_parquet_files(path)
+            dataset_files.check_saved_dataset(path)
+            parquet = dataset_files.check_parquet_files(path)
     if files:
         stamps = [(str(file.resolve()), file.stat().st_size, file.stat().st_mtime_ns) for file in files.all_files()]
         readers = inspect.getsource(dataset_files)  # they name the classes kept in the cache too
@@ -159,7 +160,7 @@ def find_source(source: str) -> Source:
                       files=files)
     import datasets
 
-    train, test = pick_splits(open_dataset(source), source)
+    train, test = pick_splits(open_dataset(source, "parquet" if parquet else "imagefolder"), source)
     image_column, label_column, classes = find_columns(train, source)
     splits = {name: split.cast_column(image_column, datasets.Image(decode=False))  # decoded here, one at a time
               for name, split in (("train", train), ("test", test))}
@@ -168,7 +169,8 @@ def find_source(source: str) -> Source:
                   columns=(image_column, label_column), classes=classes)
 
 
-def open_dataset(source: str) -> datasets.DatasetDict:
+def open_dataset(source: str, builder: str) -> datasets.DatasetDict:
+    """The hub's dataset, or a local folder's: save_to_disk's, or the files `builder` (parquet, imagefolder) reads."""
     path = Path(source).expanduser()
     # A local name that is no folder: no hub lookup, no stale cache, and the line before datasets' 0.6 s import.
     if not path.exists() and (source.startswith((".", "/", "~")) or source.count("/") != 1):
@@ -182,7 +184,9 @@ def open_dataset(source: str) -> datasets.DatasetDict:
             if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
                 loaded = datasets.load_from_disk(str(path))  # written by save_to_disk
             else:
-                loaded = datasets.load_dataset(str(path))  # parquet files (checked by find_source) or an imagefolder
+                # By the files' names alone (train/, test.parquet, ...): load_dataset(folder) would also follow a
+                # README.md's `configs`, whose data_files may name files anywhere, on the hub (hf://) too
+                loaded = datasets.load_dataset(builder, data_dir=str(path))
         except RecipeError:
             raise
         except Exception as error:

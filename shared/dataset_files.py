@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from shared.config import MAX_JSON_BYTES, read_json
 from shared.errors import RecipeError, check_decoded_size, first_line, free_memory, walk
 from shared.pickles import check_pickle
 
@@ -73,13 +74,14 @@ def check_regular(file: Path, what: str) -> None:
                           f"{what}")
 
 
-def check_parquet_files(folder: Path) -> None:
+def check_parquet_files(folder: Path) -> list[Path]:
     """A parquet file's footer says how large its columns are once decompressed: a 52 KB file of compressed zeros
     reached 3.6 GB. Refuse a file that claims more than MAX_INFLATE_RATIO times its size (images inside are compressed
-    already; raw pixel columns shrink a few times) or than the free memory, before a page is read."""
+    already; raw pixel columns shrink a few times) or than the free memory, before a page is read. Returns the files."""
     import pyarrow.parquet as pq
 
-    for file in sorted(Path(entry.path) for entry in walk(folder) if entry.name.endswith(".parquet")):
+    files = sorted(Path(entry.path) for entry in walk(folder) if entry.name.endswith(".parquet"))
+    for file in files:
         check_regular(file, "the parquet file")  # datasets' read after this one would block too
         try:
             meta = pq.read_metadata(file)
@@ -93,6 +95,41 @@ def check_parquet_files(folder: Path) -> None:
             raise RecipeError(f"{file} claims {claimed:,} bytes once decompressed, from {size:,} on disk (over "
                               f"{MAX_INFLATE_RATIO} times its size plus 64 MiB, or the {free / 2**30:.1f} GiB of free "
                               "memory): a damaged or hostile file; write it again")
+    return files
+
+
+def check_saved_dataset(folder: Path) -> None:
+    """A save_to_disk folder, before load_from_disk reads it: its JSON files within MAX_JSON_BYTES, and the split
+    folders and data files they name, each a name inside its folder and a regular file. datasets reads any file a
+    state.json names (an absolute path, ../), and blocked for ever on a FIFO there."""
+    listing = folder / "dataset_dict.json"
+    if listing.exists():  # a DatasetDict: its splits, each a Dataset's folder
+        splits = [folder / name for name in saved_names(listing, lambda saved: saved["splits"])]
+    elif (folder / "state.json").exists():  # one Dataset
+        splits = [folder]
+    else:
+        return  # not a save_to_disk folder
+    for split in splits:
+        data = saved_names(split / "state.json", lambda state: [file["filename"] for file in state["_data_files"]])
+        for name in data:
+            check_regular(split / name, "the dataset's file, written again with save_to_disk")
+        saved_names(split / "dataset_info.json", lambda info: [] if isinstance(info, dict) else None)
+
+
+def saved_names(file: Path, names) -> list:
+    """What `names` takes from a save_to_disk JSON file (split folders, data files): names inside its folder."""
+    try:
+        found = names(read_json(file))
+    except (TypeError, KeyError):
+        found = None
+    if not isinstance(found, list):
+        raise RecipeError(f"{file} is missing, damaged or over {MAX_JSON_BYTES:,} bytes, not as save_to_disk writes "
+                          "it: write the dataset again with save_to_disk")
+    for name in found:
+        if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name:
+            raise RecipeError(f"{file} names {name!r}, which is not a name inside its folder (datasets would read it "
+                              "wherever it is): write the dataset again with save_to_disk")
+    return found
 
 
 @dataclass

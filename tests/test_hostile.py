@@ -47,7 +47,9 @@ from tiny_data import (
     idx_folder,
     image_splits,
     imagefolder_dataset,
+    parquet_dataset,
     random_splits,
+    save_to_disk_dataset,
     write_idx,
 )
 
@@ -931,6 +933,50 @@ def test_a_fifo_named_as_a_parquet_file_is_refused_instead_of_blocking(env, tmp_
     refused(env, tmp_path, "cifar_cnn", "--data", tmp_path / "data", *SHORT, "--output_dir", tmp_path / "out",
             needle="train-0.parquet' is not a regular file (a FIFO, socket, device or folder): replace it by the "
                    "parquet file", launched=True)
+
+
+SAVED_NAMES = {  # a save_to_disk folder whose JSON names a file or a split outside it (a real one, at tmp_path/x*)
+    "an absolute data file": ("train/state.json", "_data_files", "ABSOLUTE"),
+    "a data file above": ("train/state.json", "_data_files", "../../x.arrow"),
+    "a split above": ("dataset_dict.json", "splits", "../x"),
+}
+
+
+@pytest.mark.parametrize("file, key, name", SAVED_NAMES.values(), ids=SAVED_NAMES)
+def test_a_saved_dataset_is_read_only_inside_its_folder(env, tmp_path, file, key, name):
+    """load_from_disk reads each file a split's state.json names and each split dataset_dict.json names, wherever the
+    name points: another dataset on the machine became the training set."""
+    data = save_to_disk_dataset(tmp_path / "data", sizes={"train": 16, "test": 8})
+    (arrow,) = (data / "train").glob("*.arrow")
+    shutil.copy(arrow, tmp_path / "x.arrow")
+    shutil.copytree(data / "train", tmp_path / "x")
+    name = str(tmp_path / "x.arrow") if name == "ABSOLUTE" else name
+    saved = json.loads((data / file).read_text())
+    (data / file).write_text(json.dumps({**saved, key: ["train", name] if key == "splits" else [{"filename": name}]}))
+    refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--output_dir", tmp_path / "out",
+            needle=f"{file} names {name!r}, which is not a name inside its folder")
+
+
+@pytest.mark.slow  # a read that would block forever: launched, under the timeout
+def test_a_fifo_in_a_saved_dataset_is_refused_instead_of_blocking(env, tmp_path):
+    data = save_to_disk_dataset(tmp_path / "data", sizes={"train": 16, "test": 8})
+    (arrow,) = (data / "test").glob("*.arrow")
+    arrow.unlink()
+    os.mkfifo(arrow)
+    refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--output_dir", tmp_path / "out",
+            needle=f"{arrow.name}' is not a regular file (a FIFO, socket, device or folder)", launched=True)
+
+
+def test_a_local_folder_is_read_by_its_files_names_not_by_its_readme(env, tmp_path):
+    """load_dataset(folder) follows a README.md's `configs`, whose data_files may name files anywhere (hf:// ones on
+    the hub too): here another folder's 40 images, unchecked by the parquet bound, trained on instead of these 16."""
+    parquet_dataset(tmp_path / "other", sizes={"train": 40, "test": 8})
+    data = parquet_dataset(tmp_path / "data", sizes={"train": 16, "test": 8})
+    (data / "README.md").write_text(f"---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n"
+                                    f"    path: {tmp_path / 'other' / 'train.parquet'}\n  - split: test\n"
+                                    f"    path: ../other/test.parquet\n---\n")
+    ok(run_here("cifar_cnn", "--data", data, *SHORT, "--output_dir", tmp_path / "out"))
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["train_size"] == 16
 
 
 # ------------------------------------------------------------------ images
