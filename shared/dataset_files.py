@@ -21,6 +21,7 @@ import hashlib
 import io
 import math
 import pickle
+import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,7 +114,46 @@ def check_saved_dataset(folder: Path) -> None:
         data = saved_names(split / "state.json", lambda state: [file["filename"] for file in state["_data_files"]])
         for name in data:
             check_regular(split / name, "the dataset's file, written again with save_to_disk")
+            check_uncompressed(split / name)
         saved_names(split / "dataset_info.json", lambda info: [] if isinstance(info, dict) else None)
+
+
+def check_uncompressed(file: Path) -> None:
+    """save_to_disk writes its arrow files uncompressed, and load_from_disk maps them in place; a compressed one would
+    be inflated whole, whatever it holds (46 KB of zstd took 1.5 GB). Refused from its messages' headers, before a
+    buffer is read."""
+    import pyarrow as pa
+
+    try:
+        with pa.memory_map(str(file)) as source:
+            if any(message.type != "schema" and compressed(message)
+                   for message in pa.ipc.MessageReader.open_stream(source)):
+                raise RecipeError(f"{file} is compressed, which save_to_disk never writes and datasets would inflate "
+                                  "whole: a damaged or hostile file; write the dataset again with save_to_disk")
+    except (pa.ArrowException, OSError, struct.error) as error:  # OSError: flatbuffers that fail pyarrow's check
+        raise RecipeError(f"{file} is not a readable arrow file ({type(error).__name__}: {first_line(error)[:100]}): "
+                          "write the dataset again with save_to_disk") from None
+
+
+def compressed(message) -> bool:
+    """Whether an arrow message's record batch (a dictionary's too) is compressed: RecordBatch's 4th field,
+    `compression`, is set (the Arrow format's Message.fbs). A flatbuffer table begins with the offset back to its
+    vtable, which holds each field's position in the table (0: absent); a field that is a table holds the offset
+    forward to it."""
+    meta = message.metadata.to_pybytes()
+
+    def fields(at: int) -> list[int]:
+        vtable = at - struct.unpack_from("<i", meta, at)[0]
+        count = (struct.unpack_from("<H", meta, vtable)[0] - 4) // 2
+        return [at + offset if offset else 0 for offset in struct.unpack_from(f"<{count}H", meta, vtable + 4)]
+
+    def table(field: int) -> list[int]:
+        return fields(field + struct.unpack_from("<I", meta, field)[0])
+
+    header = table(fields(struct.unpack_from("<I", meta, 0)[0])[2])  # Message.header: a RecordBatch
+    if message.type == "dictionary":
+        header = table(header[1])  # DictionaryBatch.data: a RecordBatch
+    return len(header) > 3 and header[3] != 0
 
 
 def saved_names(file: Path, names) -> list:

@@ -967,6 +967,28 @@ def test_a_fifo_in_a_saved_dataset_is_refused_instead_of_blocking(env, tmp_path)
             needle=f"{arrow.name}' is not a regular file (a FIFO, socket, device or folder)", launched=True)
 
 
+def test_a_compressed_arrow_file_in_a_saved_dataset_is_refused_before_it_inflates(env, tmp_path):
+    """load_from_disk inflates a compressed arrow file whole: 46 KB of zstd took 1.5 GB. save_to_disk never writes
+    one. This one: 300 MB of zeros in one image, about 10 KB on disk."""
+    import pyarrow as pa
+
+    data = save_to_disk_dataset(tmp_path / "data", sizes={"train": 16, "test": 8})
+    (arrow,) = (data / "train").glob("*.arrow")
+    schema = pa.ipc.open_stream(pa.memory_map(str(arrow))).schema
+    zeros = pa.Array.from_buffers(pa.binary(), 1, [None, pa.py_buffer(np.array([0, 300_000_000], np.int32)),
+                                                     pa.py_buffer(bytes(300_000_000))])
+    image = pa.StructArray.from_arrays([zeros, pa.array([None], pa.string())], names=["bytes", "path"])
+    with pa.OSFile(str(arrow), "wb") as sink, pa.ipc.new_stream(
+            sink, schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as writer:
+        writer.write_table(pa.table([image, pa.array([0])], schema=schema))
+    assert arrow.stat().st_size < 100_000
+    refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--output_dir", tmp_path / "out",
+            needle=f"{arrow.name} is compressed, which save_to_disk never writes")
+    arrow.write_bytes(b"not an arrow stream, its first 4 bytes read as a length")
+    refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--output_dir", tmp_path / "out",
+            needle=f"{arrow.name} is not a readable arrow file (ArrowInvalid")
+
+
 def test_a_local_folder_is_read_by_its_files_names_not_by_its_readme(env, tmp_path):
     """load_dataset(folder) follows a README.md's `configs`, whose data_files may name files anywhere (hf:// ones on
     the hub too): here another folder's 40 images, unchecked by the parquet bound, trained on instead of these 16."""
