@@ -101,8 +101,8 @@ def check_parquet_files(folder: Path) -> list[Path]:
 
 def check_saved_dataset(folder: Path) -> None:
     """A save_to_disk folder, before load_from_disk reads it: its JSON files within MAX_JSON_BYTES, and the split
-    folders and data files they name, each a name inside its folder and a regular file. datasets reads any file a
-    state.json names (an absolute path, ../), and blocked for ever on a FIFO there."""
+    folders and data files they name, each once, a name inside its folder and a regular file. datasets reads any file
+    a state.json names (an absolute path, ../), as often as it is named, and blocked for ever on a FIFO there."""
     listing = folder / "dataset_dict.json"
     if listing.exists():  # a DatasetDict: its splits, each a Dataset's folder
         splits = [folder / name for name in saved_names(listing, lambda saved: saved["splits"])]
@@ -165,10 +165,14 @@ def saved_names(file: Path, names) -> list:
     if not isinstance(found, list):
         raise RecipeError(f"{file} is missing, damaged or over {MAX_JSON_BYTES:,} bytes, not as save_to_disk writes "
                           "it: write the dataset again with save_to_disk")
+    seen = set()
     for name in found:
         if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name:
             raise RecipeError(f"{file} names {name!r}, which is not a name inside its folder (datasets would read it "
                               "wherever it is): write the dataset again with save_to_disk")
+        if name in seen:  # read twice: its examples twice; and a list of one name can be millions long
+            raise RecipeError(f"{file} names {name!r} twice: write the dataset again with save_to_disk")
+        seen.add(name)
     return found
 
 

@@ -957,6 +957,16 @@ def test_a_saved_dataset_is_read_only_inside_its_folder(env, tmp_path, file, key
             needle=f"{file} names {name!r}, which is not a name inside its folder")
 
 
+def test_a_saved_dataset_that_names_its_file_twice_is_refused(env, tmp_path):
+    """load_from_disk read the file as often as state.json named it: the training set doubled, silently (and a list
+    of one name can be millions long)."""
+    data = save_to_disk_dataset(tmp_path / "data", sizes={"train": 16, "test": 8})
+    state = json.loads((data / "train" / "state.json").read_text())
+    (data / "train" / "state.json").write_text(json.dumps({**state, "_data_files": state["_data_files"] * 2}))
+    refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--output_dir", tmp_path / "out",
+            needle=f"state.json names {state['_data_files'][0]['filename']!r} twice")
+
+
 @pytest.mark.slow  # a read that would block forever: launched, under the timeout
 def test_a_fifo_in_a_saved_dataset_is_refused_instead_of_blocking(env, tmp_path):
     data = save_to_disk_dataset(tmp_path / "data", sizes={"train": 16, "test": 8})
