@@ -160,7 +160,8 @@ def find_source(source: str) -> Source:
                       files=files)
     import datasets
 
-    train, test = pick_splits(open_dataset(source, "parquet" if parquet else "imagefolder"), source)
+    tables = [file for file in parquet if file.name != "metadata.parquet"]  # that one: an imagefolder's labels
+    train, test = pick_splits(open_dataset(source, "parquet" if tables else "imagefolder"), source)
     image_column, label_column, classes = find_columns(train, source)
     splits = {name: split.cast_column(image_column, datasets.Image(decode=False))  # decoded here, one at a time
               for name, split in (("train", train), ("test", test))}

@@ -24,6 +24,7 @@ from tiny_data import (
     cifar_folder,
     cifar_python_folder,
     idx_folder,
+    imagefolder_dataset,
     random_splits,
     save_to_disk_dataset,
     write_idx,
@@ -195,6 +196,20 @@ def label_count(folder: Path) -> str:
 def missing_file(folder: Path) -> str:
     (folder / "t10k-labels-idx1-ubyte.gz").unlink()
     return "but not all four"
+
+
+def test_an_imagefolder_with_its_metadata_in_parquet_is_read_as_an_imagefolder(tmp_path):
+    """A local folder is read as parquet when it holds parquet files, but an imagefolder's metadata.parquet (its
+    labels, by file name) is not one: the images are the data."""
+    data = imagefolder_dataset(tmp_path / "data", sizes={"train": 16, "test": 8})
+    for split in ("train", "test"):
+        names = sorted(path.relative_to(data / split).as_posix() for path in (data / split).glob("*/*.png"))
+        datasets.Dataset.from_dict({"file_name": names, "label": [n % 2 for n in range(len(names))]}).to_parquet(
+            str(data / split / "metadata.parquet"))
+    ok(run_here("cifar_cnn", "--data", data, "--max_steps", "2", "--batch_size", "4", "--tracker", "none",
+                "--output_dir", tmp_path / "run"))
+    config = read_json(tmp_path / "run" / "config.json")
+    assert config["train_size"] == 16 and config["classes"] == ["0", "1"]
 
 
 @pytest.mark.parametrize("damage", [truncated_gz, truncated_raw, not_idx, label_count, missing_file])
