@@ -20,6 +20,7 @@ import hashlib
 import inspect
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -219,7 +220,11 @@ def pick_splits(splits: datasets.DatasetDict, source: str):
                           "example to train on and one to test on; add examples, or a 'test' split")
     if test is None:  # one split: hold out a fixed 10%, so the run still reports test accuracy
         print(f"{source} has no 'test' split: holding out 10% of 'train' (fixed seed) as the test split")
-        train, test = train.train_test_split(test_size=0.1, seed=0).values()
+        # The split of datasets' train_test_split(test_size=0.1, seed=0), without its indices' file: it wrote that
+        # beside the split's own files, into the user's --data folder, and refuses keep_in_memory for such a split
+        order, held_out = np.random.default_rng(0).permutation(len(train)), math.ceil(len(train) / 10)
+        test = train.select(order[:held_out], keep_in_memory=True)
+        train = train.select(order[held_out:], keep_in_memory=True)
     for name, split in (("train", train), ("test", test)):
         if len(split) == 0:
             raise RecipeError(f"the '{name}' split of {source} is empty: point --data at a dataset with examples in it")

@@ -26,6 +26,7 @@ import zlib
 from pathlib import Path
 from unittest import mock
 
+import datasets
 import numpy as np
 import pytest
 import torch
@@ -1302,6 +1303,23 @@ def test_a_broken_environment_is_one_line_within_seconds(env, data, tmp_path, va
     changed = {k: str(tmp_path / v) if v == "FILE" else v for k, v in variables.items()}
     refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--tracker", "wandb", "--output_dir", tmp_path / "out",
             needle=needle, decoded=True, variables=changed, launched=bool({"WORLD_SIZE", "HF_HOME"} & set(variables)))
+
+
+def test_holding_out_a_test_split_writes_nothing_into_the_data_folder(env, tmp_path):
+    """datasets' train_test_split wrote its indices (cache-*.arrow) beside the split's files: into --data."""
+    data = save_to_disk_dataset(tmp_path / "data", sizes={"train": 20})
+    before = snapshot(data)
+    result = ok(run_here("cifar_cnn", "--data", data, *SHORT, "--output_dir", tmp_path / "out"))
+    assert "holding out 10% of 'train'" in result.stdout and snapshot(data) == before
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["test_size"] == 2
+    # The same split as datasets' own train_test_split(test_size=0.1, seed=0) makes, for any size
+    from shared.data import pick_splits
+
+    for size in (2, 37, 1234):
+        rows = datasets.Dataset.from_dict({"x": list(range(size))})
+        theirs = rows.train_test_split(test_size=0.1, seed=0)
+        ours = pick_splits(datasets.DatasetDict(train=rows), "rows")
+        assert [split["x"] for split in ours] == [theirs["train"]["x"], theirs["test"]["x"]]
 
 
 def test_a_dataset_of_one_example_and_no_test_split_is_one_line(env, tmp_path):
