@@ -140,7 +140,7 @@ def compressed(message) -> bool:
     `compression`, is set (the Arrow format's Message.fbs). A flatbuffer table begins with the offset back to its
     vtable, which holds each field's position in the table (0: absent); a field that is a table holds the offset
     forward to it."""
-    meta = message.metadata.to_pybytes()
+    meta = memoryview(message.metadata)  # in the file's map, not copied: a hostile header may be the whole file
 
     def fields(at: int) -> list[int]:
         vtable = at - struct.unpack_from("<i", meta, at)[0]
