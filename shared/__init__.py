@@ -20,7 +20,8 @@ the function that needs them:
 - pickles: a CIFAR pickle or a file for torch.load from anywhere, checked before it is unpickled (opt-in)
 - pictures: curves.png and the confusion matrix, with matplotlib (opt-in: imported where one is drawn)
 - resume: everything --resume does: the flags it continues with, the checkpoint it names, checked and loaded, what
-  changed since it, and a branch from an older one (opt-in)
+  changed since it, the run's files cut back to it or set aside, and a branch from an older one; and the command
+  that continues a run a signal stopped (opt-in)
 - nodes: on several machines, the check that every node sees the run's folders (opt-in)
 - synthetic: the generated stand-in of --synthetic (opt-in)
 - init_from: --init_from's model.safetensors loaded into a new run (opt-in)

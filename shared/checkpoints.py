@@ -9,7 +9,8 @@ run killed mid-save leaves the previous checkpoint as the newest. The learning r
 
 - `Checkpoints`: the run's checkpoint folder, `save`, `save_weights`, `resume` and `check_resume_and_branch`
   (--resume, in shared/resume.py), `initial_weights` (--init_from, in shared/init_from.py, an opt-in module), and
-  through `StopOnSignals` a stop on SIGTERM or Ctrl-C with a checkpoint and the command that continues the run;
+  through `StopOnSignals` a stop on SIGTERM or Ctrl-C with a checkpoint and the command that continues the run
+  (written by shared/resume.py);
 - `is_run`, `check_entries`, `new_folder`: a run folder, checked as one from anywhere.
 """
 
@@ -18,7 +19,6 @@ import itertools
 import json
 import os
 import re
-import shlex
 import shutil
 import signal
 import sys
@@ -35,16 +35,9 @@ from shared.config import read_json
 from shared.errors import RecipeError, first_line, replacing, walk
 
 STEP_DIR = re.compile(r"step_(\d+)$")
-FINISHED_FILES = ("model.safetensors", "summary.json", "curves.png", "confusion_matrix.png")  # a finished run's record
 STOP_CHECK_S = 1.0  # several processes agree on a stop about this often (seconds of training)
 SECOND_INTERRUPT_S = 1.0  # a SIGINT this long after the first is the user's second Ctrl-C, not torchrun's copy
 PR_SET_PDEATHSIG = 1  # prctl: the signal this process gets when its parent dies (<linux/prctl.h>)
-# The variables of the launch a resume needs, and no others (an allow-list: the printed line is pasted, shown and kept
-# in wandb's log): accelerate's settings, the GPUs seen, torch's threads (another count sums in another order: the
-# resume is no longer bitwise), where the data and weights were found, and wandb's mode and project.
-RESUME_ENVIRONMENT = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "HF_HOME", "HF_DATASETS_CACHE", "HF_HUB_OFFLINE",
-                      "TORCH_HOME", "WANDB_MODE", "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_DIR")
-SECRET = re.compile(r"KEY|TOKEN|SECRET|PASS|AUTH|CREDENTIAL|COOKIE", re.IGNORECASE)  # in a variable's name
 
 
 def run_id(folder: Path) -> str | None:
@@ -96,8 +89,13 @@ class StopOnSignals:
 
     def __init__(self):
         self.signal = None  # the first signal's name, once one came
-        self.launcher = launcher_command()  # read now: a stop under one process may outlive its launcher
-        self.environment, self.left_out = launch_environment(os.getppid() if self.launcher else os.getpid())
+        # Read now, for the command that continues the run: a stop under one process may outlive its launcher. The
+        # environment the run was started in: the launcher's, as the shell gave it.
+        self.launcher = launcher_command()
+        try:
+            self.started_in = psutil.Process(os.getppid() if self.launcher else os.getpid()).environ()
+        except psutil.Error:
+            self.started_in = {}
         self.next_check, self.last_check = 0, None  # the step of the processes' next agreement on a stop; the last's
 
     def stop_on_signals(self) -> None:
@@ -154,10 +152,10 @@ class StopOnSignals:
         if save_now or stopping:
             self.save(model, step)
         if stopping:
-            left_out = f"\n  (left out: {' '.join(self.left_out)}; set them again if the run needs them)"
+            from shared.resume import resume_command  # only the runs that stop: an opt-in module
+
             self.accelerator.print(f"stopped by {self.signal or 'a signal to another process'} at step {step}, "
-                                   f"checkpoint saved; continue with:\n  {self.resume_command()}"
-                                   f"{left_out if self.left_out else ''}")
+                                   f"checkpoint saved; continue with:\n  {resume_command(self)}")
         return stopping
 
     def _agree_to_stop(self, step: int) -> bool:
@@ -171,46 +169,6 @@ class StopOnSignals:
                                                      device=self.accelerator.device))
         self.next_check, self.last_check = step + int(votes[:, 1].min()), (step, now)
         return bool(votes[:, 0].any())
-
-    def resume_command(self) -> str:
-        """The command that continues the run: the same launcher and script, the run folder and --resume latest; the
-        run's flags are in its config.json. With them, what a resume never takes from a run folder: where the
-        checkpoints go, and a --data that is not the recipe's own."""
-        kept = [word for name in ("checkpoint_dir", "data") if getattr(self.cfg, name) != getattr(type(self.cfg), name)
-                for word in (f"--{name}", str(getattr(self.cfg, name)))]
-        launcher = self.launcher or [sys.orig_argv[0]]  # else the interpreter, as it was started
-        words = [*launcher, sys.argv[0], *kept, "--output_dir", str(self.run_dir), "--resume", "latest"]
-        return " ".join([*self.environment, *map(shell_word, words)])
-
-
-def launch_environment(pid: int) -> tuple[list[str], list[str]]:
-    """NAME=value for each variable of RESUME_ENVIRONMENT (and ACCELERATE_*) in the environment the run was started
-    in (the launcher's, as the shell gave it): pasted without them, the command that continues the run ran otherwise
-    (2gpu.yaml without ACCELERATE_USE_CPU=true: no GPUs, no run). Then the names left out, each alone: a name that
-    reads as a secret, a URL with a user or password in it, a name a shell cannot take, a control character."""
-    try:
-        environment = psutil.Process(pid).environ()
-    except psutil.Error:
-        return [], []
-    kept, left_out = [], []
-    for name, value in environment.items():
-        if name in RESUME_ENVIRONMENT or name.startswith("ACCELERATE_"):
-            safe = re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) and not SECRET.search(name) and value.isprintable()
-            if safe and not re.search(r"://[^/]*@", value):
-                kept.append(f"{name}={shlex.quote(value)}")
-            else:
-                left_out.append(shell_word(name))
-    return kept, left_out
-
-
-def shell_word(word: str) -> str:
-    """`word` quoted for a shell. With a control character (or a byte that is not UTF-8), in bash's $'...' with those
-    written as \\xNN: printed, it cannot move the cursor or forge a line; pasted, it is the same word."""
-    if word.isprintable():
-        return shlex.quote(word)
-    escaped = (c if c.isprintable() and c not in "\\'" else "".join(f"\\x{b:02x}" for b in
-               c.encode(errors="surrogateescape")) for c in word)
-    return f"$'{''.join(escaped)}'"
 
 
 def launcher_command() -> list[str] | None:
@@ -238,9 +196,6 @@ class Progress:
     """Where training stands. Registered with accelerator.register_for_checkpointing, it is saved and restored
     with the model: the counters can never disagree with the weights."""
 
-    RENAMED = {"samples_seen": "samples_into_epoch", "best_eval_acc": "max_eval_acc"}  # in older checkpoints
-    MOST = {"max_eval_acc": 1, "pieces": 10**6, "train_s": 10**9, "wall_s": 10**9}  # the others: 2**62
-
     def __init__(self):
         self.step = 0  # optimizer steps taken
         self.epoch = 0  # epochs completed
@@ -254,17 +209,9 @@ class Progress:
         return dict(vars(self))
 
     def load_state_dict(self, state: dict) -> None:
-        state = {self.RENAMED.get(key, key): value for key, value in state.items()}
-        if "samples_into_epoch" not in state:
-            raise ValueError("this checkpoint counts its place in the epoch in batches, as the recipes did before "
-                             "they counted samples; resume it with the version of the recipe that wrote it")
-        # Each a count (an int) or a measure (an int or a float), within its range, which NaN is in none of: an
-        # accuracy, under a million launches, seconds under 30 years.
-        loaded = {key: state.get(key, default) for key, default in vars(self).items()}
-        if not all(type(value) in ((int,) if type(vars(self)[key]) is int else (int, float))
-                   and 0 <= value <= self.MOST.get(key, 2**62) for key, value in loaded.items()):
-            raise ValueError(f"its progress is not counts of steps, epochs and samples: {str(state)[:100]}")
-        vars(self).update(loaded)
+        from shared.resume import checked_progress  # a checkpoint from anywhere, checked: an opt-in module
+
+        vars(self).update(checked_progress(vars(self), state))
 
 
 class Checkpoints(StopOnSignals):
@@ -343,17 +290,14 @@ class Checkpoints(StopOnSignals):
 
     def save_weights(self, model, metadata: dict) -> None:
         """model.safetensors: a plain state dict, no `module.` or `_orig_mod.` prefixes; `metadata` as JSON text. An
-        extended run first moves the finished run's files (FINISHED_FILES) into finished/<its steps>_steps/."""
+        extended run first moves the finished run's files into finished/<its steps>_steps/."""
         state = self.accelerator.get_state_dict(model)  # unwraps DDP; model.compile() adds no prefix
         if self.accelerator.is_main_process:
             try:
                 if self.extending:
-                    summary = read_json(self.run_dir / "summary.json")
-                    steps = summary.get("steps") if isinstance(summary, dict) else None
-                    name = f"{steps}_steps" if type(steps) is int else "earlier"
-                    aside = Path(new_folder(f"{self.run_dir}/finished/{name}"))
-                    for path in (self.run_dir / name for name in FINISHED_FILES if (self.run_dir / name).exists()):
-                        os.replace(path, aside / path.name)
+                    from shared.resume import set_finished_aside  # only the runs that resume: an opt-in module
+
+                    set_finished_aside(self.run_dir)
                 with replacing(self.run_dir / "model.safetensors") as partial:
                     save_file({k: v.contiguous() for k, v in state.items()}, partial,
                               metadata={k: v if isinstance(v, str) else json.dumps(v) for k, v in metadata.items()})

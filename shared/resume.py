@@ -4,13 +4,19 @@
 - `run_of_checkpoint`: the run folder that --resume PATH, a checkpoint folder, continues (open_run);
 - `find_checkpoint`: the checkpoint --resume names; `load`: it, loaded after checking that no file in it can run
   code (Checkpoints.resume);
+- `checked_progress`: a checkpoint's Progress, checked (Progress.load_state_dict);
 - `check_resume_and_branch`: what a resume continues (steps left, what changed since the checkpoint and what that
   does to the sample order, exactness and schedule); from an older checkpoint than the newest, the later history
-  moved aside (`branch`).
+  moved aside (`branch`); `cut_metrics`: metrics.jsonl cut back to the checkpoint's step (RunFiles);
+  `set_finished_aside`: a finished run's files moved aside when a resume extends it (Checkpoints.save_weights);
+- `resume_command`: the command that continues a run, printed when a signal stops it (StopOnSignals).
 """
 
 import dataclasses
+import json
 import os
+import re
+import shlex
 import shutil
 import sys
 import time
@@ -20,9 +26,10 @@ from accelerate import PartialState
 from accelerate.utils import load as accelerate_load  # torch.load(weights_only=True) + NumPy RNG types
 from accelerate.utils import set_seed
 
-from shared.checkpoints import FINISHED_FILES, STEP_DIR, check_entries, is_run, list_checkpoints, new_folder
+from shared.checkpoints import STEP_DIR, check_entries, is_run, list_checkpoints, new_folder
 from shared.config import read_json
 from shared.errors import RecipeError, first_line
+from shared.tracking import read_rows, write_atomic
 
 DATA_ORDER_KEYS = ("data", "synthetic", "train_size", "seed")  # change one, and the rest of the epoch is another
 BATCHING_KEYS = ("world_size", "batch_size", "grad_accum")  # these only cut the same order into other batches
@@ -32,6 +39,15 @@ NOT_SETTINGS = ("resume", "resumed_step", "resumed_from", "run_id", "overwrite",
 # Flags a resume takes from the command line only: where the run writes and what it continues (a run folder may come
 # from anywhere, and never chooses those).
 FROM_THE_COMMAND_LINE = ("resume", "output_dir", "overwrite", "checkpoint_dir")
+FINISHED_FILES = ("model.safetensors", "summary.json", "curves.png", "confusion_matrix.png")  # a finished run's record
+RENAMED = {"samples_seen": "samples_into_epoch", "best_eval_acc": "max_eval_acc"}  # Progress, in older checkpoints
+MOST = {"max_eval_acc": 1, "pieces": 10**6, "train_s": 10**9, "wall_s": 10**9}  # Progress's bounds; the others: 2**62
+# The variables of the launch a resume needs, and no others (an allow-list: the printed line is pasted, shown and kept
+# in wandb's log): accelerate's settings, the GPUs seen, torch's threads (another count sums in another order: the
+# resume is no longer bitwise), where the data and weights were found, and wandb's mode and project.
+RESUME_ENVIRONMENT = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "HF_HOME", "HF_DATASETS_CACHE", "HF_HUB_OFFLINE",
+                      "TORCH_HOME", "WANDB_MODE", "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_DIR")
+SECRET = re.compile(r"KEY|TOKEN|SECRET|PASS|AUTH|CREDENTIAL|COOKIE", re.IGNORECASE)  # in a variable's name
 
 
 def recorded_flags(cfg, argv: list[str]):
@@ -219,3 +235,83 @@ def check_resume_and_branch(checkpoints, config: dict, progress) -> bool:
             f"extending the finished run to {config['total_steps']} steps: its model.safetensors and "
             f"summary.json stay until this run finishes, then move to {checkpoints.run_dir / 'finished'}/")
     return extending
+
+
+def checked_progress(fresh: dict, state: dict) -> dict:
+    """A checkpoint's Progress (`state`), as `fresh` (a new Progress's values) holds it: each a count (an int) or a
+    measure (an int or a float), within its range, which NaN is in none of (an accuracy, under a million launches,
+    seconds under 30 years). Refused, as a ValueError: anything else."""
+    state = {RENAMED.get(key, key): value for key, value in state.items()}
+    if "samples_into_epoch" not in state:
+        raise ValueError("this checkpoint counts its place in the epoch in batches, as the recipes did before "
+                         "they counted samples; resume it with the version of the recipe that wrote it")
+    loaded = {key: state.get(key, default) for key, default in fresh.items()}
+    if not all(type(value) in ((int,) if type(fresh[key]) is int else (int, float))
+               and 0 <= value <= MOST.get(key, 2**62) for key, value in loaded.items()):
+        raise ValueError(f"its progress is not counts of steps, epochs and samples: {str(state)[:100]}")
+    return loaded
+
+
+def cut_metrics(metrics: Path, step: int, labels: dict) -> None:
+    """metrics.jsonl of a run resumed at `step`: the points after the checkpoint will be logged again, and so will those
+    of its own step logged after it was written (an epoch's or the run's evaluation, the summary), so the file is kept
+    up to its training point; then a row that marks the resume on curves.png. A damaged row stops the resume here,
+    before any change."""
+    if metrics.exists():
+        rows = (row for row in read_rows(metrics) if row["step"] < step or row["step"] == step and "train_loss" in row)
+        write_atomic(metrics, (json.dumps(row) + "\n" for row in rows))  # one row in memory at a time
+    with metrics.open("a") as f:
+        f.write(json.dumps({"step": step, "resumed": True, **labels}) + "\n")
+
+
+def set_finished_aside(run_dir: Path) -> None:
+    """A finished run extended by a resume, as it writes its new weights: the finished run's files (FINISHED_FILES) move
+    into finished/<its steps>_steps/."""
+    summary = read_json(run_dir / "summary.json")
+    steps = summary.get("steps") if isinstance(summary, dict) else None
+    name = f"{steps}_steps" if type(steps) is int else "earlier"
+    aside = Path(new_folder(f"{run_dir}/finished/{name}"))
+    for path in (run_dir / name for name in FINISHED_FILES if (run_dir / name).exists()):
+        os.replace(path, aside / path.name)
+
+
+def resume_command(stop) -> str:
+    """The command that continues a stopped run (`stop`: its Checkpoints): the variables of its launch that a resume
+    needs, the same launcher and script, the run folder and --resume latest (the run's flags are in its config.json),
+    and what a resume never takes from a run folder: where the checkpoints go, and a --data that is not the recipe's
+    own. Then the variables left out, if any."""
+    environment, left_out = launch_environment(stop.started_in)
+    kept = [word for name in ("checkpoint_dir", "data") if getattr(stop.cfg, name) != getattr(type(stop.cfg), name)
+            for word in (f"--{name}", str(getattr(stop.cfg, name)))]
+    launcher = stop.launcher or [sys.orig_argv[0]]  # else the interpreter, as it was started
+    words = [*launcher, sys.argv[0], *kept, "--output_dir", str(stop.run_dir), "--resume", "latest"]
+    command = " ".join([*environment, *map(shell_word, words)])
+    if left_out:
+        command += f"\n  (left out: {' '.join(left_out)}; set them again if the run needs them)"
+    return command
+
+
+def launch_environment(environment: dict) -> tuple[list[str], list[str]]:
+    """NAME=value for each variable of RESUME_ENVIRONMENT (and ACCELERATE_*) in `environment`, the one the run was
+    started in: pasted without them, the command that continues the run ran otherwise (2gpu.yaml without
+    ACCELERATE_USE_CPU=true: no GPUs, no run). Then the names left out, each alone: a name that reads as a secret, a
+    URL with a user or password in it, a name a shell cannot take, a control character."""
+    kept, left_out = [], []
+    for name, value in environment.items():
+        if name in RESUME_ENVIRONMENT or name.startswith("ACCELERATE_"):
+            safe = re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) and not SECRET.search(name) and value.isprintable()
+            if safe and not re.search(r"://[^/]*@", value):
+                kept.append(f"{name}={shlex.quote(value)}")
+            else:
+                left_out.append(shell_word(name))
+    return kept, left_out
+
+
+def shell_word(word: str) -> str:
+    """`word` quoted for a shell. With a control character (or a byte that is not UTF-8), in bash's $'...' with those
+    written as \\xNN: printed, it cannot move the cursor or forge a line; pasted, it is the same word."""
+    if word.isprintable():
+        return shlex.quote(word)
+    escaped = (c if c.isprintable() and c not in "\\'" else "".join(f"\\x{b:02x}" for b in
+               c.encode(errors="surrogateescape")) for c in word)
+    return f"$'{''.join(escaped)}'"

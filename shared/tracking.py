@@ -167,16 +167,10 @@ class RunFiles(GeneralTracker):
         self.last_evaluation = None  # time.perf_counter() at the last eval_* point
 
     def store_init_configuration(self, values: dict):
-        step = values.get("resumed_step")
-        if step is not None and self.metrics.exists():  # first: a damaged row stops the resume before any change
-            # The points after the checkpoint will be logged again, and so will those of its own step logged after
-            # it was written (an epoch's or the run's evaluation, the summary): keep the file up to its training point.
-            rows = (row for row in read_rows(self.metrics) if row["step"] < step or row["step"] == step
-                    and "train_loss" in row)
-            write_atomic(self.metrics, (json.dumps(row) + "\n" for row in rows))  # one row in memory at a time
-        if step is not None:  # where the run was resumed, marked on curves.png
-            with self.metrics.open("a") as f:
-                f.write(json.dumps({"step": step, "resumed": True, **self.labels}) + "\n")
+        if values.get("resumed_step") is not None:  # first: a damaged row stops the resume before any change
+            from shared.resume import cut_metrics  # only the runs that resume: an opt-in module
+
+            cut_metrics(self.metrics, values["resumed_step"], self.labels)
         write_json(self.run_dir / "config.json", {**values, "run_id": self.run_id})
 
     def log(self, values: dict, step: int | None = None, **kwargs):

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from unittest import mock
 
+import psutil
 import pytest
 from PIL import Image
 from safetensors import safe_open
@@ -19,7 +20,7 @@ from safetensors.torch import save_file
 
 from recipes.cifar_cnn import Config
 from shared import checkpoints
-from shared.checkpoints import launch_environment, shell_word
+from shared.resume import launch_environment, resume_command, shell_word
 
 from conftest import ok, run_here
 from tiny_data import cifar_binary_dataset, imagefolder_dataset
@@ -41,7 +42,8 @@ LEFT_OUT = {"ACCELERATE_password", "'ACCELERATE_X;touch M;Y'", "WANDB_DIR", "WAN
 
 @pytest.fixture
 def stopped(tmp_path):
-    """A stop's Checkpoints, started from a process with HOSTILE_ENVIRONMENT: the line it prints, pasted into bash."""
+    """A stop's Checkpoints, started from a process with HOSTILE_ENVIRONMENT (read as StopOnSignals reads its
+    launcher's)."""
     # A process that says when it runs: just after an exec, /proc/<pid>/environ can still read empty (CI saw {}).
     process = subprocess.Popen([sys.executable, "-c", "import time; print(flush=True); time.sleep(30)"],
                                stdout=subprocess.PIPE, env={name.encode(errors="surrogateescape"):
@@ -49,28 +51,29 @@ def stopped(tmp_path):
                                                             for name, value in HOSTILE_ENVIRONMENT.items()})
     try:
         process.stdout.readline()
-        environment, left_out = launch_environment(process.pid)
+        started_in = psutil.Process(process.pid).environ()
     finally:
         process.kill()
         process.communicate()  # reaped, its pipe closed
     stop = checkpoints.StopOnSignals.__new__(checkpoints.StopOnSignals)
-    stop.launcher, stop.environment, stop.left_out = None, environment, left_out
+    stop.launcher, stop.started_in = None, started_in
     stop.run_dir = tmp_path / "run\x1b[2J"
     stop.cfg = Config(data="my photos\n$(touch M)")
     return stop
 
 
 def test_the_resume_command_keeps_only_the_launchs_own_variables_and_no_secret(stopped):
-    environment = dict(word.split("=", 1) for word in stopped.environment)
-    assert environment == {"ACCELERATE_USE_CPU": "true", "CUDA_VISIBLE_DEVICES": "0,1", "OMP_NUM_THREADS": "1",
-                           "HF_HOME": "'/data/my hf'"}
-    assert set(stopped.left_out) == LEFT_OUT
+    kept, left_out = launch_environment(stopped.started_in)
+    assert dict(word.split("=", 1) for word in kept) == {"ACCELERATE_USE_CPU": "true", "CUDA_VISIBLE_DEVICES": "0,1",
+                                                         "OMP_NUM_THREADS": "1", "HF_HOME": "'/data/my hf'"}
+    assert set(left_out) == LEFT_OUT
 
 
 def test_the_resume_command_runs_nothing_when_pasted_and_prints_no_control_character(stopped, tmp_path):
     with mock.patch.object(sys, "argv", ["recipes/cifar_cnn.py"]):
-        command = stopped.resume_command()
-    assert command.isprintable() and "hunter2" not in command, command
+        command, note = resume_command(stopped).split("\n")  # the command, then what it left out
+    assert command.isprintable() and note.isprintable() and "hunter2" not in command + note, (command, note)
+    assert note.startswith("  (left out: ") and all(name in note for name in LEFT_OUT), note
     # Pasted into a shell that prints each word instead of running the recipe, in a folder where `touch M` would show
     pasted = subprocess.run(["bash", "-c", f"recipe() {{ printf '%s\\n' \"$@\"; env; }}; recipe {command}"],
                             cwd=tmp_path, capture_output=True, text=True, errors="surrogateescape")
