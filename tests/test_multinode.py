@@ -217,10 +217,13 @@ def test_slurm_job_requeued_without_a_checkpoint_starts_again_and_a_finished_one
     assert submitted.returncode == 0, submitted.stderr
     job = submitted.stdout.strip()
     wait_for(lambda: any(row.get("step", 0) >= 3 for row in safe_rows(out)), "training", cluster, log)
-    for process in psutil.process_iter(["cmdline"]):  # every process of the job's training, at once
-        if str(out) in " ".join(process.info["cmdline"] or []) and "recipes/cifar_cnn.py" in " ".join(
-                process.info["cmdline"]):
-            process.kill()
+    # Every process of the job's training, at once, the recipe's own first: a launcher's death is its processes' SIGTERM
+    # (StopOnSignals), and so is the job's end that killing srun brings. Killed after them, they could still save a
+    # checkpoint (once, on a loaded machine, killed srun first: a checkpoint at step 13).
+    training = [process for process in psutil.process_iter(["cmdline"]) if str(out) in " ".join(
+        process.info["cmdline"] or []) and "recipes/cifar_cnn.py" in " ".join(process.info["cmdline"])]
+    for process in sorted(training, key=lambda process: "launch" in " ".join(process.info["cmdline"])):
+        process.kill()  # the recipe's processes, then `accelerate launch` and srun (their command lines say launch)
     wait_for(lambda: cluster.fields("job", job).get("JobState") in ("FAILED", "COMPLETED"), "the job to end",
              cluster, log)
     assert not list((out / "checkpoints").glob("step_*")) and (out / "config.json").exists()
