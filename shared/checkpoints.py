@@ -53,26 +53,6 @@ def list_checkpoints(folder: Path, run: str | None = None) -> list[Path]:
     return sorted(found, key=lambda p: int(STEP_DIR.search(p.name).group(1)))
 
 
-def check_checkpoint_folder(folder: Path, run: str | None) -> list[Path]:
-    """A --checkpoint_dir, before anything is written: it may hold only checkpoints (complete or partial) of the run
-    whose id is `run` (the run resumed, or the one --overwrite replaces), which are returned. Anything else is
-    refused, since pruning, --resume latest and --overwrite would act on it."""
-    if not Path(folder).is_dir():
-        return []
-    check_entries(folder)
-    entries = sorted(Path(folder).iterdir())
-    for entry in entries:
-        if entry.name == ".shared_check":  # left by a start of several nodes killed within its check (check_shared)
-            continue
-        owner = run_id(entry)
-        if not (re.fullmatch(r"(partial_)?step_\d+", entry.name) and run and owner == run):
-            found = f"a checkpoint of run {owner!r}" if owner else "no checkpoint of this run"
-            raise RecipeError(f"--checkpoint_dir {folder} holds {entry.name!r}, {found}: a checkpoint folder holds one "
-                              "run's checkpoints (this run's pruning and --resume latest would take the rest for its "
-                              "own): pass an empty or new folder, or move that out")
-    return entries
-
-
 class StopOnSignals:
     """Checkpoints' stop on a signal; `save`, `accelerator`, `cfg` and `run_dir` are Checkpoints'.
 

@@ -1,7 +1,10 @@
-"""Resuming a run (--resume), in one place; imported only by the runs that resume (an opt-in module).
+"""Resuming a run (--resume), in one place: where its checkpoint is, whether it is this run's, what changed since.
+Imported only where a run resumes, is stopped by a signal, or is given a --checkpoint_dir (an opt-in module).
 
 - `recorded_flags`: the flags a resume continues with, those its run's config.json records (Config.parse);
 - `run_of_checkpoint`: the run folder that --resume PATH, a checkpoint folder, continues (open_run);
+- `check_checkpoint_folder`: a --checkpoint_dir holds this run's checkpoints and nothing else (open_run, for a new run
+  too);
 - `find_checkpoint`: the checkpoint --resume names; `load`: it, loaded after checking that no file in it can run
   code (Checkpoints.resume);
 - `checked_progress`: a checkpoint's Progress, checked (Progress.load_state_dict);
@@ -26,7 +29,7 @@ from accelerate import PartialState
 from accelerate.utils import load as accelerate_load  # torch.load(weights_only=True) + NumPy RNG types
 from accelerate.utils import set_seed
 
-from shared.checkpoints import STEP_DIR, check_entries, is_run, list_checkpoints, new_folder
+from shared.checkpoints import STEP_DIR, check_entries, is_run, list_checkpoints, new_folder, run_id
 from shared.config import read_json
 from shared.errors import RecipeError, first_line
 from shared.tracking import read_rows, write_atomic
@@ -81,6 +84,26 @@ def recorded_flags(cfg, argv: list[str]):
         # one word a flag, `--name=value`: a value that starts with "--" stays a value
         words.append(f"--{'no-' * (not value)}{field.name}" if isinstance(value, bool) else f"--{field.name}={value}")
     return words, path
+
+
+def check_checkpoint_folder(folder: Path, run: str | None) -> list[Path]:
+    """A --checkpoint_dir, before anything is written: it may hold only checkpoints (complete or partial) of the run
+    whose id is `run` (the run resumed, or the one --overwrite replaces), which are returned. Anything else is
+    refused, since pruning, --resume latest and --overwrite would act on it."""
+    if not Path(folder).is_dir():
+        return []
+    check_entries(folder)
+    entries = sorted(Path(folder).iterdir())
+    for entry in entries:
+        if entry.name == ".shared_check":  # left by a start of several nodes killed within its check (check_shared)
+            continue
+        owner = run_id(entry)
+        if not (re.fullmatch(r"(partial_)?step_\d+", entry.name) and run and owner == run):
+            found = f"a checkpoint of run {owner!r}" if owner else "no checkpoint of this run"
+            raise RecipeError(f"--checkpoint_dir {folder} holds {entry.name!r}, {found}: a checkpoint folder holds one "
+                              "run's checkpoints (this run's pruning and --resume latest would take the rest for its "
+                              "own): pass an empty or new folder, or move that out")
+    return entries
 
 
 def run_of_checkpoint(cfg) -> Path:

@@ -36,7 +36,6 @@ from accelerate.utils import broadcast_object_list
 from tqdm import tqdm
 
 from shared.checkpoints import (
-    check_checkpoint_folder,
     check_entries,
     is_run,
     launcher_command,
@@ -87,8 +86,11 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
     overwrite = cfg.overwrite and not cfg.resume and filled
     # --checkpoint_dir: this run's checkpoints (resumed), the replaced run's (--overwrite), or nothing. Read where it is
     # written: a node's own folder is refused below.
-    mine = run_id(run_dir)
-    replaced = check_checkpoint_folder(cfg.checkpoint_dir, mine) if cfg.checkpoint_dir and state.is_main_process else []
+    mine, replaced = run_id(run_dir), []
+    if cfg.checkpoint_dir and state.is_main_process:
+        from shared.resume import check_checkpoint_folder  # only the runs given a --checkpoint_dir: an opt-in module
+
+        replaced = check_checkpoint_folder(cfg.checkpoint_dir, mine)
     state.wait_for_everyone()  # every process has read the folder before the main process changes it
     if state.is_main_process:
         if cfg.output_dir is None or not run_dir.exists():  # made by this start (new_folder made the default one)

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 from test_errors import one_line, snapshot  # one line on stderr, exit 1; every file's hash
 
-from shared.checkpoints import check_checkpoint_folder, list_checkpoints, run_id
+from shared.checkpoints import list_checkpoints, run_id
 from shared.errors import RecipeError
+from shared.resume import check_checkpoint_folder
 
 from conftest import ok, read_json, run_here
 from tiny_data import cifar_binary_dataset
