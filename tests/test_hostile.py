@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import gzip
 import hashlib
+import http.server
 import io
 import json
 import os
@@ -20,6 +21,7 @@ import shutil
 import struct
 import subprocess
 import sys
+import threading
 import tracemalloc
 import zipfile
 import zlib
@@ -28,6 +30,7 @@ from unittest import mock
 
 import datasets
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import torch
 import torchvision
@@ -1011,6 +1014,32 @@ def test_a_local_folder_is_read_by_its_files_names_not_by_its_readme(env, tmp_pa
     ok(run_here("cifar_cnn", "--data", data, *SHORT, "--output_dir", tmp_path / "out"))
     assert json.loads((tmp_path / "out" / "config.json").read_text())["train_size"] == 16
 
+
+
+def test_an_image_a_dataset_names_by_a_url_is_never_fetched(env, tmp_path):
+    """An image given by its path alone is read from that path on this machine (docs/files_from_anywhere.md); a URL
+    there is one line, and the server it names hears nothing."""
+    requests = []
+
+    class Recorder(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            requests.append(self.path)
+            self.send_error(404)
+
+    with http.server.HTTPServer(("127.0.0.1", 0), Recorder) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{server.server_port}/photo.png"
+        features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])})
+        data = tmp_path / "data"
+        data.mkdir()
+        for split in ("train", "test"):
+            table = datasets.Dataset.from_dict({"image": [{"bytes": None, "path": url}] * 4, "label": [0, 1, 0, 1]},
+                                               features=features).data.table  # to_parquet would fetch it to embed it
+            pq.write_table(table, data / f"{split}.parquet")
+        refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--output_dir", tmp_path / "out",
+                needle=f"'train' image 0 ({url}): no such image file on this machine")
+        server.shutdown()
+    assert requests == []
 
 # ------------------------------------------------------------------ images
 def chunk(kind: bytes, data: bytes) -> bytes:
