@@ -24,8 +24,9 @@ RECIPES = sorted(path.stem for path in (ROOT / "recipes").glob("*.py"))
 BUDGETS = {"recipe": 3_000, "header": 20, "default path": 11_000, "default files": 10, "opt-in": 4_000}
 # What is still over its budget (issue 76): a ceiling, so that nothing grows unseen while the cuts land. A change
 # lowers it as its count falls; only a change that adds what an issue asks for raises it, by what it could not pay
-# for elsewhere, and says so in its commit. A count within its ceiling but over its budget is printed, not failed;
-# one over both fails. Remove a line once its count meets the budget.
+# for elsewhere, or one that moves code from the default path into an opt-in module raises the opt-in ceiling by
+# what it moved (and the new calls); either says so in its commit. A count within its ceiling but over its budget
+# is printed, not failed; one over both fails. Remove a line once its count meets the budget.
 CEILINGS = {"cifar_cnn: default path": 12_336, "deep_mlp_ckpt: default path": 12_336,
             "finetune: default path": 12_336, "resnet18_fmnist: default path": 12_336, "finetune: recipe": 3_646,
             "opt-in": 9_486}
