@@ -44,7 +44,7 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it
-from shared.checkpoints import mismatch, plain_name
+from shared.checkpoints import list_checkpoints, mismatch, plain_name
 from shared.config import parse_config, read_json
 from shared.errors import RecipeError, check_launch, first_line, one_line_errors, replacing, walk
 from shared.images import read_image
@@ -173,8 +173,12 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
     `model`, on any device."""
     path = Path(path) / "model.safetensors" if Path(path).is_dir() else Path(path)
     if not path.is_file():  # missing, or a FIFO that would block the read
-        raise RecipeError(f"--weights {path}: no such file: pass a model.safetensors, a .pt/.pth file "
-                          "or a checkpoint folder")
+        # A run folder without its weights yet (stopped, or still running): its newest checkpoint holds them
+        newest = list_checkpoints(path.parent / "checkpoints")[-1:] if path.name == "model.safetensors" else []
+        fix = (f"the run has not written it (stopped, or still running): pass --weights {newest[0]}, its newest "
+               "checkpoint, or finish the run with --resume latest") if newest else (
+               "pass a model.safetensors, a .pt/.pth file or a checkpoint folder")
+        raise RecipeError(f"--weights {path}: no such file: {fix}")
     if path.suffix != ".safetensors":
         from shared.pickles import check_archive  # files from anywhere, checked: an opt-in module
 

@@ -188,6 +188,9 @@ def test_predict_bad_input_is_one_line_and_keeps_what_is_on_disk(env, run, folde
     empty = tmp_path / "empty"
     empty.mkdir()
     weights = out / "model.safetensors"
+    stopped = tmp_path / "stopped"  # a run folder as a stop leaves it: checkpoints, no weights yet
+    shutil.copytree(out / "checkpoints", stopped / "checkpoints")
+    shutil.copy(out / "config.json", stopped / "config.json")
     mine = {"recipe": "cifar_cnn"}
     cases = [
         ((weights, root, existing), mine, f"{existing} exists: pass --overwrite to replace it, or another --output"),
@@ -200,6 +203,8 @@ def test_predict_bad_input_is_one_line_and_keeps_what_is_on_disk(env, run, folde
         ((weights, root, tmp_path / "new.csv"), {"recipe": "resnet18_fmnist"},
          "were trained by cifar_cnn, not --recipe resnet18_fmnist"),
         ((tmp_path / "none.pt", root, tmp_path / "new.csv"), {}, f"--weights {tmp_path / 'none.pt'}: no such file"),
+        ((stopped, root, tmp_path / "new.csv"), mine, f"--weights {stopped / 'model.safetensors'}: no such file: the "
+         f"run has not written it (stopped, or still running): pass --weights {stopped / 'checkpoints' / 'step_12'}"),
     ]
     for (weights_path, images, output), flags, needle in cases:  # in this process: torch starts once
         with pytest.raises(RecipeError) as error:
