@@ -9,7 +9,7 @@ import torch
 from accelerate import PartialState
 from safetensors import safe_open
 
-from shared.checkpoints import mismatch, plain_name
+from shared.checkpoints import list_checkpoints, mismatch, plain_name
 from shared.errors import RecipeError, first_line
 
 
@@ -21,8 +21,12 @@ def initial_weights(model, cfg, classes: list[str]) -> str | None:
     checkpoint: the file is only hashed. Returns its sha256 (config.json)."""
     path = Path(cfg.init_from) / "model.safetensors" if Path(cfg.init_from).is_dir() else Path(cfg.init_from)
     if not path.is_file() or path.suffix != ".safetensors":  # a regular file: a FIFO would block the read
-        raise RecipeError(f"--init_from {cfg.init_from}: no .safetensors file there: pass a run's "
-                          "model.safetensors, or the run or checkpoint folder that holds one")
+        # A run folder without its weights yet (stopped, or still running): its newest checkpoint holds them
+        newest = list_checkpoints(path.parent / "checkpoints")[-1:] if path.name == "model.safetensors" else []
+        fix = (f"the run has not written its weights (stopped, or still running): pass {newest[0]}, its newest "
+               "checkpoint") if newest else ("pass a run's model.safetensors, or the run or checkpoint folder that "
+                                             "holds one")
+        raise RecipeError(f"--init_from {cfg.init_from}: no .safetensors file there: {fix}")
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for piece in iter(lambda: f.read(2**24), b""):

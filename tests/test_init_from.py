@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,14 @@ def test_weights_that_do_not_fit_are_one_line(env, source, three_classes, tmp_pa
     one_line(run_here("cifar_cnn", "--data", three_classes, *SHORT, "--max_steps", "1", "--init_from", path,
                       "--output_dir", tmp_path / "out"), needle)
     assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_a_run_that_has_not_written_its_weights_names_its_newest_checkpoint(env, source, three_classes, tmp_path):
+    stopped = tmp_path / "stopped"  # a run folder as a stop leaves it: its checkpoints, no weights yet
+    shutil.copytree(source / "checkpoints", stopped / "checkpoints")
+    one_line(run_here("cifar_cnn", "--data", three_classes, *SHORT, "--max_steps", "1", "--init_from", stopped,
+                      "--output_dir", tmp_path / "out"), "no .safetensors file there: the run has not written its "
+             f"weights (stopped, or still running): pass {stopped / 'checkpoints' / 'step_2'}, its newest checkpoint")
 
 
 def test_with_init_partial_what_fits_is_loaded_and_the_rest_refused_as_before(source, three_classes, tmp_path):
