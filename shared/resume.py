@@ -294,7 +294,7 @@ def set_finished_aside(run_dir: Path) -> None:
     steps = summary.get("steps") if isinstance(summary, dict) else None
     name = f"{steps}_steps" if type(steps) is int else "earlier"
     aside = Path(new_folder(f"{run_dir}/finished/{name}"))
-    for path in (run_dir / name for name in FINISHED_FILES if (run_dir / name).exists()):
+    for path in (run_dir / file for file in FINISHED_FILES if (run_dir / file).exists()):
         os.replace(path, aside / path.name)
 
 
