@@ -47,11 +47,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ wit
 from shared.checkpoints import list_checkpoints, mismatch, plain_name
 from shared.config import parse_config, read_json
 from shared.errors import RecipeError, check_launch, first_line, one_line_errors, replacing, walk
-from shared.images import read_image
+from shared.images import FORMATS, decode, fit
 
 RECIPES = Path(__file__).resolve().parent  # where a recipe named by its name is looked for
 RECIPE_NAME = re.compile(r"[a-z0-9_]+")  # a name in recipes/, never a path
-IMAGE_EXTENSIONS = {ext for ext, format in Image.registered_extensions().items() if format in Image.OPEN}
+IMAGE_EXTENSIONS = {ext for ext, format in Image.registered_extensions().items() if format in FORMATS}
 
 
 @dataclass
@@ -224,8 +224,13 @@ def is_state_dict(value) -> bool:
         isinstance(key, str) and isinstance(tensor, torch.Tensor) for key, tensor in value.items())
 
 
+def read_image(file: Path, image_shape: tuple[int, int, int], interpolation: str) -> torch.Tensor:
+    """One image file -> uint8 (C, H, W) of `image_shape`: decoded, then fitted (memory for one image)."""
+    return fit(decode(file, image_shape[0], str(file))[0], *image_shape[1:], str(file), interpolation)
+
+
 def find_images(root: Path) -> tuple[list[Path], list[Path]]:
-    """(images, skipped): files under `root` whose extension PIL reads, and the others."""
+    """(images, skipped): files under `root` whose extension names a format decode reads, and the others."""
     if root.is_file():
         return [root], []
     if not root.is_dir():
@@ -298,7 +303,7 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
     k = min(cfg.top_k, len(classes))
     for start in range(0, len(images), cfg.batch_size):
         paths = images[start:start + cfg.batch_size]
-        batch = torch.stack([read_image(p, shape, str(p), how) for p in paths]).to(state.device)
+        batch = torch.stack([read_image(p, shape, how) for p in paths]).to(state.device)
         probabilities = model(recipe.preprocess(batch, training=False, **options)).float().softmax(dim=1)
         top_p, top_i = probabilities.topk(k, dim=1)
         for path, p, i in zip(paths, top_p.tolist(), top_i.tolist()):

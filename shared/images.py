@@ -13,12 +13,17 @@ from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 from shared.errors import RecipeError, first_line, free_memory
 
 WIDE_MODES = {"I", "I;16", "I;16B", "I;16L", "I;16N", "F"}  # 16/32-bit and float pixels
+# The formats decode reads, each decoded by PIL itself. Not EPS: PIL hands it to Ghostscript, a PostScript interpreter,
+# so an image file would run a program (an endless loop in one hung a run, another wrote into /tmp); PIL knows an image
+# by its bytes, whatever its name. Nor PIL's rarer formats: decoders that few files ever reach.
+FORMATS = ("BMP", "GIF", "JPEG", "PNG", "PPM", "TIFF", "WEBP")
 
 
 def decode(file: bytes | str | Path, channels: int, where: str):
     """One image file (its bytes or a local path) -> uint8 (channels, h, w) at its own size, converted as datasets'
     Image(mode=...) converts (EXIF orientation, then L or RGB), and its own channel count (1 for grayscale). A damaged
-    file, one over PIL's pixel limit (read from its header, before decoding), 16-bit pixels: one line naming `where`."""
+    file, one of another format than FORMATS, one over PIL's pixel limit (read from its header, before decoding),
+    16-bit pixels: one line naming `where`."""
     if not isinstance(file, bytes) and not Path(file).is_file():
         raise RecipeError(f"{where}: no such image file on this machine (datasets' paths are read, never fetched)")
     from shared.png import check_png  # a check of files from anywhere: an opt-in module
@@ -27,7 +32,7 @@ def decode(file: bytes | str | Path, channels: int, where: str):
         check_png(file)  # before PIL reads a chunk
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)  # over PIL's limit: refused, not warned
-            image = Image.open(io.BytesIO(file) if isinstance(file, bytes) else file)
+            image = Image.open(io.BytesIO(file) if isinstance(file, bytes) else file, formats=FORMATS)
         with image:
             if image.mode in WIDE_MODES:
                 raise RecipeError(f"{where} has {image.mode} pixels (16-bit, 32-bit or float), which 8 bits cannot "
@@ -44,16 +49,13 @@ def decode(file: bytes | str | Path, channels: int, where: str):
     except (Image.DecompressionBombWarning, Image.DecompressionBombError):
         raise RecipeError(f"{where} has more than {Image.MAX_IMAGE_PIXELS:,} pixels, PIL's limit against "
                           "decompression bombs: remove it, or shrink it first") from None
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, MemoryError) as error:
+    except UnidentifiedImageError:
+        raise RecipeError(f"{where} is not a readable image of a format read here ({', '.join(FORMATS)}): convert "
+                          "it, or remove it") from None
+    except (OSError, ValueError, SyntaxError, MemoryError) as error:
         raise RecipeError(f"{where} is not a readable image ({type(error).__name__}: {first_line(error)[:120]}): "
                           "remove it or replace it") from None
     return torch.from_numpy(pixels).reshape(*pixels.shape[:2], -1).permute(2, 0, 1).expand(channels, -1, -1), own
-
-
-def read_image(file: bytes | str | Path, image_shape: tuple[int, int, int], where: str,
-               interpolation: str = "bilinear") -> torch.Tensor:
-    """One image file -> uint8 (C, H, W) of `image_shape`: decoded, then fitted (memory for one image)."""
-    return fit(decode(file, image_shape[0], where)[0], *image_shape[1:], where, interpolation)
 
 
 def to_channels(images: torch.Tensor, channels: int) -> torch.Tensor:

@@ -19,9 +19,8 @@ import torchvision
 from PIL import Image
 from test_errors import one_line
 
-from recipes import finetune
+from recipes import finetune, predict
 from shared.errors import RecipeError
-from shared.images import read_image
 
 from conftest import ROOT, assert_bitwise_equal, hooked, launch, ok, run_here, weights
 from tiny_data import idx_folder, imagefolder_dataset, random_splits
@@ -125,7 +124,7 @@ def test_evaluation_sees_the_images_as_the_weights_were_evaluated(tmp_path, mode
     Image.fromarray(pixels.numpy()).save(photo)
     cfg = finetune.Config(model=model)
     shape, _, resize_filter = finetune.input_sizes(cfg)
-    decoded = read_image(photo, shape, "photo", resize_filter)
+    decoded = predict.read_image(photo, shape, resize_filter)  # as predict.py reads a photo
     assert decoded.shape == (3, decoded_side, decoded_side)
     ours = finetune.preprocess(decoded[None], training=False, cfg=cfg)
     theirs = finetune.chosen_weights(model, "DEFAULT").transforms()(Image.open(photo))

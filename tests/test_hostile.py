@@ -1121,7 +1121,7 @@ def a_png_of_one_row(folder: Path) -> str:
 
 def text_named_png(folder: Path) -> str:
     (folder / "0.png").write_text("not an image")
-    return "0.png) is not a readable image (UnidentifiedImageError"
+    return "0.png) is not a readable image of a format read here (BMP, GIF, JPEG, PNG, PPM, TIFF, WEBP): convert it"
 
 
 def a_thin_image(folder: Path) -> str:  # 1 x 40,000,000 (39 KB), under PIL's limit: 114 GiB once in colour and resized
@@ -1168,6 +1168,40 @@ def test_predict_refuses_a_png_that_lies(env, run, tmp_path, side, needle):
     (tmp_path / "out").mkdir()
     refused(env, tmp_path, "predict", "--weights", run / "model.safetensors", "--recipe", "cifar_cnn", "--images",
             photos, "--output", tmp_path / "out" / "p.csv", needle=needle, launched=side == 30000)
+
+
+# An EPS of 32 x 32 points whose PostScript loops for ever: Debian's Ghostscript, run by PIL, hung the run.
+ENDLESS_EPS = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 32 32\n{ } loop\nshowpage\n"
+
+
+@pytest.mark.parametrize("script", ["cifar_cnn", "predict"])
+def test_an_eps_image_never_runs_ghostscript(env, run, tmp_path, monkeypatch, script):
+    """PIL knows an EPS by its bytes, whatever the file is named, and hands it to Ghostscript, a PostScript interpreter:
+    with Debian's gs, the loop above hung the run, and another file wrote into /tmp. Here a stand-in `gs` first on the
+    PATH leaves the marker if anything runs it (PIL runs `gs --version` first): before, a file named .png in a dataset
+    and a .eps given to predict.py each ran it."""
+    from PIL import EpsImagePlugin
+
+    monkeypatch.setattr(EpsImagePlugin, "gs_binary", None)  # PIL looks for gs once a process: again, on this PATH
+    programs = tmp_path / "bin"
+    programs.mkdir()
+    (programs / "gs").write_text(f"#!/bin/sh\ntouch '{tmp_path / 'MARKER'}'\nexit 1\n")
+    (programs / "gs").chmod(0o755)
+    variables = {"PATH": f"{programs}:{os.environ['PATH']}"}
+    if script == "cifar_cnn":
+        data = imagefolder_dataset(tmp_path / "photos", sizes={"train": 20, "test": 10})
+        (data / "train" / "class_0" / "0.png").write_bytes(ENDLESS_EPS)
+        refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--output_dir", tmp_path / "out",
+                needle="0.png) is not a readable image of a format read here (BMP, GIF, JPEG, PNG, PPM, TIFF, WEBP)",
+                variables=variables)
+    else:
+        photos = tmp_path / "photos"
+        photos.mkdir()
+        (photos / "drawing.eps").write_bytes(ENDLESS_EPS)
+        (tmp_path / "out").mkdir()
+        refused(env, tmp_path, "predict", "--weights", run / "model.safetensors", "--recipe", "cifar_cnn", "--images",
+                photos, "--output", tmp_path / "out" / "p.csv", needle="holds no images (1 other files)",
+                variables=variables)
 
 
 @pytest.mark.slow  # launched: the memory limit is the point
