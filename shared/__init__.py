@@ -16,7 +16,8 @@ the function that needs them:
   write that no crash breaks
 - dataset_files: IDX files and CIFAR's binary and Python versions, read as published, and the bounds on a dataset
   file's size and a parquet file's decompressed size (opt-in: imported for local data)
-- png: a PNG from anywhere, checked before PIL opens it (opt-in: imported where an image file is decoded)
+- image_files: a PNG or a JPEG from anywhere, checked before PIL opens it (opt-in: imported where an image file
+  is decoded)
 - pickles: a CIFAR pickle or a file for torch.load from anywhere, checked before it is unpickled (opt-in)
 - pictures: curves.png and the confusion matrix, with matplotlib (opt-in: imported where one is drawn)
 - resume: everything --resume does: the flags it continues with, the checkpoint it names, checked and loaded, what

@@ -26,10 +26,11 @@ def decode(file: bytes | str | Path, channels: int, where: str):
     16-bit pixels: one line naming `where`."""
     if not isinstance(file, bytes) and not Path(file).is_file():
         raise RecipeError(f"{where}: no such image file on this machine (datasets' paths are read, never fetched)")
-    from shared.png import check_png  # a check of files from anywhere: an opt-in module
+    from shared.image_files import check_jpeg, check_png  # checks of files from anywhere: an opt-in module
 
     try:
         check_png(file)  # before PIL reads a chunk
+        check_jpeg(file)
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)  # over PIL's limit: refused, not warned
             image = Image.open(io.BytesIO(file) if isinstance(file, bytes) else file, formats=FORMATS)

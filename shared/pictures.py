@@ -12,12 +12,16 @@ import torch
 from PIL import Image
 
 from shared.errors import printable, replacing
-from shared.tracking import is_point
 
 COLOURS = {"train": "C0", "eval": "C1", "grad": "C2"}  # matplotlib's first three: blue, orange, green
 STYLES = ("-", "--", ":", "-.")
 MAX_POINTS = 10_000  # of a curve: more than a picture 1,500 pixels wide shows (a metrics.jsonl may hold millions)
 MAX_MATRIX_CLASSES = 1_000  # above, a confusion matrix is no picture to read, and 10^5 classes take 80 GB
+
+
+def is_point(row: dict) -> bool:
+    """A training or an evaluation point of a curve; not the summary, logged once at the end with one value a key."""
+    return "train_loss" in row or "eval_loss" in row
 
 
 def pyplot():

@@ -3,7 +3,7 @@ open_run for the runs that ask for it."""
 
 from accelerate.tracking import TensorBoardTracker, on_main_process
 
-from shared.tracking import is_point
+from shared.pictures import is_point
 
 
 class TensorBoard(TensorBoardTracker):

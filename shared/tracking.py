@@ -151,11 +151,6 @@ def lock(run_dir: Path) -> None:
     _LOCKS[key] = descriptor
 
 
-def is_point(row: dict) -> bool:
-    """A training or an evaluation point of a curve; not the summary, logged once at the end with one value a key."""
-    return "train_loss" in row or "eval_loss" in row
-
-
 class RunFiles(GeneralTracker):
     """An accelerate tracker that writes the run's readable files (main process only)."""
 

@@ -1124,6 +1124,21 @@ def text_named_png(folder: Path) -> str:
     return "0.png) is not a readable image of a format read here (BMP, GIF, JPEG, PNG, PPM, TIFF, WEBP): convert it"
 
 
+def many_scans(scans: int, side: int = 600) -> bytes:
+    """A progressive grayscale JPEG of `side` x `side` pixels (6 scans from PIL), its last scan repeated to make `scans`
+    (libjpeg warns of each repeat, and decodes it over the whole image again)."""
+    buffer = io.BytesIO()
+    Image.new("L", (side, side)).save(buffer, "JPEG", progressive=True)
+    data = buffer.getvalue()
+    last = data[data.rfind(b"\xff\xda"):-2]  # the last scan, up to the end marker
+    return data[:-2] + last * (scans - 6) + b"\xff\xd9"
+
+
+def a_jpeg_of_many_scans(folder: Path) -> str:
+    (folder / "scans.jpg").write_bytes(many_scans(1000))
+    return "scans.jpg) is not a readable image (ValueError: it has more than 256 scans, each decoded over the whole"
+
+
 def a_thin_image(folder: Path) -> str:  # 1 x 40,000,000 (39 KB), under PIL's limit: 114 GiB once in colour and resized
     png(folder / "thin.png", 40_000_000, 1)
     return "thin.png): images of 40000000x1 pixels, resized to 1280000000x32 before the centre crop, take 114.4 GiB"
@@ -1131,7 +1146,7 @@ def a_thin_image(folder: Path) -> str:  # 1 x 40,000,000 (39 KB), under PIL's li
 
 @pytest.mark.parametrize("damage", [pytest.param(a_decompression_bomb, marks=LAUNCHED),
                                     pytest.param(large_images, marks=LAUNCHED), a_truncated_png, a_png_of_one_row,
-                                    text_named_png, pytest.param(a_thin_image, marks=LAUNCHED)])
+                                    text_named_png, a_jpeg_of_many_scans, pytest.param(a_thin_image, marks=LAUNCHED)])
 def test_images_that_lie(env, tmp_path, damage):
     data = imagefolder_dataset(tmp_path / "photos", sizes={"train": 20, "test": 10})
     needle = damage(data / "train" / "class_0")
@@ -1153,6 +1168,38 @@ def test_a_png_is_checked_for_its_rows_without_reading_what_follows_them(tmp_pat
     finally:
         tracemalloc.stop()
     assert peak < 2**24, f"{peak / 2**20:.0f} MB allocated"
+
+
+@pytest.mark.parametrize("scans", [10, 256, 257])
+def test_a_jpeg_of_more_scans_than_libjpeg_writes_is_refused_before_it_is_decoded(tmp_path, scans):
+    """Each scan of a progressive JPEG is decoded over the whole image: before, any number was, and 10,000 scans of
+    2,000 x 2,000 pixels (164 KB) took 13.6 s, 1,000 of 8,000 x 8,000 took 22 s (PIL 13). At most 256 now, as
+    NVIDIA's nvImageCodec allows."""
+    from shared import images
+
+    photo = tmp_path / "scans.jpg"
+    photo.write_bytes(many_scans(scans))
+    if scans <= 256:
+        assert images.decode(photo, 1, "scans.jpg")[0].shape == (1, 600, 600)
+        return
+    opened = []
+    with mock.patch.object(images.Image, "open", lambda *args, **kwargs: opened.append(args)):
+        with pytest.raises(RecipeError, match="scans.jpg is not a readable image \\(ValueError: it has more than 256 "
+                                              "scans, each decoded over the whole image"):
+            images.decode(photo, 1, "scans.jpg")
+    assert not opened
+
+
+def test_a_jpegs_scans_are_counted_across_the_pieces_it_is_read_in(tmp_path):
+    """256 start-of-scan markers, and a 257th across the first 1 MiB piece's end (check_jpeg reads 1 MiB at a time)."""
+    from shared.image_files import check_jpeg
+
+    data = b"\xff\xd8" + b"\xff\xda" * 256
+    photo = tmp_path / "scans.jpg"
+    photo.write_bytes(data + bytes(2**20 - 1 - len(data)) + b"\xff\xda")
+    with pytest.raises(ValueError, match="more than 256 scans"):
+        check_jpeg(photo)
+    check_jpeg(data)  # 256: accepted
 
 
 @pytest.mark.parametrize("side, needle", [
