@@ -929,6 +929,45 @@ def test_a_parquet_file_that_inflates_is_refused_before_a_page_is_read(env, tmp_
             needle="train.parquet claims 100,000,052 bytes once decompressed, from", launched=True)
 
 
+@pytest.mark.slow  # launched: the memory limit is the point
+def test_a_parquet_file_whose_dictionary_repeats_an_image_is_refused_before_it_is_read(env, tmp_path):
+    """One 120 KB PNG in each of 20,000 rows, written as a dictionary (the value once, then an index a row): 121 KB on
+    disk, whose pages claim 123 KB decompressed. datasets' reader wrote every row's copy out: the run peaked at 5.7 GB
+    resident before a vague line. 2.4 GB of values once read, refused first."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buffer, rows = io.BytesIO(), 20_000
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (200, 200, 3), dtype=np.uint8)).save(buffer, "PNG")
+    image = pa.StructArray.from_arrays([pa.DictionaryArray.from_arrays(pa.array(np.zeros(rows, np.int32)),
+                                                                       pa.array([buffer.getvalue()])),
+                                        pa.nulls(rows, pa.string())], names=["bytes", "path"])
+    table = pa.table({"image": image, "label": pa.array(np.arange(rows) % 2)})
+    (tmp_path / "data").mkdir()
+    for split in ("train", "test"):  # store_schema=False: read back as plain binary, as any other writer's file is
+        pq.write_table(table, tmp_path / "data" / f"{split}.parquet", store_schema=False)
+    line = refused(env, tmp_path, "cifar_cnn", "--data", tmp_path / "data", *SHORT, "--output_dir", tmp_path / "out",
+                   needle="test.parquet holds over ", launched=True)
+    assert f"bytes of values once read, from {(tmp_path / 'data' / 'test.parquet').stat().st_size:,} on disk" in line
+
+
+def test_a_parquet_file_of_one_value_in_many_rows_is_refused_from_its_footer(tmp_path):
+    """10,000,000 rows of one label and no image: 81 KB on disk (a run of one value takes a few bytes), whose pages
+    claim 74 KB decompressed; the reader makes 8 bytes of each value, and a file of 10^9 rows would make 8 GB."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from shared.dataset_files import check_parquet_files
+
+    rows = 10_000_000
+    image = pa.nulls(rows, pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
+    (tmp_path / "data").mkdir()
+    pq.write_table(pa.table({"image": image, "label": pa.array(np.zeros(rows, np.int64))}),
+                   tmp_path / "data" / "train.parquet")
+    with pytest.raises(RecipeError, match="train.parquet holds over 240,000,000 bytes of values once read"):
+        check_parquet_files(tmp_path / "data")
+
+
 @pytest.mark.slow  # a read that would block forever: launched, under the timeout
 def test_a_fifo_named_as_a_parquet_file_is_refused_instead_of_blocking(env, tmp_path):
     """A FIFO named train-0.parquet in --data blocked the parquet check's read of its footer for ever."""
@@ -997,10 +1036,31 @@ def test_a_compressed_arrow_file_in_a_saved_dataset_is_refused_before_it_inflate
         writer.write_table(pa.table([image, pa.array([0])], schema=schema))
     assert arrow.stat().st_size < 100_000
     refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--output_dir", tmp_path / "out",
-            needle=f"{arrow.name} is compressed, which save_to_disk never writes")
+            needle=f"{arrow.name} is compressed or holds a dictionary, which save_to_disk never writes")
     arrow.write_bytes(b"not an arrow stream, its first 4 bytes read as a length")
     refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--output_dir", tmp_path / "out",
             needle=f"{arrow.name} is not a readable arrow file (ArrowInvalid")
+
+
+@pytest.mark.slow  # launched: the memory limit is the point
+def test_a_dictionary_in_a_saved_dataset_is_refused_before_it_is_written_out(env, tmp_path):
+    """An arrow file whose image column is a dictionary: one 120 KB PNG shared by 20,000 rows, 444 KB on disk. The run
+    peaked at 2.8 GB before datasets' own error (a binary array over 2 GB); fewer rows train at that cost. datasets has
+    no feature for a dictionary, so save_to_disk never writes one."""
+    import pyarrow as pa
+
+    data = save_to_disk_dataset(tmp_path / "data", sizes={"train": 16, "test": 8})
+    (arrow,) = (data / "train").glob("*.arrow")
+    schema, rows, buffer = pa.ipc.open_stream(pa.memory_map(str(arrow))).schema, 20_000, io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (200, 200, 3), dtype=np.uint8)).save(buffer, "PNG")
+    image = pa.StructArray.from_arrays([pa.DictionaryArray.from_arrays(pa.array(np.zeros(rows, np.int32)),
+                                                                       pa.array([buffer.getvalue()])),
+                                        pa.nulls(rows, pa.string())], names=["bytes", "path"])
+    table = pa.table([image, pa.array(np.arange(rows) % 2)], names=schema.names, metadata=schema.metadata)
+    with pa.OSFile(str(arrow), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--output_dir", tmp_path / "out",
+            needle=f"{arrow.name} is compressed or holds a dictionary, which save_to_disk never writes", launched=True)
 
 
 def test_a_local_folder_is_read_by_its_files_names_not_by_its_readme(env, tmp_path):
