@@ -84,20 +84,21 @@ def check_parquet_files(folder: Path) -> list[Path]:
     files = sorted(Path(entry.path) for entry in walk(folder) if entry.name.endswith(".parquet"))
     for file in files:
         check_regular(file, "the parquet file")  # datasets' read after this one would block too
+        size, free = file.stat().st_size, free_memory()
+        limit = min(MAX_INFLATE_RATIO * size + 2**26, free)
         try:
             meta = pq.read_metadata(file)
             claimed = sum(meta.row_group(i).column(j).total_uncompressed_size
                           for i in range(meta.num_row_groups) for j in range(meta.num_columns))
+            values = 0 if claimed > limit else read_size(file, meta, limit)
         except Exception as error:
             raise RecipeError(f"{file} is not a readable parquet file ({type(error).__name__}: "
                               f"{first_line(error)[:100]}): write it again") from None
-        size, free = file.stat().st_size, free_memory()
-        limit = min(MAX_INFLATE_RATIO * size + 2**26, free)
         if claimed > limit:
             raise RecipeError(f"{file} claims {claimed:,} bytes once decompressed, from {size:,} on disk (over "
                               f"{MAX_INFLATE_RATIO} times its size plus 64 MiB, or the {free / 2**30:.1f} GiB of free "
                               "memory): a damaged or hostile file; write it again")
-        if (values := read_size(file, meta, limit)) > limit:
+        if values > limit:
             raise RecipeError(f"{file} holds over {values:,} bytes of values once read, from {size:,} on disk (over "
                               f"{MAX_INFLATE_RATIO} times its size plus 64 MiB, or the {free / 2**30:.1f} GiB of free "
                               "memory): a damaged or hostile file; write it again")
@@ -126,9 +127,10 @@ def read_size(file: Path, meta, limit: int) -> int:
             array = arrays.pop()
             if pa.types.is_dictionary(array.type):  # each row's value, as the reader writes it out
                 total += pc.sum(pc.binary_length(array.dictionary).take(array.indices)).as_py() or 0
-            elif pa.types.is_nested(array.type):  # a struct's fields, a list's or a map's values
-                flat = array.flatten()
-                arrays += flat if isinstance(flat, list) else [flat]
+            elif pa.types.is_struct(array.type):
+                arrays += array.flatten()
+            elif pa.types.is_nested(array.type):  # a list's values, a map's entries
+                arrays.append(array.values)
             else:
                 total += array.nbytes
     return total

@@ -968,6 +968,43 @@ def test_a_parquet_file_of_one_value_in_many_rows_is_refused_from_its_footer(tmp
         check_parquet_files(tmp_path / "data")
 
 
+@pytest.mark.parametrize("nest", ["struct", "list", "map"])
+def test_a_dictionarys_values_are_counted_inside_any_nesting(tmp_path, nest):
+    """One 1,000-byte value in each of 1,000 rows, as a dictionary inside a struct, a list or a map: 1,000,000 bytes
+    once read, whatever holds it (a map's entries failed list_flatten)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from shared.dataset_files import read_size
+
+    rows = 1000
+    value = pa.DictionaryArray.from_arrays(pa.array(np.zeros(rows, np.int32)), pa.array([b"v" * 1000]))
+    offsets = pa.array(np.arange(rows + 1, dtype=np.int32))
+    column = {"struct": lambda: pa.StructArray.from_arrays([value], names=["bytes"]),
+              "list": lambda: pa.ListArray.from_arrays(offsets, value),
+              "map": lambda: pa.MapArray.from_arrays(offsets, pa.array(["k"] * rows), value)}[nest]()
+    pq.write_table(pa.table({"x": column}), tmp_path / "train.parquet", store_schema=False)
+    counted = read_size(tmp_path / "train.parquet", pq.read_metadata(tmp_path / "train.parquet"), 10**9)
+    assert rows * 1000 <= counted < rows * 1000 + 100 * rows  # the values, and 8 bytes a value of each column
+
+
+def test_a_parquet_file_whose_pages_are_damaged_is_one_line_naming_it(tmp_path):
+    """Its first page header overwritten: the count of its values reads every page, and says which file failed."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from shared.dataset_files import check_parquet_files
+
+    (tmp_path / "data").mkdir()
+    file = tmp_path / "data" / "train.parquet"
+    pq.write_table(pa.table({"image": [bytes(range(256)) * 4] * 100}), file)
+    raw = bytearray(file.read_bytes())
+    raw[4:40] = b"\x7f" * 36  # after the magic "PAR1": the first page's header
+    file.write_bytes(bytes(raw))
+    with pytest.raises(RecipeError, match="train.parquet is not a readable parquet file \\(OSError: "):
+        check_parquet_files(tmp_path / "data")
+
+
 @pytest.mark.slow  # a read that would block forever: launched, under the timeout
 def test_a_fifo_named_as_a_parquet_file_is_refused_instead_of_blocking(env, tmp_path):
     """A FIFO named train-0.parquet in --data blocked the parquet check's read of its footer for ever."""
