@@ -89,10 +89,16 @@ class PrintableLines:
 
 @contextmanager
 def one_line_errors():
-    """RecipeError -> one line on stderr (rank 0) and exit status 1; what is printed meanwhile: PrintableLines."""
+    """RecipeError -> one line on stderr (rank 0) and exit status 1, Ctrl-C -> one line and 130; what is printed
+    meanwhile: PrintableLines."""
     try:
         with redirect_stdout(PrintableLines(sys.stdout)):
             yield
+    except KeyboardInterrupt:  # Ctrl-C before StopOnSignals takes it over: while the data, the model, ... load
+        if is_main_process():
+            print("stopped by Ctrl-C, with nothing to save yet (a training run saves from its first step on): run the "
+                  "same command again", file=sys.stderr, flush=True)
+        sys.exit(130)
     except (RecipeError, MemoryError, torch.OutOfMemoryError, RuntimeError, OSError, ImportError) as error:
         if isinstance(error, RecipeError):
             message = str(error)

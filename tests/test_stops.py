@@ -202,6 +202,28 @@ def test_a_second_ctrl_c_stops_a_hung_evaluation_at_once(env, data, tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == saved and saved[-1] == "step_8"
 
 
+def test_ctrl_c_before_the_first_step_is_one_line_and_leaves_no_run_folder(env, data, tmp_path):
+    """Ctrl-C while the data loads, before the run's own handler takes signals over (StopOnSignals, just before the
+    first step): a KeyboardInterrupt traceback from deep inside datasets, where a first decode of a large dataset takes
+    minutes. One line now, exit 130. Here the load waits (shared.data's load_image_data replaced, the recipe run as a
+    script), so that the signal comes during it."""
+    loading = tmp_path / "loading"
+    code = ("import pathlib, runpy, sys, time\nfrom shared import data\n"
+            f"data.load_image_data = lambda *args: (pathlib.Path({str(loading)!r}).touch(), time.sleep(300))\n"
+            "sys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')")
+    process = subprocess.Popen([sys.executable, "-c", code, "recipes/cifar_cnn.py", "--data", str(data),
+                                "--output_dir", str(tmp_path / "run"), *RUN], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    wait_for(loading.exists, process)
+    os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+    stdout, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130 and stderr.strip().splitlines() == [
+        "stopped by Ctrl-C, with nothing to save yet (a training run saves from its first step on): run the same "
+        "command again"], stderr[-3000:]
+    assert not (tmp_path / "run").exists()  # made by this start, and empty: removed
+
+
 @pytest.mark.parametrize("ctrl_c", [False, True])
 def test_a_stop_under_the_launcher_of_1_process(env, data, reference, tmp_path, ctrl_c):
     """`accelerate launch` of one process starts the script and waits, forwarding no signal (accelerate #929): a
