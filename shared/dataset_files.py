@@ -175,10 +175,9 @@ def check_uncompressed(file: Path) -> None:
 
 
 def compressed(message) -> bool:
-    """Whether an arrow message's record batch is compressed: RecordBatch's 4th field,
-    `compression`, is set (the Arrow format's Message.fbs). A flatbuffer table begins with the offset back to its
-    vtable, which holds each field's position in the table (0: absent); a field that is a table holds the offset
-    forward to it."""
+    """Whether an arrow message's record batch is compressed: RecordBatch's 4th field, `compression`, is set (the Arrow
+    format's Message.fbs). A flatbuffer table begins with the offset back to its vtable, which holds each field's
+    position in the table (0: absent); a field that is a table holds the offset forward to it."""
     meta = memoryview(message.metadata)  # in the file's map, not copied: a hostile header may be the whole file
 
     def fields(at: int) -> list[int]:
