@@ -297,7 +297,8 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
     if output.exists() and not cfg.overwrite and (cfg.output or not written_here(output)):
         raise RecipeError(f"{output} exists: pass --overwrite to replace it, or another --output")
     if skipped:
-        print(f"skipped {len(skipped)} file(s) that are not images by their extension, e.g. {skipped[0]}")
+        print(f"skipped {len(skipped)} file(s) whose extension names none of the formats read here "
+              f"({', '.join(FORMATS)}), e.g. {skipped[0]}")
 
     rows, counts = [], Counter()
     k = min(cfg.top_k, len(classes))

@@ -1346,6 +1346,10 @@ def test_an_eps_image_never_runs_ghostscript(env, run, tmp_path, monkeypatch, sc
         refused(env, tmp_path, "predict", "--weights", run / "model.safetensors", "--recipe", "cifar_cnn", "--images",
                 photos, "--output", tmp_path / "out" / "p.csv", needle="holds no images (1 other files)",
                 variables=variables)
+        (photos / "photo.png").write_bytes(ENDLESS_EPS)  # beside a .eps, an EPS named .png: one line, and skipped
+        refused(env, tmp_path, "predict", "--weights", run / "model.safetensors", "--recipe", "cifar_cnn", "--images",
+                photos, "--output", tmp_path / "out" / "p.csv", variables=variables,
+                needle="photo.png is not a readable image of a format read here (BMP, GIF, JPEG, PNG, PPM, TIFF, WEBP)")
 
 
 @pytest.mark.slow  # launched: the memory limit is the point
