@@ -80,17 +80,8 @@ class StopOnSignals:
 
     def stop_on_signals(self) -> None:
         """From now on SIGTERM (what SLURM and most schedulers send before they kill a job) and SIGINT (Ctrl-C) ask
-        the run to stop: `after_step` then saves a checkpoint and returns True. Without this call they kill it."""
-        if sys.platform == "linux" and (self.launcher or "TORCHELASTIC_RUN_ID" in os.environ):
-            # `accelerate launch` of one process starts this script and waits: it forwards no signal (accelerate
-            # #929), so a SIGTERM to it (Kubernetes stops a container's first process; a user kills the pid they
-            # see) would leave this process training on, never saving. torchrun (several processes) forwards a
-            # signal, but killed (kill -9, an OOM kill) it leaves its processes training on, orphaned, to the run's
-            # end. Asked here, the kernel sends SIGTERM to this process when its launcher dies, and the stop saves a
-            # checkpoint (with several processes, they agree on it as on any stop). A script run with `python` has no
-            # launcher to lose. Asked before the handlers are set, so that a process seen handling SIGTERM
-            # (tests/test_stops.py) has both.
-            ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        the run to stop: `after_step` then saves a checkpoint and returns True. Without this call they kill it. The
+        launcher's death already sends SIGTERM (stop_with_launcher)."""
         # Python runs a handler only when the main thread returns to the interpreter, which a hung collective never
         # does; the C handler writes each signal's number to this pipe at once, read by a thread of its own.
         read_end, write_end = os.pipe()
@@ -149,6 +140,20 @@ class StopOnSignals:
                                                      device=self.accelerator.device))
         self.next_check, self.last_check = step + int(votes[:, 1].min()), (step, now)
         return bool(votes[:, 0].any())
+
+
+def stop_with_launcher() -> None:
+    """From now on the kernel sends this process SIGTERM when its launcher dies: before the first step it ends the
+    process, after it the stop saves a checkpoint (with several processes, they agree on it as on any stop).
+    `accelerate launch` of one process starts this script and waits: it forwards no signal (accelerate #929), so a
+    SIGTERM to it (Kubernetes stops a container's first process; a user kills the pid they see) would leave this
+    process training on, never saving. torchrun (several processes) forwards a signal, but killed (kill -9, an OOM
+    kill) it leaves its processes training on, orphaned, to the run's end. Asked as the run starts, not before its
+    first step: a launcher killed while the data loaded (minutes, on a large dataset's first decode) left its process
+    to train the whole run, unseen, since the kernel sends nothing for a parent already dead. A script run with
+    `python` has no launcher to lose."""
+    if sys.platform == "linux" and (launcher_command() or "TORCHELASTIC_RUN_ID" in os.environ):
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def launcher_command() -> list[str] | None:

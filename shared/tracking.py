@@ -41,6 +41,7 @@ from shared.checkpoints import (
     launcher_command,
     new_folder,
     run_id,
+    stop_with_launcher,
 )
 from shared.errors import RecipeError, check_launch, first_line, replacing
 from shared.loop import SCHEDULE_RULE
@@ -60,6 +61,7 @@ tqdm.monitor_interval = 0
 def open_run(cfg, recipe: str) -> tuple[Path, list]:
     """Check the launch; return the run folder (--output_dir, the run being resumed, or
     runs/<recipe>-<YYYYmmdd-HHMMSS>) and the trackers for Accelerator(log_with=...)."""
+    stop_with_launcher()  # first: the process group below may wait for other processes
     check_launch()  # also starts the process group, which the folder's name is broadcast over
     state = PartialState()
     output_dir = cfg.output_dir

@@ -224,6 +224,30 @@ def test_ctrl_c_before_the_first_step_is_one_line_and_leaves_no_run_folder(env, 
     assert not (tmp_path / "run").exists()  # made by this start, and empty: removed
 
 
+def test_a_launcher_killed_while_the_data_loads_takes_its_process_with_it(env, data, tmp_path):
+    """The kernel's SIGTERM on the launcher's death was asked for only just before the first step: a launcher killed
+    while the data loaded (here, `accelerate launch` of 1 process sent SIGTERM during a first decode of 20,300 photos)
+    left its process training the whole run, unseen. Here the launcher is a process that waits on the recipe, which
+    TORCHELASTIC_RUN_ID marks as launched, and the load waits (as in the test above); kill -9 to the launcher."""
+    loading = tmp_path / "loading"
+    code = ("import pathlib, runpy, sys, time\nfrom shared import data\n"
+            f"data.load_image_data = lambda *args: (pathlib.Path({str(loading)!r}).touch(), time.sleep(300))\n"
+            "sys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')")
+    launcher = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; subprocess.run(sys.argv[1:])",
+                                 sys.executable, "-c", code, "recipes/cifar_cnn.py", "--data", str(data),
+                                 "--output_dir", str(tmp_path / "run"), *RUN], cwd=ROOT,
+                                env={**env, "TORCHELASTIC_RUN_ID": "a stand-in for torchrun's"})
+    wait_for(loading.exists, launcher)
+    (trainer,) = psutil.Process(launcher.pid).children()
+    launcher.kill()
+    try:
+        trainer.wait(timeout=30)
+    except psutil.TimeoutExpired:  # before: it went on loading, then training
+        trainer.kill()
+        raise
+    assert not (tmp_path / "run" / "config.json").exists()
+
+
 @pytest.mark.parametrize("ctrl_c", [False, True])
 def test_a_stop_under_the_launcher_of_1_process(env, data, reference, tmp_path, ctrl_c):
     """`accelerate launch` of one process starts the script and waits, forwarding no signal (accelerate #929): a
