@@ -929,6 +929,17 @@ def test_a_parquet_file_that_inflates_is_refused_before_a_page_is_read(env, tmp_
             needle="train.parquet claims 100,000,052 bytes once decompressed, from", launched=True)
 
 
+def one_image_in_every_row(rows: int):
+    """datasets' image column (bytes, path) holding one 120 KB PNG of noise in each of `rows` rows, as a dictionary:
+    the PNG once, then an index a row."""
+    import pyarrow as pa
+
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (200, 200, 3), dtype=np.uint8)).save(buffer, "PNG")
+    png = pa.DictionaryArray.from_arrays(pa.array(np.zeros(rows, np.int32)), pa.array([buffer.getvalue()]))
+    return pa.StructArray.from_arrays([png, pa.nulls(rows, pa.string())], names=["bytes", "path"])
+
+
 @pytest.mark.slow  # launched: the memory limit is the point
 def test_a_parquet_file_whose_dictionary_repeats_an_image_is_refused_before_it_is_read(env, tmp_path):
     """One 120 KB PNG in each of 20,000 rows, written as a dictionary (the value once, then an index a row): 121 KB on
@@ -937,12 +948,8 @@ def test_a_parquet_file_whose_dictionary_repeats_an_image_is_refused_before_it_i
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    buffer, rows = io.BytesIO(), 20_000
-    Image.fromarray(np.random.default_rng(0).integers(0, 256, (200, 200, 3), dtype=np.uint8)).save(buffer, "PNG")
-    image = pa.StructArray.from_arrays([pa.DictionaryArray.from_arrays(pa.array(np.zeros(rows, np.int32)),
-                                                                       pa.array([buffer.getvalue()])),
-                                        pa.nulls(rows, pa.string())], names=["bytes", "path"])
-    table = pa.table({"image": image, "label": pa.array(np.arange(rows) % 2)})
+    rows = 20_000
+    table = pa.table({"image": one_image_in_every_row(rows), "label": pa.array(np.arange(rows) % 2)})
     (tmp_path / "data").mkdir()
     for split in ("train", "test"):  # store_schema=False: read back as plain binary, as any other writer's file is
         pq.write_table(table, tmp_path / "data" / f"{split}.parquet", store_schema=False)
@@ -1088,12 +1095,9 @@ def test_a_dictionary_in_a_saved_dataset_is_refused_before_it_is_written_out(env
 
     data = save_to_disk_dataset(tmp_path / "data", sizes={"train": 16, "test": 8})
     (arrow,) = (data / "train").glob("*.arrow")
-    schema, rows, buffer = pa.ipc.open_stream(pa.memory_map(str(arrow))).schema, 20_000, io.BytesIO()
-    Image.fromarray(np.random.default_rng(0).integers(0, 256, (200, 200, 3), dtype=np.uint8)).save(buffer, "PNG")
-    image = pa.StructArray.from_arrays([pa.DictionaryArray.from_arrays(pa.array(np.zeros(rows, np.int32)),
-                                                                       pa.array([buffer.getvalue()])),
-                                        pa.nulls(rows, pa.string())], names=["bytes", "path"])
-    table = pa.table([image, pa.array(np.arange(rows) % 2)], names=schema.names, metadata=schema.metadata)
+    schema, rows = pa.ipc.open_stream(pa.memory_map(str(arrow))).schema, 20_000
+    table = pa.table([one_image_in_every_row(rows), pa.array(np.arange(rows) % 2)], names=schema.names,
+                     metadata=schema.metadata)
     with pa.OSFile(str(arrow), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
     refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--output_dir", tmp_path / "out",

@@ -202,16 +202,22 @@ def test_a_second_ctrl_c_stops_a_hung_evaluation_at_once(env, data, tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == saved and saved[-1] == "step_8"
 
 
+def waiting_for_data(loading: Path) -> list[str]:
+    """A Python command that runs the script after it as `python <script> <flags>` would, but whose data load touches
+    `loading` and then waits: a signal sent once `loading` exists comes while the data loads."""
+    code = ("import pathlib, runpy, sys, time\nfrom shared import data\n"
+            f"data.load_image_data = lambda *args: (pathlib.Path({str(loading)!r}).touch(), time.sleep(300))\n"
+            "sys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')")
+    return [sys.executable, "-c", code]
+
+
 def test_ctrl_c_before_the_first_step_is_one_line_and_leaves_no_run_folder(env, data, tmp_path):
     """Ctrl-C while the data loads, before the run's own handler takes signals over (StopOnSignals, just before the
     first step): a KeyboardInterrupt traceback from deep inside datasets, where a first decode of a large dataset takes
     minutes. One line now, exit 130. Here the load waits (shared.data's load_image_data replaced, the recipe run as a
     script), so that the signal comes during it."""
     loading = tmp_path / "loading"
-    code = ("import pathlib, runpy, sys, time\nfrom shared import data\n"
-            f"data.load_image_data = lambda *args: (pathlib.Path({str(loading)!r}).touch(), time.sleep(300))\n"
-            "sys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')")
-    process = subprocess.Popen([sys.executable, "-c", code, "recipes/cifar_cnn.py", "--data", str(data),
+    process = subprocess.Popen([*waiting_for_data(loading), "recipes/cifar_cnn.py", "--data", str(data),
                                 "--output_dir", str(tmp_path / "run"), *RUN], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, start_new_session=True,
                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -230,11 +236,8 @@ def test_a_launcher_killed_while_the_data_loads_takes_its_process_with_it(env, d
     left its process training the whole run, unseen. Here the launcher is a process that waits on the recipe, which
     TORCHELASTIC_RUN_ID marks as launched, and the load waits (as in the test above); kill -9 to the launcher."""
     loading = tmp_path / "loading"
-    code = ("import pathlib, runpy, sys, time\nfrom shared import data\n"
-            f"data.load_image_data = lambda *args: (pathlib.Path({str(loading)!r}).touch(), time.sleep(300))\n"
-            "sys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')")
     launcher = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; subprocess.run(sys.argv[1:])",
-                                 sys.executable, "-c", code, "recipes/cifar_cnn.py", "--data", str(data),
+                                 *waiting_for_data(loading), "recipes/cifar_cnn.py", "--data", str(data),
                                  "--output_dir", str(tmp_path / "run"), *RUN], cwd=ROOT,
                                 env={**env, "TORCHELASTIC_RUN_ID": "a stand-in for torchrun's"})
     wait_for(loading.exists, launcher)
