@@ -190,10 +190,12 @@ def train(cfg: Config) -> None:
     epoch_samples = epoch_batches * cfg.batch_size * accelerator.num_processes  # less a remainder short of a batch
     progress = Progress()
     accelerator.register_for_checkpointing(progress)  # saved and restored with every checkpoint
-    # --ema: an average of the weights (loop.update_ema), a copy of the model updated on every process after every
+    # --ema: an average of the weights (shared/ema.py), a copy of the model updated on every process after every
     # optimizer step. The processes hold the same weights, so the same average; BatchNorm's running statistics too.
     ema = copy.deepcopy(accelerator.unwrap_model(model)).requires_grad_(False) if cfg.ema else None
     if ema is not None:
+        from shared.ema import update_ema  # only the runs that pass --ema: an opt-in module
+
         accelerator.register_for_checkpointing(ema)  # in every checkpoint, so a resume continues it exactly
     checkpoints = Checkpoints(accelerator, run_dir, cfg)
     # SIGTERM (sent by SLURM and most schedulers before a kill) or Ctrl-C: finish this step, save, exit 0 (after_step).
@@ -263,7 +265,7 @@ def train(cfg: Config) -> None:
             if not accelerator.sync_gradients:
                 continue
             if ema is not None:
-                loop.update_ema(ema, model, progress.step, cfg.ema)  # no host sync: the decay is a Python number
+                update_ema(ema, model, progress.step, cfg.ema)  # no host sync: the decay is a Python number
             progress.step += 1
             window.heartbeat(progress.step, total_steps)  # without a terminal (a log file): a line every 30 s
             log_now = progress.step % log_every == 0 or progress.step == total_steps

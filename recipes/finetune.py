@@ -320,10 +320,12 @@ def train(cfg: Config) -> None:
     epoch_samples = epoch_batches * cfg.batch_size * accelerator.num_processes  # less a remainder short of a batch
     progress = Progress()
     accelerator.register_for_checkpointing(progress)  # saved and restored with every checkpoint
-    # --ema: an average of the weights (loop.update_ema), a copy of the model updated on every process after every
+    # --ema: an average of the weights (shared/ema.py), a copy of the model updated on every process after every
     # optimizer step. The processes hold the same weights, so the same average; BatchNorm's running statistics too.
     ema = copy.deepcopy(accelerator.unwrap_model(model)).requires_grad_(False) if cfg.ema else None
     if ema is not None:
+        from shared.ema import update_ema  # only the runs that pass --ema: an opt-in module
+
         accelerator.register_for_checkpointing(ema)  # in every checkpoint, so a resume continues it exactly
     checkpoints = Checkpoints(accelerator, run_dir, cfg)
     # SIGTERM (sent by SLURM and most schedulers before a kill) or Ctrl-C: finish this step, save, exit 0 (after_step).
@@ -377,9 +379,9 @@ def train(cfg: Config) -> None:
             optimizer.zero_grad()
         return loss.detach(), logits.detach(), grad_norm
 
-    # Eager: unfreezing changes what the step computes, which a graph captured while frozen would not follow.
-    eager_because = loop.graph_setting(accelerator, cfg) or "the step unfreezes"
-    step = loop.CapturedStep(train_step, optimizer, eager_because)
+    # Eager, never a CUDA graph (shared/loop.py): unfreezing changes what the step computes, which a graph captured
+    # while frozen would not follow.
+    step = train_step
     progress.pieces += 1  # this launch is one more piece of the run (saved with each checkpoint, in the summary)
     window = tracking.TrainWindow(accelerator, progress)  # train_* points, and the run's time across its pieces
     show_bar = accelerator.is_local_main_process and sys.stderr.isatty()
@@ -409,7 +411,7 @@ def train(cfg: Config) -> None:
             if not accelerator.sync_gradients:
                 continue
             if ema is not None:
-                loop.update_ema(ema, model, progress.step, cfg.ema)  # no host sync: the decay is a Python number
+                update_ema(ema, model, progress.step, cfg.ema)  # no host sync: the decay is a Python number
             progress.step += 1
             window.heartbeat(progress.step, total_steps)  # without a terminal (a log file): a line every 30 s
             log_now = progress.step % log_every == 0 or progress.step == total_steps

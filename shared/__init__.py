@@ -1,5 +1,5 @@
 """What every recipe repeats, one job per module (what only sweeps, benchmarks, the runs table and new projects use is
-in tools/, outside the recipes' path). A recipe imports the first eight; the last nine are opt-in, imported inside
+in tools/, outside the recipes' path). A recipe imports the first eight; the last ten are opt-in, imported inside
 the function that needs them:
 
 - config: flags from the Config dataclass, a field's comment its --help
@@ -7,7 +7,7 @@ the function that needs them:
   in the resumable epoch order
 - images: one image file decoded, images converted to the recipe's channels and size
 - augment: whole-batch augmentation on the device
-- loop: the learning rate and the EMA's decay as functions of the step; the training step captured once as a CUDA
+- loop: the learning rate as a function of the step; the training step captured once as a CUDA
   graph and replayed (on one GPU); the device's settings (the CPU allocator; TF32, cuDNN, the data on the GPU)
 - tracking: the run folder, wandb, readable run files, the training window
 - checkpoints: full-state checkpoints, the run's progress, model.safetensors, a stop on SIGTERM or Ctrl-C with a
@@ -27,4 +27,5 @@ the function that needs them:
 - synthetic: the generated stand-in of --synthetic (opt-in)
 - init_from: --init_from's model.safetensors loaded into a new run (opt-in)
 - tensorboard_tracker: accelerate's TensorBoard tracker for --tracker tensorboard (opt-in)
+- ema: --ema's average of the weights, updated as a function of the step (opt-in)
 """

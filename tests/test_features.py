@@ -275,7 +275,7 @@ def test_predict_reads_a_checkpoint_folder_beside_its_run_config(run, folder, tm
 
 
 def test_the_ema_decay_ramps_up_so_a_short_run_forgets_its_first_weights():
-    from shared.loop import update_ema
+    from shared.ema import update_ema
 
     model = torch.nn.Linear(1, 1, bias=False)
     model.weight.data.fill_(1000.0)  # the first, random weights

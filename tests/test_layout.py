@@ -125,9 +125,9 @@ INTENDED = {
     + for param in head:
     + param.grad = accelerator.reduce(param.grad, "mean")
     - step = loop.CapturedStep(train_step, optimizer, loop.graph_setting(accelerator, cfg))
-    + # Eager: unfreezing changes what the step computes, which a graph captured while frozen would not follow.
-    + eager_because = loop.graph_setting(accelerator, cfg) or "the step unfreezes"
-    + step = loop.CapturedStep(train_step, optimizer, eager_because)
+    + # Eager, never a CUDA graph (shared/loop.py): unfreezing changes what the step computes, which a graph captured
+    + # while frozen would not follow.
+    + step = train_step
     + # Frozen: the new classifier alone. The pretrained layers need no gradient, so autograd records no backward
     + # through them (a frozen step is their forward and the classifier's backward); BatchNorm's statistics stay.
     + frozen = progress.epoch < cfg.freeze_epochs
