@@ -3,8 +3,8 @@ progress, the final weights file (model.safetensors), the stop on a signal, and 
 recipes.
 
 A checkpoint is `accelerator.save_state` (model, optimizer, grad scaler, every process's RNG state and the
-registered `Progress`) in checkpoints/step_<N>/, written under a temporary name and renamed when complete: a
-run killed mid-save leaves the previous checkpoint as the newest. The learning rate is a function of the step
+registered `Progress`) in checkpoints/step_<N>/, written under a temporary name, flushed to the disk and renamed
+when complete: a run killed mid-save, or a machine that crashes, leaves the previous checkpoint as the newest. The learning rate is a function of the step
 (shared/loop.py), so there is no scheduler state and a run can be resumed with another length.
 
 - `Checkpoints`: the run's checkpoint folder, `save`, `save_weights`, `resume` and `check_resume_and_branch`
@@ -32,7 +32,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from shared.config import read_json
-from shared.errors import RecipeError, first_line, replacing, walk
+from shared.errors import RecipeError, first_line, flush_to_disk, replacing, walk
 
 STEP_DIR = re.compile(r"step_(\d+)$")
 STOP_CHECK_S = 1.0  # several processes agree on a stop about this often (seconds of training)
@@ -266,6 +266,7 @@ class Checkpoints(StopOnSignals):
             self.write_failed(f"saving the checkpoint of step {step}", error)
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
+            flush_to_disk(partial)  # every process's files: a crash after the rename leaves them whole
             os.replace(partial, final)
             for old in list_checkpoints(self.folder, run)[:-self.cfg.keep_checkpoints]:
                 shutil.rmtree(old)

@@ -244,15 +244,26 @@ def walk(folder: Path, skip: Path | None = None) -> Iterator[os.DirEntry]:
 def replacing(path: Path) -> Iterator[Path]:
     """Write `path` under a temporary name beside it (what this yields), renamed over it when complete: a reader, a
     run killed while writing, and another name of the file (a hard link from elsewhere) see the old file or the new
-    one, never half of one, and the file is never changed in place. A link left at the temporary name is removed,
-    never written through."""
+    one, never half of one (a machine's crash too: flush_to_disk), and the file is never changed in place. A link left
+    at the temporary name is removed, never written through."""
     partial = path.with_name(f"{path.name}.tmp{os.getpid()}")
     partial.unlink(missing_ok=True)
     try:
         yield partial
+        flush_to_disk(partial)
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)  # after a failed write: a full disk, pieces read from a damaged file
+
+
+def flush_to_disk(path: Path) -> None:
+    """A file, or every file in a folder, written from memory to the disk (fsync) before a rename says it is complete:
+    the system may write the rename first, and a machine that crashed between the two (power lost, a node or VM gone)
+    came back with a file of that name empty or zero-filled. torch.distributed.checkpoint syncs its files for this too
+    (FileSystemWriter's sync_files)."""
+    for file in walk(path) if path.is_dir() else [path]:
+        with open(file, "rb") as f:
+            os.fsync(f.fileno())
 
 
 def check_decoded_size(source: str, count: int, image_shape: tuple[int, int, int]) -> None:

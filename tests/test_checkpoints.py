@@ -21,7 +21,7 @@ from recipes.cifar_cnn import make_model
 from recipes.predict import load_weights
 from shared.errors import RecipeError
 
-from conftest import assert_bitwise_equal, ok, read_json, read_jsonl, run_here, weights
+from conftest import ROOT, assert_bitwise_equal, launch, ok, read_json, read_jsonl, run_here, weights
 from tiny_data import cifar_binary_dataset
 
 RUN = ("--batch_size", "8", "--max_steps", "20", "--checkpoint_every", "2", "--keep_checkpoints", "20",
@@ -69,6 +69,32 @@ def test_resume_from_a_checkpoint_is_bitwise_exact(data, reference, tmp_path):
     assert_bitwise_equal(weights(out), weights(reference))
     steps = [row["step"] for row in read_jsonl(out / "metrics.jsonl") if "train_loss" in row]
     assert steps == list(range(step + 1, 21))  # continued where the checkpoint stopped, each step once
+
+
+def test_each_file_renamed_into_place_is_on_the_disk_before_its_name(env, data, tmp_path):
+    """A rename may reach the disk before the data of the file renamed: a machine that crashes between the two (power
+    lost, a node or VM gone) comes back with a checkpoint, model.safetensors or config.json of that name empty or
+    zero-filled, and a resume from it fails. Every file a run renames into place must be flushed first (fsync)."""
+    log, out = tmp_path / "syncs.tsv", tmp_path / "run"
+    ok(launch(dict(env, PYTHONPATH=str(ROOT / "tests" / "faults"), RECORD_SYNCS=str(log)), "cifar_cnn", "--data",
+              str(data), "--output_dir", str(out), "--batch_size", "8", "--max_steps", "4", "--checkpoint_every", "2",
+              "--tracker", "none"))
+    synced, renamed, unsynced = set(), set(), []
+    for kind, *paths in (line.split("\t") for line in log.read_text().splitlines()):
+        if kind == "fsync":
+            synced.add(paths[0])
+            continue
+        source, target = paths  # a file, or a folder of them (a checkpoint)
+        files = sorted(Path(target).rglob("*")) if Path(target).is_dir() else [Path(target)]
+        for file in (file for file in files if file.is_file()):
+            renamed.add(str(file))
+            if source + str(file)[len(target):] not in synced:
+                unsynced.append(file.name)
+    written = {"config.json", "summary.json", "model.safetensors", "checkpoints/step_4/model.safetensors",
+               "checkpoints/step_4/optimizer.bin", "checkpoints/step_4/random_states_0.pkl"}
+    assert {str(out.resolve() / name) for name in written} <= renamed
+    assert any(Path(name).parent.name == "decoded" for name in renamed)  # the decoded images' cache
+    assert not unsynced, f"renamed into place before their data was flushed: {unsynced}"
 
 
 def test_checkpoints_on_another_disk(data, reference, tmp_path):

@@ -17,6 +17,8 @@ in the middle, whatever the machine's speed.
 With FAULT_NO_THREADS=1, a thread cannot be started: what Python says when the process is at its limit on threads
 (`ulimit -u`, a container's pids limit) or lacks the memory for their stacks (`ulimit -v`).
 With FAULT_SIGTERM_IN_TRAINING=1, the first training loss sends SIGTERM to its own process: a stop at step 1.
+With RECORD_SYNCS=FILE, each os.fsync appends a line to FILE (`fsync<TAB>the path synced`), and so does each os.replace
+(`replace<TAB>from<TAB>to`): what a machine's crash could leave of each file renamed into place.
 """
 
 import errno
@@ -159,3 +161,21 @@ if os.environ.get("FAULT_SIGTERM_IN_TRAINING"):
         return cross_entropy_and_terminate
 
     torch.nn.functional.cross_entropy = _terminating(torch.nn.functional.cross_entropy)
+
+_syncs = os.environ.get("RECORD_SYNCS")
+if _syncs:
+    _fsync, _replace = os.fsync, os.replace
+
+    def _record(*words):
+        with open(_syncs, "a") as f:
+            f.write("\t".join(words) + "\n")
+
+    def fsync_and_record(descriptor):
+        _fsync(descriptor)
+        _record("fsync", os.readlink(f"/proc/self/fd/{descriptor}"))
+
+    def replace_and_record(source, target, *args, **kwargs):
+        _replace(source, target, *args, **kwargs)
+        _record("replace", os.path.realpath(source), os.path.realpath(target))
+
+    os.fsync, os.replace = fsync_and_record, replace_and_record
