@@ -129,7 +129,7 @@ def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: b
     found = find_source(source)  # 1
     how = "" if interpolation == "bilinear" else f"-{interpolation}"
     cache = CACHE_DIR / f"{found.key}-{'x'.join(map(str, image_shape))}{how}-{decoder_hash()}.safetensors"
-    if not cache.exists():
+    if not (cached := read_cache(cache)):
         stored = {}
         if found.files:  # their arrays as stored and the class names, bounded (2) before any is read
             stored, found.classes = found.files.read(source, image_shape)
@@ -140,7 +140,8 @@ def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: b
             print(f"{source}: converted the images to this recipe's {'x'.join(map(str, image_shape))} input: {line}",
                   flush=True)
         write_cache(cache, stored, found.classes, source)  # 4
-    return tuple(ImageTensors(*read_cache(cache, name), name=name) for name in ("train", "test"))
+        cached = read_cache(cache)
+    return cached
 
 
 def find_source(source: str) -> Source:
@@ -317,10 +318,20 @@ def decoder_hash() -> str:
     return hashlib.sha256((code + torch.__version__).encode()).hexdigest()[:12]
 
 
-def read_cache(path: Path, split: str):
-    """(images, labels, class names) of `split` in a cache file."""
-    with safe_open(path, "pt") as f:
-        return f.get_tensor(f"{split}.images"), f.get_tensor(f"{split}.labels"), json.loads(f.metadata()["classes"])
+def read_cache(path: Path, name: str = ""):
+    """(train, test) from a cache file (`name` before each split's name), or None: no such file, or one that cannot be
+    read (damaged: it is made again)."""
+    if not path.exists():
+        return None
+    try:
+        with safe_open(path, "pt") as f:
+            classes = json.loads(f.metadata()["classes"])
+            return tuple(ImageTensors(f.get_tensor(f"{split}.images"), f.get_tensor(f"{split}.labels"), classes,
+                                      f"{name}{split}") for split in ("train", "test"))
+    except (OSError, SafetensorError, KeyError, TypeError, ValueError) as error:
+        print(f"the cache {path} cannot be read ({type(error).__name__}: {first_line(error)[:100]}): made again",
+              flush=True)
+        return None
 
 
 def write_cache(path: Path, splits: dict, classes: list[str], source: str) -> None:

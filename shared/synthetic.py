@@ -16,8 +16,8 @@ def make_synthetic(image_shape, train_size: int, test_size: int,
     channels, height, width = image_shape
     name = f"synthetic-v1-{channels}x{height}x{width}-{train_size}-{test_size}-{num_classes}.safetensors"
     cache = data.CACHE_DIR / name
-    if cache.exists():
-        return tuple(ImageTensors(*read_cache(cache, split), name=f"synthetic {split}") for split in ("train", "test"))
+    if cached := read_cache(cache, "synthetic "):
+        return cached
     generator = torch.Generator().manual_seed(1234)
 
     def smooth_patterns(count):  # random 4x4 fields upsampled: blobs, in -128..127

@@ -128,6 +128,37 @@ def test_a_change_to_the_conversion_code_is_not_served_from_the_old_cache(tmp_pa
     assert not after.images.any()  # decoded anew, not the first run's cached tensors
     assert len(list((tmp_path / "cache").glob("*-3x32x32-*.safetensors"))) == 2
 
+
+@pytest.mark.parametrize("damage", ["empty", "zeros", "cut", "no_classes"])
+def test_a_damaged_cache_is_said_and_made_again(tmp_path, monkeypatch, capsys, damage):
+    """A cache file that cannot be read (a machine's crash before flush_to_disk could leave one empty or zero-filled;
+    a copy cut short) ended in SafetensorError's traceback: now one line, and the images are decoded again into it."""
+    from safetensors.torch import save_file
+
+    from shared import data
+
+    monkeypatch.setattr(data, "CACHE_DIR", tmp_path / "cache")
+    rng = np.random.default_rng(0)
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])})
+    photos = [Image.fromarray(rng.integers(0, 256, (40, 40, 3), dtype=np.uint8)) for _ in range(2)]
+    split = datasets.Dataset.from_dict({"image": photos, "label": [0, 1]}, features=features)
+    datasets.DatasetDict(train=split, test=split).save_to_disk(str(tmp_path / "d"))
+    before, _ = data.load_image_data(str(tmp_path / "d"), (3, 32, 32))
+    pixels = before.images.clone()  # not the cache file's memory map, which the damage below cuts short
+    [cache] = (tmp_path / "cache").glob("*.safetensors")
+    size = cache.stat().st_size
+    if damage == "no_classes":  # readable, but not what write_cache writes
+        save_file({"train.images": pixels}, cache)
+    else:
+        cache.write_bytes({"empty": b"", "zeros": bytes(size), "cut": cache.read_bytes()[:size // 2]}[damage])
+    capsys.readouterr()
+
+    after, _ = data.load_image_data(str(tmp_path / "d"), (3, 32, 32))
+    assert torch.equal(after.images, pixels) and after.classes == ["a", "b"]
+    assert f"the cache {cache} cannot be read (" in capsys.readouterr().out
+    again, _ = data.load_image_data(str(tmp_path / "d"), (3, 32, 32))  # whole again: read back, nothing said
+    assert torch.equal(again.images, pixels) and "cannot be read" not in capsys.readouterr().out
+
 def test_fit_gives_torchvisions_pixels_for_any_size():
     """fit's own part is the shorter side's new length, which it passes to torchvision's resize as both sides (the
     longer one kept in proportion, rounded down), then the centre crop: the same pixels, bit for bit, as torchvision's
