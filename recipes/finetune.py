@@ -95,13 +95,18 @@ class Config(RunConfig):
         if not 0 < self.backbone_lr_scale <= 1:
             raise ValueError(f"--backbone_lr_scale, a fraction of --lr, must be in (0, 1], got "
                              f"{self.backbone_lr_scale}")
-        # The smallest input the architecture takes (its weights' min_size: 63 px for alexnet). A vision transformer
-        # (vit_*, swin_*, maxvit) learned its position embeddings or windows for one size: its weights' input size.
-        weights = chosen_weights(self.model, self.weights)
-        smallest, one_size = max(32, weights.meta["min_size"][0]), weights.meta["min_size"][0] == input_sizes(self)[1]
+        # The smallest input the architecture takes (its weights' min_size: 63 px for alexnet). MaxViT's partitions
+        # fit one input size, and so do a pretrained ViT's position embeddings: the weights' own. A ViT's input is a
+        # whole number of its patches (vit_b_16: of 16 px).
+        smallest = max(32, chosen_weights(self.model, self.weights).meta["min_size"][0])
+        one_size = self.model.startswith("maxvit") or self.model.startswith("vit_") and self.weights != "none"
         if self.image_size is not None and (self.image_size < smallest or one_size and self.image_size != smallest):
             raise ValueError(f"--image_size must be {'' if one_size else 'at least '}{smallest} for {self.model} "
                              f"({self.weights} weights), got {self.image_size}")
+        patch = int(self.model.rsplit("_", 1)[1]) if self.model.startswith("vit_") else 1
+        if self.image_size is not None and self.image_size % patch:
+            raise ValueError(f"--image_size must be a multiple of {self.model}'s {patch}-px patches, got "
+                             f"{self.image_size}")
 
 
 # ----------------------------------------------------------------------------- data
@@ -169,9 +174,8 @@ def classifier_name(model: nn.Module) -> str:
     return (layers or [name for name, module in model.named_modules() if isinstance(module, nn.Conv2d)])[-1]
 
 
-def make_model(num_classes: int, cfg: Config | None = None) -> nn.Module:
+def make_model(num_classes: int, cfg: Config) -> nn.Module:
     """The architecture with a new classifier for your classes; the pretrained weights of the rest: load_pretrained."""
-    cfg = cfg or Config()
     # A ViT's position embeddings are made for one input size (vit_h_14's weights: 518 px)
     size = {"image_size": input_sizes(cfg)[1]} if cfg.model.startswith("vit_") else {}
     return torchvision.models.get_model(cfg.model, weights=None, num_classes=num_classes, **size)

@@ -147,6 +147,28 @@ def test_without_pretrained_weights_nothing_is_frozen(capsys):
         assert "--weights none has none (every layer starts random)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, refused", [
+    (["--model", "vit_b_16", "--image_size", "256"], "--image_size must be 224 for vit_b_16 (DEFAULT weights), got 256"),
+    (["--model", "vit_b_16", "--image_size", "224"], None),
+    (["--model", "vit_b_16", "--image_size", "256", "--weights", "none"], None),  # new position embeddings
+    (["--model", "vit_b_16", "--image_size", "250", "--weights", "none"], "a multiple of vit_b_16's 16-px patches"),
+    (["--model", "maxvit_t", "--image_size", "256", "--weights", "none"], "--image_size must be 224 for maxvit_t"),
+    (["--model", "swin_t", "--image_size", "256"], None),  # windows of 7 patches, padded at any size
+    (["--model", "alexnet", "--image_size", "62"], "--image_size must be at least 63 for alexnet"),
+    (["--model", "resnet18", "--image_size", "31"], "--image_size must be at least 32 for resnet18"),
+    (["--model", "resnet18", "--image_size", "500"], None)])
+def test_an_image_size_the_weights_cannot_take_is_one_line(capsys, flags, refused):
+    """A ViT's pretrained position embeddings fit one input size: another one read 'holds another model's weights
+    (...): delete it to download vit_b_16's again', and deleting the file changed nothing. MaxViT at another size, and
+    a new ViT's side that is not a whole number of its patches, ended in a traceback."""
+    if refused is None:
+        assert finetune.Config.parse(flags).image_size == int(flags[3])
+        return
+    with pytest.raises(SystemExit):
+        finetune.Config.parse(flags)
+    assert refused in capsys.readouterr().err
+
+
 def test_synthetic_data_has_the_default_datas_sizes_and_classes(tmp_path, monkeypatch):
     """--synthetic stands in for beans (1,034 training and 128 test photos, 3 classes), as every recipe's stands in
     for its own data: it was CIFAR-10's 60,000 images and 10 classes, 11.8 GB at the weights' 256 px, which a 16 GB
