@@ -141,6 +141,8 @@ def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: b
                   flush=True)
         write_cache(cache, stored, found.classes, source)  # 4
         cached = read_cache(cache)
+    if cached is None:  # written whole, and still unreadable: a filesystem safetensors cannot map
+        raise RecipeError(f"{cache} cannot be read back: set HF_HOME (or HF_DATASETS_CACHE) to a folder on a local disk")
     return cached
 
 

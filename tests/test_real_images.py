@@ -159,6 +159,27 @@ def test_a_damaged_cache_is_said_and_made_again(tmp_path, monkeypatch, capsys, d
     again, _ = data.load_image_data(str(tmp_path / "d"), (3, 32, 32))  # whole again: read back, nothing said
     assert torch.equal(again.images, pixels) and "cannot be read" not in capsys.readouterr().out
 
+
+def test_a_cache_that_cannot_be_read_back_after_writing_is_one_line(tmp_path, monkeypatch):
+    """Made again, the cache must then read back; a filesystem that cannot map it gets one line, not a run that
+    decodes again at every start and then ends in a TypeError."""
+    from safetensors import SafetensorError
+
+    from shared import data
+    from shared.errors import RecipeError
+
+    def cannot_map(path, framework):
+        raise SafetensorError("Error while deserializing header: MetadataIncompleteBuffer")
+
+    monkeypatch.setattr(data, "CACHE_DIR", tmp_path / "cache")
+    monkeypatch.setattr(data, "safe_open", cannot_map)
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])})
+    photos = [Image.fromarray(np.full((8, 8, 3), i, dtype=np.uint8)) for i in range(2)]
+    split = datasets.Dataset.from_dict({"image": photos, "label": [0, 1]}, features=features)
+    datasets.DatasetDict(train=split, test=split).save_to_disk(str(tmp_path / "d"))
+    with pytest.raises(RecipeError, match=r"cannot be read back: set HF_HOME \(or HF_DATASETS_CACHE\) to a folder"):
+        data.load_image_data(str(tmp_path / "d"), (3, 8, 8))
+
 def test_fit_gives_torchvisions_pixels_for_any_size():
     """fit's own part is the shorter side's new length, which it passes to torchvision's resize as both sides (the
     longer one kept in proportion, rounded down), then the centre crop: the same pixels, bit for bit, as torchvision's
