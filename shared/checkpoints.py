@@ -4,8 +4,9 @@ recipes.
 
 A checkpoint is `accelerator.save_state` (model, optimizer, grad scaler, every process's RNG state and the
 registered `Progress`) in checkpoints/step_<N>/, written under a temporary name, flushed to the disk and renamed
-when complete: a run killed mid-save, or a machine that crashes, leaves the previous checkpoint as the newest. The learning rate is a function of the step
-(shared/loop.py), so there is no scheduler state and a run can be resumed with another length.
+when complete: a run killed mid-save, or a machine that crashes, leaves the previous checkpoint as the newest. The
+learning rate is a function of the step (shared/loop.py), so there is no scheduler state and a run can be resumed
+with another length.
 
 - `Checkpoints`: the run's checkpoint folder, `save`, `save_weights`, `resume` and `check_resume_and_branch`
   (--resume, in shared/resume.py), `initial_weights` (--init_from, in shared/init_from.py, an opt-in module), and

@@ -142,7 +142,7 @@ def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: b
         write_cache(cache, stored, found.classes, source)  # 4
         cached = read_cache(cache)
     if cached is None:  # written whole, and still unreadable: a filesystem safetensors cannot map
-        raise RecipeError(f"{cache} cannot be read back: set HF_HOME (or HF_DATASETS_CACHE) to a folder on a local disk")
+        raise RecipeError(f"{cache} cannot be read back: set HF_HOME (or HF_DATASETS_CACHE) to a local folder")
     return cached
 
 

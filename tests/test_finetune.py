@@ -148,7 +148,7 @@ def test_without_pretrained_weights_nothing_is_frozen(capsys):
 
 
 @pytest.mark.parametrize("flags, refused", [
-    (["--model", "vit_b_16", "--image_size", "256"], "--image_size must be 224 for vit_b_16 (DEFAULT weights), got 256"),
+    (["--model", "vit_b_16", "--image_size", "256"], "must be 224 for vit_b_16 (DEFAULT weights), got 256"),
     (["--model", "vit_b_16", "--image_size", "224"], None),
     (["--model", "vit_b_16", "--image_size", "256", "--weights", "none"], None),  # new position embeddings
     (["--model", "vit_b_16", "--image_size", "250", "--weights", "none"], "a multiple of vit_b_16's 16-px patches"),

@@ -177,7 +177,7 @@ def test_a_cache_that_cannot_be_read_back_after_writing_is_one_line(tmp_path, mo
     photos = [Image.fromarray(np.full((8, 8, 3), i, dtype=np.uint8)) for i in range(2)]
     split = datasets.Dataset.from_dict({"image": photos, "label": [0, 1]}, features=features)
     datasets.DatasetDict(train=split, test=split).save_to_disk(str(tmp_path / "d"))
-    with pytest.raises(RecipeError, match=r"cannot be read back: set HF_HOME \(or HF_DATASETS_CACHE\) to a folder"):
+    with pytest.raises(RecipeError, match=r"cannot be read back: set HF_HOME \(or HF_DATASETS_CACHE\) to a local"):
         data.load_image_data(str(tmp_path / "d"), (3, 8, 8))
 
 def test_fit_gives_torchvisions_pixels_for_any_size():
