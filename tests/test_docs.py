@@ -7,6 +7,8 @@ import ast
 import dataclasses
 import importlib
 import re
+import subprocess
+import sys
 
 import pytest
 from accelerate.commands.launch import launch_command_parser
@@ -141,3 +143,38 @@ def test_every_private_name_of_a_dependency_the_code_uses_is_listed_in_docs_test
                if name not in OWN_PRIVATE and not name.startswith(("self.", "cls.")) and private not in listed]
     assert not missing, f"private names used but not listed in docs/tests.md: {missing}"
     assert len(used) > 10  # the walk found the ones listed today
+
+
+@pytest.mark.slow  # 200 steps under the launcher, as the README runs them
+def test_the_readmes_first_run_prints_what_the_readme_shows(env, tmp_path):
+    """README.md's offline first run, as written there (in a folder of its own, where its runs/ is made), prints on
+    stdout the lines the README shows and no others. Placeholders (<time>, <...>, ...) and times in seconds are free;
+    the test metrics within 0.02 of the README's (float sums may differ between CPUs); every other number exact."""
+    section = (ROOT / "README.md").read_text().split("## A first run, offline")[1]
+    command = re.search(r"```bash\n(.+?)\n```", section, re.S).group(1).split()
+    shown = re.search(r"prints:\n\n```\n(.+?)\n```", section, re.S).group(1).splitlines()
+    assert command[:2] == ["accelerate", "launch"]
+    words = [sys.executable, "-m", "accelerate.commands.accelerate_cli",  # the same command, with this interpreter
+             *(str(ROOT / word) if "/" in word and (ROOT / word).exists() else word for word in command[1:])]
+    result = subprocess.run(words, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    printed = [line for line in result.stdout.splitlines() if line.strip()]
+    assert len(printed) == len(shown), "\n".join(printed)
+    for line, got in zip(shown, printed):
+        # The README's line in pieces: text, and between them a placeholder, a time in seconds or a number.
+        pieces = re.split(r"(<[^>]*>|\.\.\.|\d+(?:\.\d+)? s\b|\d+(?:\.\d+)?)", line)
+        pattern, numbers = "", []
+        for i, piece in enumerate(pieces):
+            if i % 2 == 0:
+                pattern += re.escape(piece)
+            elif piece.startswith("<") or piece == "...":
+                pattern += ".+?"
+            elif piece.endswith(" s"):
+                pattern += r"[\d.]+ s"
+            else:
+                pattern, numbers = pattern + r"([\d.]+)", numbers + [piece]
+        found = re.fullmatch(pattern, got)
+        assert found, f"README: {line}\nprinted: {got}"
+        for want, value in zip(numbers, found.groups(), strict=True):
+            metric = "eval_" in line and "." in want  # a test loss or accuracy
+            assert value == want or metric and abs(float(value) - float(want)) <= 0.02, (line, got)
