@@ -108,23 +108,29 @@ def test_conversion_keeps_the_content(tmp_path, monkeypatch):
 
 
 
+def two_photos(folder) -> str:
+    """A save_to_disk dataset of two random 40x40 photos, both splits the same, made once in `folder`."""
+    if not folder.exists():
+        rng = np.random.default_rng(0)
+        features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])})
+        photos = [Image.fromarray(rng.integers(0, 256, (40, 40, 3), dtype=np.uint8)) for _ in range(2)]
+        split = datasets.Dataset.from_dict({"image": photos, "label": [0, 1]}, features=features)
+        datasets.DatasetDict(train=split, test=split).save_to_disk(str(folder))
+    return str(folder)
+
+
 def test_a_change_to_the_conversion_code_is_not_served_from_the_old_cache(tmp_path, monkeypatch):
     from shared import data, images
 
     monkeypatch.setattr(data, "CACHE_DIR", tmp_path / "cache")
-    rng = np.random.default_rng(0)
-    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])})
-    photos = [Image.fromarray(rng.integers(0, 256, (40, 40, 3), dtype=np.uint8)) for _ in range(2)]
-    split = datasets.Dataset.from_dict({"image": photos, "label": [0, 1]}, features=features)
-    datasets.DatasetDict(train=split, test=split).save_to_disk(str(tmp_path / "d"))
-    before, _ = data.load_image_data(str(tmp_path / "d"), (3, 32, 32))
+    before, _ = data.load_image_data(two_photos(tmp_path / "d"), (3, 32, 32))
     assert before.images.any()
 
     def fit(image, height, width, where="images", interpolation="bilinear"):  # an edited conversion: black images
         return torch.zeros(image.shape[0], height, width, dtype=torch.uint8)
 
     monkeypatch.setattr(images, "fit", fit)  # as an edit of shared/images.py would change it
-    after, _ = data.load_image_data(str(tmp_path / "d"), (3, 32, 32))
+    after, _ = data.load_image_data(two_photos(tmp_path / "d"), (3, 32, 32))
     assert not after.images.any()  # decoded anew, not the first run's cached tensors
     assert len(list((tmp_path / "cache").glob("*-3x32x32-*.safetensors"))) == 2
 
@@ -138,12 +144,8 @@ def test_a_damaged_cache_is_said_and_made_again(tmp_path, monkeypatch, capsys, d
     from shared import data
 
     monkeypatch.setattr(data, "CACHE_DIR", tmp_path / "cache")
-    rng = np.random.default_rng(0)
-    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])})
-    photos = [Image.fromarray(rng.integers(0, 256, (40, 40, 3), dtype=np.uint8)) for _ in range(2)]
-    split = datasets.Dataset.from_dict({"image": photos, "label": [0, 1]}, features=features)
-    datasets.DatasetDict(train=split, test=split).save_to_disk(str(tmp_path / "d"))
-    before, _ = data.load_image_data(str(tmp_path / "d"), (3, 32, 32))
+    photos = two_photos(tmp_path / "d")
+    before, _ = data.load_image_data(photos, (3, 32, 32))
     pixels = before.images.clone()  # not the cache file's memory map, which the damage below cuts short
     [cache] = (tmp_path / "cache").glob("*.safetensors")
     size = cache.stat().st_size
@@ -153,10 +155,10 @@ def test_a_damaged_cache_is_said_and_made_again(tmp_path, monkeypatch, capsys, d
         cache.write_bytes({"empty": b"", "zeros": bytes(size), "cut": cache.read_bytes()[:size // 2]}[damage])
     capsys.readouterr()
 
-    after, _ = data.load_image_data(str(tmp_path / "d"), (3, 32, 32))
+    after, _ = data.load_image_data(photos, (3, 32, 32))
     assert torch.equal(after.images, pixels) and after.classes == ["a", "b"]
     assert f"the cache {cache} cannot be read (" in capsys.readouterr().out
-    again, _ = data.load_image_data(str(tmp_path / "d"), (3, 32, 32))  # whole again: read back, nothing said
+    again, _ = data.load_image_data(photos, (3, 32, 32))  # whole again: read back, nothing said
     assert torch.equal(again.images, pixels) and "cannot be read" not in capsys.readouterr().out
 
 
@@ -173,12 +175,9 @@ def test_a_cache_that_cannot_be_read_back_after_writing_is_one_line(tmp_path, mo
 
     monkeypatch.setattr(data, "CACHE_DIR", tmp_path / "cache")
     monkeypatch.setattr(data, "safe_open", cannot_map)
-    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])})
-    photos = [Image.fromarray(np.full((8, 8, 3), i, dtype=np.uint8)) for i in range(2)]
-    split = datasets.Dataset.from_dict({"image": photos, "label": [0, 1]}, features=features)
-    datasets.DatasetDict(train=split, test=split).save_to_disk(str(tmp_path / "d"))
     with pytest.raises(RecipeError, match=r"cannot be read back: set HF_HOME \(or HF_DATASETS_CACHE\) to a local"):
-        data.load_image_data(str(tmp_path / "d"), (3, 8, 8))
+        data.load_image_data(two_photos(tmp_path / "d"), (3, 32, 32))
+
 
 def test_fit_gives_torchvisions_pixels_for_any_size():
     """fit's own part is the shorter side's new length, which it passes to torchvision's resize as both sides (the
