@@ -28,8 +28,6 @@ from pathlib import Path
 
 import torch
 
-# Each --ema average's tensors, paired with its model's, found once: walking a ResNet-18's modules for its 127 tensors
-# took 0.3-0.6 ms a step, a few percent of a step on a GPU. Checkpoint loads and .to() update the same tensors in place.
 # What config.json records and a resume with another length prints.
 SCHEDULE_RULE = ("one-cycle over total_steps; resumed with another length, it is rebuilt for the new total_steps "
                  "and continues at the resumed step (each later step uses the rate a run of the new length would)")
