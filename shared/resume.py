@@ -189,22 +189,26 @@ def load(checkpoints, progress) -> Path:
 
     checkpoint = find_checkpoint(checkpoints.folder, checkpoints.cfg.resume, checkpoints.owner())
     check_entries(checkpoint)  # --checkpoint_dir: outside the run folder its open_run checked
+    # A damaged file's fix: the run's checkpoint before this one, named, where there is one
+    saved = list_checkpoints(checkpoint.parent, checkpoints.owner())
+    earlier = saved[:saved.index(checkpoint)] if checkpoint in saved else []
+    other = f"resume from the one before it: --resume {earlier[-1]}" if earlier else "resume from another checkpoint"
     for pickled in sorted(path for path in checkpoint.iterdir() if path.suffix in (".pkl", ".bin", ".pt")):
-        check_archive(pickled, fix="resume from another checkpoint")
+        check_archive(pickled, fix=other)
         try:  # accelerate loads registered objects with weights_only=False: refuse what weights_only would
             accelerate_load(pickled, map_location="cpu")
         except Exception as error:
             raise RecipeError(f"--resume {checkpoint}: {pickled.name} is corrupt or holds more than tensors "
-                              f"and numbers ({type(error).__name__}): resume from another checkpoint") from None
+                              f"and numbers ({type(error).__name__}): {other}") from None
     try:
         checkpoints.accelerator.load_state(checkpoint)
-    except Exception as error:  # a size mismatch, a missing or truncated file: all mean "not this run's"
+    except Exception as error:  # another model's (a size mismatch, a missing key), or a damaged file
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]
         detail = next((line for line in lines if line.startswith(("size mismatch", "Missing key",
-                                                                   "Unexpected key"))), first_line(error))
+                                                                   "Unexpected key"))), None)
+        fix = "resume with the recipe and flags that wrote it, or from another checkpoint" if detail else other
         raise RecipeError(f"--resume {checkpoint} cannot be loaded into this run ({type(error).__name__}: "
-                          f"{detail[:200]}): resume with the recipe and flags that wrote it, "
-                          "or from another checkpoint") from None
+                          f"{(detail or first_line(error))[:200]}): {fix}") from None
     # Checkpoints fall between optimizer steps. The micro-batch counter saved with them would, under another
     # --grad_accum, end the first accumulation early (10 batches saved, --grad_accum 4: a step after 2).
     checkpoints.accelerator.step = 0

@@ -363,6 +363,21 @@ def test_corrupt_truncated_checkpoint(env, data, finished, tmp_path):
     assert snapshot(broken) == before
 
 
+@pytest.mark.parametrize("damaged", ["model.safetensors", "optimizer.bin"])
+def test_a_damaged_newest_checkpoint_names_the_one_before_it(env, data, finished, tmp_path, damaged):
+    """Emptied, as a crash or a copy cut short leaves a file: the line gives the command's flag for the checkpoint
+    before it (the weights file's line said "resume with the recipe and flags that wrote it", the wrong fix)."""
+    broken = tmp_path / "run"
+    shutil.copytree(finished, broken)
+    (broken / "checkpoints" / "step_4" / damaged).write_bytes(b"")
+    before = snapshot(broken)
+    one_line(run_here("cifar_cnn", "--data", str(data), "--output_dir", str(broken), *SHORT, "--max_steps", "6",
+                      "--resume", "latest"),
+             f"step_4/{damaged}' is damaged" if damaged == "optimizer.bin" else "step_4 cannot be loaded into this run",
+             f": resume from the one before it: --resume {broken / 'checkpoints' / 'step_2'}")
+    assert snapshot(broken) == before
+
+
 def test_checkpoint_from_another_recipe(env, data, finished, tmp_path):
     """Its config.json names the recipe that wrote it; copied without one, its weights do not fit."""
     args = ("--data", str(data), "--output_dir", str(tmp_path / "run"), *SHORT, "--resume")
