@@ -3,9 +3,9 @@ split (--evaluate).
 
 Takes a run's model.safetensors (which records its recipe's name, its flags, its class names and its data), a
 checkpoint folder (read beside its run's config.json), or a .pt/.pth state dict (then pass --classes too). The
-recipe is the script that trained the weights: the one they name, among the recipes beside this script, or --recipe
-PATH (e.g. my_project/train.py). A recipe is code and weights come from anywhere: a path or file they name is never
-imported or fetched. Its own make_model, preprocess, load_data and evaluate are used, so an edited copy works as is.
+recipe is the script that trained them: the one here whose RECIPE is the name they record, or --recipe PATH (e.g.
+my_project/train.py). A recipe is code and weights come from anywhere: a path or file they name is never imported or
+fetched. Its own make_model, preprocess, load_data and evaluate are used, so an edited copy works as is.
 
 --images: any image files (subfolders included), any size, mode or channel count, each converted as the training
 data was. The CSV (--output; by default predictions-<images>.csv in the weights' run folder, replaced there if this
@@ -113,11 +113,15 @@ def load_recipe(cfg: Config, about: dict):
     trained_by = about.get("recipe")
     if not isinstance(trained_by, str) or not RECIPE_NAME.fullmatch(trained_by):
         trained_by = None
-    if cfg.recipe is None and not (trained_by and (RECIPES / f"{trained_by}.py").is_file()):
+    # The script beside this one that names itself so (its text read, nothing run): recipes/<name>.py, or the
+    # train.py of a project made by tools/new_project.py, whose RECIPE is the project's name
+    beside = [path for path in sorted(RECIPES.glob("*.py")) if trained_by and path.is_file()
+              and f'\nRECIPE = "{trained_by}"'.encode() in path.read_bytes()]
+    if cfg.recipe is None and not beside:
         raise RecipeError(f"--weights {cfg.weights}: which recipe builds the model? They name none of the recipes "
                           f"beside predict.py: pass --recipe PATH of the script that trained them (a file the weights "
                           "name is never imported)")
-    name = cfg.recipe or trained_by
+    name = cfg.recipe or str(beside[0])
     path = Path(name) if name.endswith(".py") else RECIPES / f"{name}.py"
     if not (name.endswith(".py") or RECIPE_NAME.fullmatch(name)) or not path.is_file():
         raise RecipeError(f"--recipe {name}: no such recipe: pass the path of the script that trained the "

@@ -25,8 +25,8 @@ COMMANDS = """\
 accelerate launch -q --config_file accelerate_configs/cpu.yaml train.py --synthetic --max_steps 200{smoke}
 accelerate launch -q --config_file accelerate_configs/cpu.yaml train.py --data {data}
 accelerate launch -q --config_file accelerate_configs/cpu.yaml train.py --output_dir runs/RUN --resume latest
-python predict.py --recipe train --weights runs/RUN/model.safetensors --images my_photos/
-python predict.py --recipe train --weights runs/RUN/model.safetensors --evaluate
+python predict.py --weights runs/RUN/model.safetensors --images my_photos/
+python predict.py --weights runs/RUN/model.safetensors --evaluate
 python -m tools.runs runs/"""
 
 
