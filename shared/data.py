@@ -134,7 +134,10 @@ def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: b
         if found.files:  # their arrays as stored and the class names, bounded (2) before any is read
             stored, found.classes = found.files.read(source, image_shape)
         else:
-            check_decoded_size(source, sum(map(len, found.splits.values())), image_shape)  # 2
+            count = sum(map(len, found.splits.values()))
+            check_decoded_size(source, count, image_shape)  # 2
+            if is_main_process():  # many large photos take minutes (a 12-megapixel JPEG: 0.1 s here)
+                print(f"{source}: decoding {count:,} images, once: later runs read them from the cache", flush=True)
         stored, seen = decode(found, stored, image_shape, interpolation)  # 3
         if is_main_process() and (line := images.conversion(image_shape, seen)):
             print(f"{source}: converted the images to this recipe's {'x'.join(map(str, image_shape))} input: {line}",

@@ -143,27 +143,25 @@ def cpu_has_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     return "avx512_bf16" in text or "amx_bf16" in text or "\nflags" not in text
 
 
-def device_settings(accelerator, cfg) -> dict:
-    """What the run's device gains from, set for this process; returns what was set. On a CPU, keep_freed_memory(), and
-    a line where bf16 would be emulated (on a CPU without its instructions, several times slower: BENCHMARKS.md).
-    On a GPU, TF32 runs float32 matmuls and convolutions on the tensor cores with a 10-bit mantissa: the ResNet's
-    float32 steps 2.9x faster than with neither in TF32 (one H100; torch's own default is TF32 for convolutions
-    only); --no-tf32 for full float32. --cudnn_benchmark times cuDNN's algorithms for each new shape and keeps the
-    fastest: steps 1.26-1.47x faster (the ResNet in bf16 at batch 512), but its 702-step run took 12.2 s with it
-    against 10.2 s without (19.1 s in the first process on a fresh machine). Off by default: by these figures it
-    pays beyond about 1,400 steps. BENCHMARKS.md, "GPU speed"."""
+def device_settings(accelerator, cfg) -> None:
+    """What the run's device gains from, set for this process. On a CPU, keep_freed_memory(), and a line where bf16
+    would be emulated (on a CPU without its instructions, several times slower: BENCHMARKS.md). On a GPU, TF32 runs
+    float32 matmuls and convolutions on the tensor cores with a 10-bit mantissa: the ResNet's float32 steps 2.9x
+    faster than with neither in TF32 (one H100; torch's own default is TF32 for convolutions only); --no-tf32 for
+    full float32. --cudnn_benchmark times cuDNN's algorithms for each new shape and keeps the fastest: steps
+    1.26-1.47x faster (the ResNet in bf16 at batch 512), but its 702-step run took 12.2 s with it against 10.2 s
+    without (19.1 s in the first process on a fresh machine). Off by default: by these figures it pays beyond about
+    1,400 steps. BENCHMARKS.md, "GPU speed"."""
     device = accelerator.device
     if device.type == "cpu":
         if accelerator.mixed_precision == "bf16" and accelerator.is_main_process and not cpu_has_bf16():
             print("warning: this CPU has no bf16 instructions (no avx512_bf16 or amx_bf16 in lscpu), so bf16 is "
                   "emulated here, several times slower than float32: accelerate_configs/cpu.yaml is faster", flush=True)
-        return {"keep_freed_memory": keep_freed_memory()}
-    if device.type != "cuda":
-        return {}
-    torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
-    # The legacy flags, not fp32_precision: mixing the two APIs makes a later read of allow_tf32 raise.
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.tf32
-    return {"cudnn_benchmark": cfg.cudnn_benchmark, "tf32": cfg.tf32}
+        keep_freed_memory()
+    elif device.type == "cuda":
+        torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
+        # The legacy flags, not fp32_precision: mixing the two APIs makes a later read of allow_tf32 raise.
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = cfg.tf32
 
 
 def data_on_device(device: torch.device, wanted: bool | None, *splits) -> bool:
