@@ -33,7 +33,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from shared.config import read_json
-from shared.errors import RecipeError, first_line, flush_to_disk, replacing, walk
+from shared.errors import RecipeError, flush_to_disk, replacing, walk
 
 STEP_DIR = re.compile(r"step_(\d+)$")
 STOP_CHECK_S = 1.0  # several processes agree on a stop about this often (seconds of training)
@@ -235,7 +235,7 @@ class Checkpoints(StopOnSignals):
 
             self.extending = check_resume_and_branch(self, config, progress)
 
-    def save(self, model, step: int) -> Path:
+    def save(self, model, step: int) -> None:
         """The full training state in checkpoints/step_<step>, keeping the newest --keep_checkpoints. Weights that
         are no longer finite (BatchNorm's running statistics included) are never saved."""
         if not all(torch.isfinite(t).all() for t in model.state_dict().values()):
@@ -244,7 +244,7 @@ class Checkpoints(StopOnSignals):
                               f"the newest good checkpoint is {good[-1] if good else 'none (none was saved yet)'}")
         final = self.folder / f"step_{step}"
         if final in self.saved:
-            return final  # already saved at this step (--checkpoint_every landed on the last one)
+            return  # already saved at this step (--checkpoint_every landed on the last one)
         if final.exists():
             raise RecipeError(f"{final} exists but this run did not write it: is another run writing to "
                               f"{self.folder}? Nothing overwritten; pass another --output_dir (or --checkpoint_dir)")
@@ -273,7 +273,6 @@ class Checkpoints(StopOnSignals):
                 shutil.rmtree(old)
         self.accelerator.wait_for_everyone()
         self.saved.add(final)
-        return final
 
     def save_weights(self, model, metadata: dict) -> None:
         """model.safetensors: a plain state dict, no `module.` or `_orig_mod.` prefixes; `metadata` as JSON text. An
@@ -292,13 +291,11 @@ class Checkpoints(StopOnSignals):
                 self.write_failed("writing model.safetensors", error)
 
     def write_failed(self, what: str, error: Exception) -> None:
-        """A full disk or quota: torch.save says it as a RuntimeError ("unexpected pos"), safetensors as its own
-        error, Python as OSError. One line with the free space and the checkpoint a resume continues from."""
-        reason = error.strerror if isinstance(error, OSError) and error.strerror else first_line(error)[:120]
-        good = list_checkpoints(self.folder, self.owner())
-        raise RecipeError(f"{what} failed ({reason}; {shutil.disk_usage(self.run_dir).free / 2**20:.1f} MiB free "
-                          f"there): the newest complete checkpoint is {good[-1] if good else 'none'}; free space, then "
-                          "continue with --resume latest") from None
+        """A full disk or quota: one line with the free space and the checkpoint a resume continues from
+        (shared/resume.py)."""
+        from shared.resume import write_failed  # only the runs whose writes fail: an opt-in module
+
+        write_failed(self, what, error)
 
     @staticmethod
     def initial_weights(model, cfg, classes: list[str]) -> str | None:

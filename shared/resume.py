@@ -1,5 +1,6 @@
 """Resuming a run (--resume), in one place: where its checkpoint is, whether it is this run's, what changed since.
-Imported only where a run resumes, is stopped by a signal, or is given a --checkpoint_dir (an opt-in module).
+Imported only where a run resumes, is stopped by a signal, is given a --checkpoint_dir or cannot write a checkpoint
+(an opt-in module).
 
 - `recorded_flags`: the flags a resume continues with, those its run's config.json records (Config.parse);
 - `run_of_checkpoint`: the run folder that --resume PATH, a checkpoint folder, continues (open_run);
@@ -12,7 +13,9 @@ Imported only where a run resumes, is stopped by a signal, or is given a --check
   does to the sample order, exactness and schedule); from an older checkpoint than the newest, the later history
   moved aside (`branch`); `cut_metrics`: metrics.jsonl cut back to the checkpoint's step (RunFiles);
   `set_finished_aside`: a finished run's files moved aside when a resume extends it (Checkpoints.save_weights);
-- `resume_command`: the command that continues a run, printed when a signal stops it (StopOnSignals).
+- `resume_command`: the command that continues a run, printed when a signal stops it (StopOnSignals);
+  `write_failed`: the line that names the checkpoint to continue from when a checkpoint or the weights could not be
+  written (Checkpoints).
 """
 
 import dataclasses
@@ -342,3 +345,13 @@ def shell_word(word: str) -> str:
     escaped = (c if c.isprintable() and c not in "\\'" else "".join(f"\\x{b:02x}" for b in
                c.encode(errors="surrogateescape")) for c in word)
     return f"$'{''.join(escaped)}'"
+
+
+def write_failed(checkpoints, what: str, error: Exception) -> None:
+    """A full disk or quota: torch.save says it as a RuntimeError ("unexpected pos"), safetensors as its own error,
+    Python as OSError. One line with the free space and the checkpoint a resume continues from."""
+    reason = error.strerror if isinstance(error, OSError) and error.strerror else first_line(error)[:120]
+    good = list_checkpoints(checkpoints.folder, checkpoints.owner())
+    raise RecipeError(f"{what} failed ({reason}; {shutil.disk_usage(checkpoints.run_dir).free / 2**20:.1f} MiB free "
+                      f"there): the newest complete checkpoint is {good[-1] if good else 'none'}; free space, then "
+                      "continue with --resume latest") from None

@@ -184,6 +184,18 @@ def test_fp16_on_a_cpu(data, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("kind", ["FSDP", "DEEPSPEED"])
+def test_an_fsdp_or_deepspeed_config_is_one_line(data, tmp_path, kind):
+    """What accelerate launch sets from a config's distributed_type (`accelerate config`'s default config, used by a
+    launch without --config_file): FSDP's plugin ended in a RuntimeError traceback on a CPU, and the recipes' EMA,
+    CUDA graph and checkpoints are written for DDP."""
+    result = run_here("cifar_cnn", "--data", data, "--output_dir", tmp_path / "run",
+                      env={f"ACCELERATE_USE_{kind}": "true"})
+    one_line(result, f"error: the accelerate config asks for {kind}: these recipes train with DDP",
+             "--config_file accelerate_configs/2gpu.yaml")
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.slow  # two processes
 def test_more_processes_than_gpus_on_a_cpu_machine(env, data, tmp_path):
     # 2gpu.yaml without GPUs and without ACCELERATE_USE_CPU: accelerate 1.x would start two runs.
