@@ -182,11 +182,14 @@ def check_launch() -> None:
         raise RecipeError(f"the environment sets WORLD_SIZE={os.environ['WORLD_SIZE']}, but no launcher started "
                           "this process (torchrun, which accelerate launch runs, would have): unset WORLD_SIZE, or "
                           "start it with accelerate launch")
-    for name in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):  # set by accelerate launch from a config's distributed_type
-        if parse_flag_from_env(f"ACCELERATE_USE_{name}"):  # `accelerate config`'s default config, say
-            raise RecipeError(f"the accelerate config asks for {name}: these recipes train with DDP (each model fits "
-                              "on one device): pass --config_file accelerate_configs/2gpu.yaml or another of "
-                              "accelerate_configs/")
+    # Set by accelerate launch from a config (`accelerate config`'s default config, say) that these recipes do not
+    # follow: each model fits on one device (DDP), and --compile compiles it in place, where accelerate's dynamo would
+    # wrap it (every weight named `_orig_mod.` in model.safetensors and the checkpoints)
+    for name in ("USE_FSDP", "USE_DEEPSPEED", "USE_MEGATRON_LM", "DYNAMO_BACKEND"):
+        if os.environ.get(f"ACCELERATE_{name}", "NO").upper() not in ("NO", "FALSE", "0", ""):
+            raise RecipeError(f"the accelerate config sets ACCELERATE_{name}={os.environ[f'ACCELERATE_{name}']}: these "
+                              "recipes train with DDP and compile with --compile: pass --config_file "
+                              "accelerate_configs/2gpu.yaml or another of accelerate_configs/")
     per_machine, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
     if per_machine > 1 and not parse_flag_from_env("ACCELERATE_USE_CPU") and 0 < gpus < per_machine:
         raise RecipeError(f"the config starts {per_machine} processes on this machine but it has {gpus} GPU(s): "

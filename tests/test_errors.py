@@ -184,16 +184,24 @@ def test_fp16_on_a_cpu(data, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("kind", ["FSDP", "DEEPSPEED"])
-def test_an_fsdp_or_deepspeed_config_is_one_line(data, tmp_path, kind):
-    """What accelerate launch sets from a config's distributed_type (`accelerate config`'s default config, used by a
-    launch without --config_file): FSDP's plugin ended in a RuntimeError traceback on a CPU, and the recipes' EMA,
-    CUDA graph and checkpoints are written for DDP."""
+@pytest.mark.parametrize("variable, value", [("USE_FSDP", "true"), ("USE_DEEPSPEED", "true"),
+                                             ("DYNAMO_BACKEND", "INDUCTOR")])
+def test_an_accelerate_config_the_recipes_do_not_follow_is_one_line(data, tmp_path, variable, value):
+    """What accelerate launch sets from a config (`accelerate config`'s default config, used by a launch without
+    --config_file): FSDP's plugin ended in a RuntimeError traceback on a CPU, and the recipes' EMA, CUDA graph and
+    checkpoints are written for DDP; accelerate's dynamo wrapped the model, and model.safetensors named every weight
+    `_orig_mod.<name>`."""
     result = run_here("cifar_cnn", "--data", data, "--output_dir", tmp_path / "run",
-                      env={f"ACCELERATE_USE_{kind}": "true"})
-    one_line(result, f"error: the accelerate config asks for {kind}: these recipes train with DDP",
-             "--config_file accelerate_configs/2gpu.yaml")
+                      env={f"ACCELERATE_{variable}": value})
+    one_line(result, f"error: the accelerate config sets ACCELERATE_{variable}={value}: these recipes train with DDP "
+             "and compile with --compile", "--config_file accelerate_configs/2gpu.yaml")
     assert not (tmp_path / "run").exists()
+
+
+def test_accelerate_configs_set_what_the_recipes_follow(data, tmp_path):
+    """As accelerate launch sets them from the project's own configs: no dynamo, no FSDP."""
+    ok(run_here("cifar_cnn", "--data", data, "--output_dir", tmp_path / "run", "--max_steps", "1", "--batch_size",
+                "4", "--tracker", "none", env={"ACCELERATE_DYNAMO_BACKEND": "NO", "ACCELERATE_USE_FSDP": "false"}))
 
 
 @pytest.mark.slow  # two processes
