@@ -304,11 +304,19 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
         print(f"skipped {len(skipped)} file(s) whose extension names none of the formats read here "
               f"({', '.join(FORMATS)}), e.g. {skipped[0]}")
 
-    rows, counts = [], Counter()
+    rows, counts, unreadable = [], Counter(), []
     k = min(cfg.top_k, len(classes))
     for start in range(0, len(images), cfg.batch_size):
-        paths = images[start:start + cfg.batch_size]
-        batch = torch.stack([read_image(p, shape, how) for p in paths]).to(state.device)
+        pixels, paths = [], []
+        for path in images[start:start + cfg.batch_size]:
+            try:  # a damaged or unsupported file among many new photos is skipped and said, not the end of the run
+                pixels.append(read_image(path, shape, how))
+                paths.append(path)
+            except RecipeError as error:
+                unreadable.append(str(error))
+        if not paths:
+            continue
+        batch = torch.stack(pixels).to(state.device)
         probabilities = model(recipe.preprocess(batch, training=False, **options)).float().softmax(dim=1)
         top_p, top_i = probabilities.topk(k, dim=1)
         for path, p, i in zip(paths, top_p.tolist(), top_i.tolist()):
@@ -317,6 +325,10 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
                          cell("; ".join(f"{classes[c]} {q:.4f}" for c, q in zip(i, p)))])
             counts[classes[i[0]]] += 1
 
+    if not rows:  # nothing to write: the first file's problem
+        raise RecipeError(f"none of the {len(images)} image file(s) of --images could be read: {unreadable[0]}")
+    if unreadable:
+        print(f"skipped {len(unreadable)} image file(s) that could not be read, e.g. {unreadable[0]}")
     try:  # under a temporary name, renamed when complete: see shared/errors.py
         with replacing(output) as partial, partial.open("x", newline="") as f:
             writer = csv.writer(f)

@@ -176,7 +176,7 @@ def test_predict_replaces_only_a_csv_it_wrote_and_names_it_within_a_file_names_l
     assert written.read_text() == "my notes\n"
 
 
-def test_predict_bad_input_is_one_line_and_keeps_what_is_on_disk(env, run, folder, tmp_path):
+def test_predict_bad_input_is_one_line_and_keeps_what_is_on_disk(env, run, folder, tmp_path, capsys):
     out, _ = run
     root, _ = folder
     existing = tmp_path / "predictions.csv"
@@ -219,8 +219,16 @@ def test_predict_bad_input_is_one_line_and_keeps_what_is_on_disk(env, run, folde
     (tmp_path / "new.csv").unlink()
     # The script itself: the same error as one line on stderr and exit status 1, nothing written.
     result = predict(env, "--weights", weights, "--images", broken, "--output", tmp_path / "new.csv")
-    assert result.returncode == 1 and result.stderr.startswith(f"error: {broken / 'photo.png'} is not a readable")
+    assert result.returncode == 1 and result.stderr.startswith(
+        f"error: none of the 1 image file(s) of --images could be read: {broken / 'photo.png'} is not a readable")
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "new.csv").exists()
+    # Among images that can be read, one that cannot is skipped and said (it ended the run, whatever the others)
+    shutil.copy(sorted(root.rglob("*.png"))[0], broken / "good.png")
+    capsys.readouterr()
+    predict_script.run(predict_script.Config(str(weights), str(broken), str(tmp_path / "new.csv")))
+    assert [row.split(",")[0] for row in (tmp_path / "new.csv").read_text().splitlines()] == ["path", "good.png"]
+    assert (f"skipped 1 image file(s) that could not be read, e.g. {broken / 'photo.png'} is not a readable image"
+            in capsys.readouterr().out)
 
 
 @pytest.mark.parametrize("recipe, classes", [("resnet18_fmnist", 10), ("deep_mlp_ckpt", 100)])
