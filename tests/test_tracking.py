@@ -180,9 +180,10 @@ def test_runs_table_lists_every_run(data, tmp_path):
     assert "| train_loss |" in header and "--seed" not in header  # every metric; a flag both runs share is no column
     assert header in markdown.read_text()  # the file holds every column
     (tmp_path / "nothing").mkdir()
-    empty = subprocess.run([sys.executable, "-m", "tools.runs", str(tmp_path / "nothing")], cwd=ROOT,
+    # Run as a file from elsewhere (`python tools/runs.py`): it found no `tools` package, a ModuleNotFoundError
+    empty = subprocess.run([sys.executable, ROOT / "tools" / "runs.py", str(tmp_path / "nothing")], cwd=tmp_path,
                            capture_output=True, text=True)
-    assert empty.returncode == 1 and "no finished runs" in empty.stderr
+    assert empty.returncode == 1 and "no finished runs" in empty.stderr, empty.stderr
 
 
 def test_runs_table_shows_the_flags_that_differ_and_every_metric(tmp_path):

@@ -14,7 +14,8 @@ import re
 import sys
 from pathlib import Path
 
-from tools.report import escaped, markdown_table
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `python tools/runs.py` finds tools/ too
+from tools.report import escaped, markdown_table  # noqa: E402 (after the path it needs)
 
 SHOWN = ["run", "recipe", "state", "data", "epochs", "final_acc", "max_acc", "wall_s"]  # in a terminal, with the
 MOST_SHOWN = 12  # flags that differ, up to this many columns in all (--all: every column)
