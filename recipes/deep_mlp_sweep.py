@@ -28,6 +28,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ and tools/ without installing them
 from recipes.deep_mlp_ckpt import WIDTH, DeepMLP, make_model, make_optimizer
 from recipes.deep_mlp_ckpt import Config as RecipeConfig
+from shared.checkpoints import new_folder
 from shared.config import parse_config
 from shared.errors import RecipeError, check_launch, one_line_errors
 from tools.measure import median_step_ms, memory_breakdown
@@ -94,8 +95,14 @@ def sweep(cfg: Config) -> None:
     accelerator = Accelerator()
     if accelerator.num_processes > 1:
         raise RecipeError("the sweep measures a single process: launch it with cpu.yaml, 1gpu.yaml or bf16.yaml")
-    out = Path(cfg.output_dir or f"runs/deep_mlp_sweep-{time.strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(cfg.output_dir or new_folder(f"runs/deep_mlp_sweep-{time.strftime('%Y%m%d-%H%M%S')}"))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        filled = any(out.iterdir())
+    except OSError as error:
+        raise RecipeError(f"cannot write to {out} ({error.strerror}): pass --output_dir to a writable folder") from None
+    if filled:  # an earlier sweep's files, or your own: never replaced
+        raise RecipeError(f"{out} already holds files, which a sweep would replace: pass a new or empty --output_dir")
     set_seed(cfg.seed)
     model = make_model(100, RecipeConfig()).to(accelerator.device)
     optimizer = make_optimizer(model, RecipeConfig())

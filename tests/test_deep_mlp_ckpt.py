@@ -159,3 +159,15 @@ def test_sweep_writes_markdown_csv_and_png(env, tmp_path):
     assert saved_x <= 0.25
     with Image.open(out / "sweep.png") as image:
         assert image.format == "PNG"
+    # Again into the same folder: refused, the first sweep's files kept (they were replaced); a folder below a file is
+    # one line (it was a NotADirectoryError traceback)
+    before = {file.name: file.read_bytes() for file in out.iterdir()}
+    (tmp_path / "file").write_text("not a folder")
+    for folder, needle in ((out, f"{out} already holds files, which a sweep would replace: pass a new or empty"),
+                           (tmp_path / "file" / "sweep", f"cannot write to {tmp_path / 'file' / 'sweep'} (Not a "
+                                                         "directory): pass --output_dir to a writable folder")):
+        result = run_here("deep_mlp_sweep", "--batch", "32", "--repeats", "1", "--segments", "8", "--output_dir",
+                          folder)
+        assert result.returncode == 1 and result.stderr.startswith(f"error: {needle}")
+        assert len(result.stderr.strip().splitlines()) == 1
+    assert {file.name: file.read_bytes() for file in out.iterdir()} == before
