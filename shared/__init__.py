@@ -1,5 +1,5 @@
 """What every recipe repeats, one job per module (what only sweeps, benchmarks, the runs table and new projects use is
-in tools/, outside the recipes' path). A recipe imports the first eight; the last ten are opt-in, imported inside
+in tools/, outside the recipes' path). A recipe imports the first eight; the last eleven are opt-in, imported inside
 the function that needs them:
 
 - config: flags from the Config dataclass, a field's comment its --help
@@ -28,4 +28,6 @@ the function that needs them:
 - init_from: --init_from's model.safetensors loaded into a new run (opt-in)
 - tensorboard_tracker: accelerate's TensorBoard tracker for --tracker tensorboard (opt-in)
 - ema: --ema's average of the weights, updated as a function of the step (opt-in)
+- reinstall: the command that installs the torchvision built for this torch, where the installed one does not
+  load (opt-in)
 """

@@ -17,7 +17,6 @@ import importlib.util
 import json
 import math
 import os
-import re
 import resource
 import sys
 import time
@@ -157,17 +156,9 @@ def check_torchvision() -> None:
         try:
             torch.ops.load_library(library)
         except OSError:
-            text = (folder / "version.py").read_text() if (folder / "version.py").is_file() else ""
-            found = re.search(r"^__version__ = '([^']+)'", text, re.MULTILINE)
-            version = found.group(1) if found else "(of an unknown version)"
-            release, _, build = torch.__version__.partition("+")
-            index = ""
-            if build.startswith(("cpu", "cu", "rocm")):  # a build from PyTorch's own index: the same index's
-                index = f" --index-url https://download.pytorch.org/whl/{build}"
-            fix = f"pip uninstall -y torchvision && pip install torch=={release} torchvision{index}"
-            raise RecipeError(f"torchvision {version} was not built for torch {torch.__version__}: its compiled "
-                              f"operators ({library.name}) do not load; install the torchvision built for it: {fix}"
-                              ) from None
+            from shared.reinstall import torchvision_for_this_torch  # only a broken install: an opt-in module
+
+            raise RecipeError(torchvision_for_this_torch(folder, library)) from None
 
 
 def check_launch() -> None:
