@@ -46,7 +46,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it
 from shared.checkpoints import list_checkpoints, mismatch, plain_name
 from shared.config import parse_config, read_json
-from shared.errors import RecipeError, check_launch, first_line, one_line_errors, replacing, walk
+from shared.errors import RecipeError, check_launch, first_line, one_line_errors, printable, replacing, walk
 from shared.images import FORMATS, decode, fit
 
 RECIPES = Path(__file__).resolve().parent  # where a recipe named by its name is looked for
@@ -263,8 +263,9 @@ def evaluate(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
         raise RecipeError(f"{recipe_cfg.data} has {len(test_set.classes)} classes, the weights {len(classes)}: "
                           "pass --data of the kind they were trained on")
     if test_set.classes != classes:  # the accuracy compares label numbers: they may stand for other classes here
-        accelerator.print(f"warning: {recipe_cfg.data} names its classes {', '.join(test_set.classes[:3])}, ..., the "
-                          f"weights {', '.join(classes[:3])}, ...: the accuracy below compares label numbers only")
+        accelerator.print(printable(f"warning: {recipe_cfg.data} names its classes {', '.join(test_set.classes[:3])}, "
+                                    f"..., the weights {', '.join(classes[:3])}, ...: the accuracy below compares "
+                                    "label numbers only"))  # names from elsewhere, a newline in one escaped
     if getattr(recipe_cfg, "channels_last", False):  # the layout evaluate() gives the inputs
         model = model.to(memory_format=torch.channels_last)
     loader = DataLoader(test_set, cfg.batch_size, collate_fn=test_set.whole_batch)
@@ -302,7 +303,7 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
         raise RecipeError(f"{output} exists: pass --overwrite to replace it, or another --output")
     if skipped:
         print(f"skipped {len(skipped)} file(s) whose extension names none of the formats read here "
-              f"({', '.join(FORMATS)}), e.g. {skipped[0]}")
+              f"({', '.join(FORMATS)}), e.g. {printable(skipped[0])}")
 
     rows, counts, unreadable = [], Counter(), []
     k = min(cfg.top_k, len(classes))
@@ -328,7 +329,7 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
     if not rows:  # nothing to write: the first file's problem
         raise RecipeError(f"none of the {len(images)} image file(s) of --images could be read: {unreadable[0]}")
     if unreadable:
-        print(f"skipped {len(unreadable)} image file(s) that could not be read, e.g. {unreadable[0]}")
+        print(f"skipped {len(unreadable)} image file(s) that could not be read, e.g. {printable(unreadable[0])}")
     try:  # under a temporary name, renamed when complete: see shared/errors.py
         with replacing(output) as partial, partial.open("x", newline="") as f:
             writer = csv.writer(f)
@@ -339,9 +340,9 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
                           ) from None
     print(f"{recipe.__name__} ({cfg.weights}), {len(classes)} classes, on {state.device}:")
     for row in rows[:5]:
-        print(f"  {row[0]}: {row[1]} ({row[2]})")
-    print("per class: " + ", ".join(f"{name} {n}" for name, n in counts.most_common()))
-    print(f"wrote {output} ({len(rows)} images)")
+        print(f"  {printable(row[0])}: {printable(row[1])} ({row[2]})")
+    print("per class: " + ", ".join(f"{printable(name)} {n}" for name, n in counts.most_common()))
+    print(f"wrote {printable(output)} ({len(rows)} images)")
 
 
 def cell(text: str) -> str:

@@ -1466,11 +1466,22 @@ def test_nan_weights_are_refused(env, data, run, tmp_path, evaluate):
 
 
 def test_a_newline_in_a_file_name_stays_in_the_one_line(env, run, tmp_path):
-    """The name's author chose the second half of a split error line."""
+    """The name's author chose the second half of a split line: in the line that skips it among readable images, and
+    in the error line where it is the only image."""
     args = predict_args(run, tmp_path)
     (args[-1] / "x" / "x.png\nerror: all fine.png").write_text("not an image")
+    readable = sorted((args[-1] / "x").rglob("*.png"))[0]
+    shutil.copy(readable, readable.with_name("y.png\nerror: all fine too.png"))  # in the first rows printed
     (tmp_path / "out").mkdir()
-    line = refused(env, tmp_path, "predict", *args, "--output", tmp_path / "out" / "p.csv",
+    printed = ok(run_here("predict", *args, "--output", tmp_path / "out" / "p.csv")).stdout.splitlines()
+    assert any("y.png\\nerror: all fine too.png: class_" in line for line in printed), printed
+    skipped = [line for line in printed if line.startswith("skipped 1 image file(s) that could not be read")]
+    assert len(skipped) == 1 and "x.png\\nerror: all fine.png" in skipped[0], printed
+    assert not any(line.startswith("error: all fine") for line in printed)
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "x.png\nerror: all fine.png").write_text("not an image")
+    line = refused(env, tmp_path, "predict", *args[:-1], alone, "--output", tmp_path / "out" / "q.csv",
                    needle="is not a readable image")
     assert "x.png\\nerror: all fine.png" in line
 
