@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+import torch
 from accelerate import PartialState
 from accelerate.utils import load as accelerate_load  # torch.load(weights_only=True) + NumPy RNG types
 from accelerate.utils import set_seed
@@ -196,22 +198,28 @@ def load(checkpoints, progress) -> Path:
     saved = list_checkpoints(checkpoint.parent, checkpoints.owner())
     earlier = saved[:saved.index(checkpoint)] if checkpoint in saved else []
     other = f"resume from the one before it: --resume {earlier[-1]}" if earlier else "resume from another checkpoint"
-    for pickled in sorted(path for path in checkpoint.iterdir() if path.suffix in (".pkl", ".bin", ".pt")):
-        check_archive(pickled, fix=other)
-        try:  # accelerate loads registered objects with weights_only=False: refuse what weights_only would
-            accelerate_load(pickled, map_location="cpu")
-        except Exception as error:
-            raise RecipeError(f"--resume {checkpoint}: {pickled.name} is corrupt or holds more than tensors "
-                              f"and numbers ({type(error).__name__}): {other}") from None
-    try:
-        checkpoints.accelerator.load_state(checkpoint)
-    except Exception as error:  # another model's (a size mismatch, a missing key), or a damaged file
-        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-        detail = next((line for line in lines if line.startswith(("size mismatch", "Missing key",
-                                                                   "Unexpected key"))), None)
-        fix = "resume with the recipe and flags that wrote it, or from another checkpoint" if detail else other
-        raise RecipeError(f"--resume {checkpoint} cannot be loaded into this run ({type(error).__name__}: "
-                          f"{(detail or first_line(error))[:200]}): {fix}") from None
+    # The random states name NumPy's array rebuilder by the module of the NumPy that wrote them (numpy.core in 1.x,
+    # numpy._core in 2.x), and accelerate allows only this NumPy's name: a checkpoint written under the other major
+    # version (a run moved to another machine) was refused as corrupt. The same function, under both names.
+    rebuild = np.array(0).__reduce__()[0]
+    numpy_names = [(rebuild, f"{module}.multiarray._reconstruct") for module in ("numpy.core", "numpy._core")]
+    with torch.serialization.safe_globals(numpy_names):
+        for pickled in sorted(path for path in checkpoint.iterdir() if path.suffix in (".pkl", ".bin", ".pt")):
+            check_archive(pickled, fix=other)
+            try:  # accelerate loads registered objects with weights_only=False: refuse what weights_only would
+                accelerate_load(pickled, map_location="cpu")
+            except Exception as error:
+                raise RecipeError(f"--resume {checkpoint}: {pickled.name} is corrupt or holds more than tensors "
+                                  f"and numbers ({type(error).__name__}): {other}") from None
+        try:
+            checkpoints.accelerator.load_state(checkpoint)
+        except Exception as error:  # another model's (a size mismatch, a missing key), or a damaged file
+            lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+            detail = next((line for line in lines if line.startswith(("size mismatch", "Missing key",
+                                                                       "Unexpected key"))), None)
+            fix = "resume with the recipe and flags that wrote it, or from another checkpoint" if detail else other
+            raise RecipeError(f"--resume {checkpoint} cannot be loaded into this run ({type(error).__name__}: "
+                              f"{(detail or first_line(error))[:200]}): {fix}") from None
     # Checkpoints fall between optimizer steps. The micro-batch counter saved with them would, under another
     # --grad_accum, end the first accumulation early (10 batches saved, --grad_accum 4: a step after 2).
     checkpoints.accelerator.step = 0

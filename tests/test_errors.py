@@ -398,6 +398,29 @@ def test_a_damaged_newest_checkpoint_names_the_one_before_it(env, data, finished
     assert snapshot(broken) == before
 
 
+def test_a_checkpoint_written_under_the_other_numpy_major_version_resumes(env, data, finished, tmp_path):
+    """Its random states name NumPy's array rebuilder as numpy.core.multiarray._reconstruct (NumPy 1.x) or
+    numpy._core.multiarray._reconstruct (2.x), and accelerate allowed only this NumPy's: a run moved between machines
+    was refused as corrupt (tried both ways, NumPy 2.4.6 and 1.26.4). Rewritten here with the other name, in torch's
+    format before 1.6 (one plain pickle, no checksum to mend); the resume ends on the untouched copy's weights."""
+    import numpy as np
+
+    reference, moved = tmp_path / "reference", tmp_path / "moved"
+    shutil.copytree(finished, reference)
+    shutil.copytree(finished, moved)
+    states = moved / "checkpoints" / "step_4" / "random_states_0.pkl"
+    names = [b"numpy._core.multiarray", b"numpy.core.multiarray"]  # this NumPy's first
+    if int(np.__version__.split(".")[0]) < 2:
+        names.reverse()
+    torch.save(torch.load(states, weights_only=False), states, _use_new_zipfile_serialization=False)
+    assert names[0] in states.read_bytes()
+    states.write_bytes(states.read_bytes().replace(names[0], names[1]))
+    for run in (reference, moved):
+        ok(run_here("cifar_cnn", "--data", str(data), "--output_dir", str(run), *SHORT, "--max_steps", "6",
+                    "--resume", "latest"))
+    assert_bitwise_equal(weights(moved), weights(reference))
+
+
 def test_checkpoint_from_another_recipe(env, data, finished, tmp_path):
     """Its config.json names the recipe that wrote it; copied without one, its weights do not fit."""
     args = ("--data", str(data), "--output_dir", str(tmp_path / "run"), *SHORT, "--resume")
