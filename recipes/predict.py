@@ -113,15 +113,17 @@ def load_recipe(cfg: Config, about: dict):
     trained_by = about.get("recipe")
     if not isinstance(trained_by, str) or not RECIPE_NAME.fullmatch(trained_by):
         trained_by = None
-    # The script beside this one that names itself so (its text read, nothing run): recipes/<name>.py, or the
-    # train.py of a project made by tools/new_project.py, whose RECIPE is the project's name
-    beside = [path for path in sorted(RECIPES.glob("*.py")) if trained_by and path.is_file()
-              and f'\nRECIPE = "{trained_by}"'.encode() in path.read_bytes()]
-    if cfg.recipe is None and not beside:
-        raise RecipeError(f"--weights {cfg.weights}: which recipe builds the model? They name none of the recipes "
-                          f"beside predict.py: pass --recipe PATH of the script that trained them (a file the weights "
-                          "name is never imported)")
-    name = cfg.recipe or str(beside[0])
+    name = cfg.recipe
+    if name is None:
+        # The script beside this one that names itself so (its text read, nothing run): recipes/<name>.py, or the
+        # train.py of a project made by tools/new_project.py, whose RECIPE is the project's name
+        beside = [path for path in sorted(RECIPES.glob("*.py")) if trained_by and path.is_file()
+                  and f'\nRECIPE = "{trained_by}"'.encode() in path.read_bytes()]
+        if not beside:
+            raise RecipeError(f"--weights {cfg.weights}: which recipe builds the model? They name none of the recipes "
+                              f"beside predict.py: pass --recipe PATH of the script that trained them (a file the "
+                              "weights name is never imported)")
+        name = str(beside[0])
     path = Path(name) if name.endswith(".py") else RECIPES / f"{name}.py"
     if not (name.endswith(".py") or RECIPE_NAME.fullmatch(name)) or not path.is_file():
         raise RecipeError(f"--recipe {name}: no such recipe: pass the path of the script that trained the "
