@@ -102,8 +102,9 @@ def save_pictures(accelerator, run_dir: Path, test_set, predictions: torch.Tenso
     figure, ax = plt.subplots(figsize=(4 + 0.5 * min(k, 20),) * 2)
     ax.imshow(fractions, cmap="Blues", vmin=0, vmax=1)
     if k <= 20:  # readable names and numbers; 100 classes would only be noise
-        ax.set_xticks(range(k), [label(name) for name in classes], rotation=90)
-        ax.set_yticks(range(k), [label(name) for name in classes])
+        names = [label(name) for name in classes]
+        ax.set_xticks(range(k), names, rotation=90)
+        ax.set_yticks(range(k), names)
         for (i, j), fraction in np.ndenumerate(fractions):
             if counts[i, j]:
                 ax.text(j, i, f"{fraction:.2f}", ha="center", va="center", fontsize=7,

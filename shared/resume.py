@@ -135,9 +135,12 @@ def find_checkpoint(folder: Path | None, resume: str, run: str | None = None) ->
     """The checkpoint --resume names: the run's (id `run`) newest complete one in its checkpoint folder (`latest`),
     or a checkpoint folder."""
     if resume != "latest":
-        if not (Path(resume) / "custom_checkpoint_0.pkl").is_file() or not STEP_DIR.search(Path(resume).name):
-            raise RecipeError(f"--resume {resume}: not a checkpoint folder (expected checkpoints/step_<N> of a run)")
-        return Path(resume)
+        where = Path(resume)
+        if (where / "custom_checkpoint_0.pkl").is_file() and STEP_DIR.search(where.name):
+            return where
+        found = (f"a run folder: continue it with --resume latest --output_dir {resume}" if is_run(where) else
+                 "not a checkpoint folder (expected checkpoints/step_<N> of a run)")
+        raise RecipeError(f"--resume {resume}: {found}")
     checkpoints = list_checkpoints(folder, run)
     if not checkpoints:
         raise RecipeError(f"--resume latest: {folder} has no checkpoints: start it without --resume, "
@@ -192,6 +195,7 @@ def load(checkpoints, progress) -> Path:
     re-seeded."""
     from shared.pickles import check_archive  # files from anywhere, checked: an opt-in module
 
+    accelerator = checkpoints.accelerator
     checkpoint = find_checkpoint(checkpoints.folder, checkpoints.cfg.resume, checkpoints.owner())
     check_entries(checkpoint)  # --checkpoint_dir: outside the run folder its open_run checked
     # A damaged file's fix: the run's checkpoint before this one, named, where there is one
@@ -212,7 +216,7 @@ def load(checkpoints, progress) -> Path:
                 raise RecipeError(f"--resume {checkpoint}: {pickled.name} is corrupt or holds more than tensors "
                                   f"and numbers ({type(error).__name__}): {other}") from None
         try:
-            checkpoints.accelerator.load_state(checkpoint)
+            accelerator.load_state(checkpoint)
         except Exception as error:  # another model's (a size mismatch, a missing key), or a damaged file
             lines = [line.strip() for line in str(error).splitlines() if line.strip()]
             detail = next((line for line in lines if line.startswith(("size mismatch", "Missing key",
@@ -222,15 +226,15 @@ def load(checkpoints, progress) -> Path:
                               f"{(detail or first_line(error))[:200]}): {fix}") from None
     # Checkpoints fall between optimizer steps. The micro-batch counter saved with them would, under another
     # --grad_accum, end the first accumulation early (10 batches saved, --grad_accum 4: a step after 2).
-    checkpoints.accelerator.step = 0
+    accelerator.step = 0
     saved_processes = len(list(checkpoint.glob("random_states_*.pkl")))
-    if saved_processes != checkpoints.accelerator.num_processes:
+    if saved_processes != accelerator.num_processes:
         # Each process restores random_states_<its rank>.pkl, and accelerate skips a missing one silently: 1 -> 2
         # would leave the new process replaying the start of the run (accelerate #784).
         set_seed(checkpoints.cfg.seed + progress.step, device_specific=True)
-        checkpoints.accelerator.print(
+        accelerator.print(
             f"the checkpoint was written by {saved_processes} process(es), this run has "
-            f"{checkpoints.accelerator.num_processes}: their random states do not map onto each other, so every "
+            f"{accelerator.num_processes}: their random states do not map onto each other, so every "
             f"process is re-seeded from (--seed, step {progress.step}, rank). Augmentation and dropout draws "
             "differ from a run never stopped: bitwise equality holds only on the same world size")
     return checkpoint

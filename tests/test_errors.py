@@ -441,6 +441,14 @@ def test_resume_asking_for_fewer_steps_than_done(env, data, finished):
     assert snapshot(finished) == before
 
 
+def test_resume_given_the_run_folder_names_the_command_that_continues_it(env, data, finished):
+    """The run's folder where a checkpoint is expected: the line gives the flags that continue it."""
+    before = snapshot(finished)
+    one_line(run_here("cifar_cnn", "--data", str(data), *SHORT, "--resume", str(finished)),
+             f"--resume {finished}: a run folder: continue it with --resume latest --output_dir {finished}")
+    assert snapshot(finished) == before
+
+
 def test_checkpoint_that_counts_batches(env, data, finished, tmp_path):
     """A checkpoint of the recipes before they kept the epoch's position in samples."""
     old = tmp_path / "run"
