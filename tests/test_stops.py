@@ -167,7 +167,7 @@ def test_sigterm_saves_the_current_step_exits_0_and_prints_a_working_resume_comm
     assert not (out / "model.safetensors").exists()  # stopped, not finished
     first = torch.load(out / "checkpoints" / f"step_{stopped}" / "custom_checkpoint_0.pkl", weights_only=True)
     assert first["pieces"] == 1 and first["wall_s"] > 0 and first["train_samples"] == 8 * stopped
-    assert collect(out)[0]["state"] == f"stopped at step {read_json(out / 'summary.json')['step']}"
+    assert collect(out)[0]["state"] == f"stopped at step {stopped}"
     resume = stdout.split("continue with:\n")[1].strip().splitlines()[0]
     # The run folder alone: its flags are in its config.json (the data is given: not the recipe's own)
     assert resume.endswith(f"recipes/cifar_cnn.py --data {data} --output_dir {out} --resume latest"), resume

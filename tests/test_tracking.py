@@ -202,6 +202,18 @@ def test_runs_table_shows_the_flags_that_differ_and_every_metric(tmp_path):
     assert columns(rows)[-3:] == ["--lr", "--seed", "eval_top5"] and "--run_id" not in columns(rows)
 
 
+def test_runs_table_says_where_a_stopped_run_continues(tmp_path):
+    """A stop saves the step it stopped at, usually after the last logged one: the table said the logged step."""
+    from tools.runs import collect
+
+    for name, checkpoints in (("a", ["step_20", "step_29", "partial_step_30"]), ("b", [])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps({"step": 28, "eval_acc": 0.5}))  # no "steps": stopped
+        for checkpoint in checkpoints:
+            (tmp_path / name / "checkpoints" / checkpoint).mkdir(parents=True)
+    assert [row["state"] for row in collect(tmp_path)] == ["stopped at step 29", "stopped (last logged step 28)"]
+
+
 def test_runs_table_shortens_a_hash_to_12_digits(tmp_path, capsys):
     from tools.runs import main
 

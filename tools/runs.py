@@ -61,6 +61,15 @@ def summaries(folder: Path) -> list[Path]:
     return found
 
 
+def stopped_at(run: Path, summary: dict) -> str:
+    """A stopped run's state: the step of its newest checkpoint, where a resume continues (the summary's step is the
+    last one logged, often earlier); with its checkpoints elsewhere (--checkpoint_dir), that logged step."""
+    folder = run / "checkpoints"
+    names = [path.name for path in folder.iterdir()] if folder.is_dir() and not folder.is_symlink() else []
+    steps = [int(found[1]) for name in names if (found := re.fullmatch(r"step_([0-9]+)", name))]
+    return f"stopped at step {max(steps)}" if steps else f"stopped (last logged step {summary.get('step', '?')})"
+
+
 def collect(folder: Path) -> list[dict]:
     """One row per run under `folder`: the columns above, then the flags whose values differ between the runs
     (`--name`), then every metric of their summaries (the last logged value of each)."""
@@ -72,7 +81,7 @@ def collect(folder: Path) -> list[dict]:
             "run": str(run.relative_to(folder)) if run != Path(folder) else run.name,
             "recipe": config.get("recipe"), "data": summary.get("data") or config.get("data"),
             # Only the end of a run writes `steps`; a stop (SIGTERM, Ctrl-C) leaves its last logged values.
-            "state": "finished" if "steps" in summary else f"stopped at step {summary.get('step', '?')}",
+            "state": "finished" if "steps" in summary else stopped_at(run, summary),
             "launch": f"{config.get('distributed_type', '?')} on {config.get('device', '?')}",
             "world_size": summary.get("world_size"), "precision": summary.get("mixed_precision"),
             "global_batch": config.get("global_batch_size"), "epochs": summary.get("epochs"),
