@@ -243,6 +243,29 @@ def test_new_project_refuses_a_place_it_cannot_be(tmp_path, place):
     assert not target.exists() and (tmp_path / "a_file").read_text() == "mine"
 
 
+@pytest.mark.parametrize("existed", [False, True])
+def test_new_project_that_fails_midway_leaves_its_folder_free_for_the_next_try(tmp_path, monkeypatch, existed):
+    """A full disk after train.py was written left a half-made project, and the next try was refused: 'already
+    exists and is not empty'."""
+    from tools import new_project
+
+    target = tmp_path / "deep" / "my_project"
+    if existed:
+        target.mkdir(parents=True)  # an empty folder made for it: it stays, empty
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(new_project.shutil, "copytree", full_disk)
+    with pytest.raises(SystemExit) as stopped:
+        new_project.main([str(target), "--from", "cifar_cnn"])
+    assert stopped.value.code == 1
+    assert (sorted(target.iterdir()) == []) if existed else not target.exists()
+    monkeypatch.undo()
+    new_project.main([str(target), "--from", "cifar_cnn"])
+    assert (target / "train.py").is_file() and (target / "shared" / "data.py").is_file()
+
+
 def test_the_budget_counts_what_a_copier_reads(tmp_path):
     """tools.budget: tokens without comments, docstrings and layout; an import inside a function is opt-in."""
     from tools import budget

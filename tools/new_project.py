@@ -12,6 +12,7 @@ Nothing of this repository is needed afterwards: the folder runs on its own (tes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import shutil
@@ -78,6 +79,15 @@ def make_project(folder: Path, recipe: str, data: str | None) -> Path:
     return folder
 
 
+def remove_quietly(path: Path) -> None:
+    """A file or a folder, removed as far as it can be: after a failed write, that failure is the one to report."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", type=Path, help="the new project's folder (must not exist, or be empty)")
@@ -92,9 +102,13 @@ def main(argv: list[str] | None = None) -> None:
                        "itself): pick a folder outside them\n")
     if any(parent.exists() and not parent.is_dir() for parent in target.parents):
         parser.exit(2, f"error: {args.folder} lies below a file, not a folder: pick another place\n")
+    made = not args.folder.exists()
     try:
         folder = make_project(args.folder, args.recipe, args.data)
     except OSError as error:  # a read-only place, a full disk
+        # The folder held nothing before (checked above): what was written goes, or the next try would find it taken.
+        for path in [args.folder] if made else list(args.folder.iterdir()):
+            remove_quietly(path)
         parser.exit(1, f"error: cannot write the project into {args.folder} ({error.strerror}): pick a writable "
                        "place with room\n")
     readme = (folder / "README.md").read_text().splitlines()
