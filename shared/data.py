@@ -38,6 +38,7 @@ from shared.errors import (
     check_decoded_size,
     first_line,
     is_main_process,
+    printable,
     process_limit,
     replacing,
 )
@@ -225,7 +226,8 @@ def pick_splits(splits: datasets.DatasetDict, source: str):
         raise RecipeError(f"{source} holds {len(train)} example(s) and no 'test' split: a run needs at least one "
                           "example to train on and one to test on; add examples, or a 'test' split")
     if test is None:  # one split: hold out a fixed 10%, so the run still reports test accuracy
-        print(f"{source} has no 'test' split: holding out 10% of 'train' (fixed seed) as the test split")
+        if is_main_process():  # each process finds the source: one line
+            print(f"{source} has no 'test' split: holding out 10% of 'train' (fixed seed) as the test split")
         # The split of datasets' train_test_split(test_size=0.1, seed=0), without its indices' file: it wrote that
         # beside the split's own files, into the user's --data folder, and refuses keep_in_memory for such a split
         order, held_out = np.random.default_rng(0).permutation(len(train)), math.ceil(len(train) / 10)
@@ -257,10 +259,12 @@ def find_columns(split: datasets.Dataset, source: str):
                           "more (one class, or a folder below the classes, gives no labels); otherwise add a "
                           "ClassLabel column, or an integer column named 'label'")
     feature = features[label_column]
+    # The training split's labels (a missing one is named with its image when the split is decoded). Not datasets'
+    # unique(): of a held-out split, it writes the split's indices into the --data folder.
+    labels = set(split.with_format("arrow")[label_column].unique().to_pylist()) - {None}
     if isinstance(feature, datasets.ClassLabel):
         count = feature.num_classes
-    else:  # integers: classes 0 to the largest; a missing label is named with its image when the split is decoded
-        labels = [label for label in split.unique(label_column) if label is not None]
+    else:  # integers: classes 0 to the largest
         count = max(labels, default=0) + 1
         if count < 1:
             raise RecipeError(f"{source}: its '{label_column}' column holds no label of 0 or more (e.g. "
@@ -269,6 +273,10 @@ def find_columns(split: datasets.Dataset, source: str):
         raise RecipeError(f"{source}: its '{label_column}' column makes {count:,} classes, over the {MAX_CLASSES:,} a "
                           "recipe trains: fix the labels (they number the classes from 0)")
     names = feature.names if isinstance(feature, datasets.ClassLabel) else [str(i) for i in range(count)]
+    # An imagefolder's classes are the folders of every split: train/cat beside test/Cat makes a class never trained
+    if is_main_process() and (untrained := [name for i, name in enumerate(names) if i not in labels]):
+        print(f"{source}: {len(untrained)} class(es) with no training image, which the model cannot learn: "
+              f"{printable(', '.join(untrained))[:200]} (a folder named differently in train/ and test/?)")
     return image_column, label_column, list(names)
 
 

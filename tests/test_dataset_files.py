@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -210,6 +211,26 @@ def test_an_imagefolder_with_its_metadata_in_parquet_is_read_as_an_imagefolder(t
                 "--output_dir", tmp_path / "run"))
     config = read_json(tmp_path / "run" / "config.json")
     assert config["train_size"] == 16 and config["classes"] == ["0", "1"]
+
+
+def test_a_class_with_no_training_image_is_named(tmp_path, data_module, capsys, monkeypatch):
+    """train/cat beside test/Cat: an imagefolder's classes are the folders of every split, so 'Cat' became a class
+    that no training image teaches, and the run said nothing."""
+    data = imagefolder_dataset(tmp_path / "data", sizes={"train": 16, "test": 8})
+    train, _ = data_module.load_image_data(str(data), (3, 32, 32))
+    assert "no training image" not in capsys.readouterr().out
+    moved = next((data / "test").iterdir())
+    moved.rename(data / "test" / f"{moved.name}_misspelled")
+    train, _ = data_module.load_image_data(str(data), (3, 32, 32))
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"{data}: 1 class(es) with no training image, which the model cannot learn: {moved.name}_misspelled (a folder "
+        "named differently in train/ and test/?)")
+    assert f"{moved.name}_misspelled" in train.classes
+    # Every process finds the source; the others say nothing (the held-out split's line came from each)
+    monkeypatch.setattr(data_module, "is_main_process", lambda: False)
+    shutil.rmtree(data / "test")
+    data_module.load_image_data(str(data), (3, 32, 32))
+    assert capsys.readouterr().out == ""
 
 
 @pytest.mark.parametrize("damage", [truncated_gz, truncated_raw, not_idx, label_count, missing_file])

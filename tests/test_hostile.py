@@ -1531,14 +1531,23 @@ def test_a_broken_environment_is_one_line_within_seconds(env, data, tmp_path, va
             needle=needle, decoded=True, variables=changed, launched=bool({"WORLD_SIZE", "HF_HOME"} & set(variables)))
 
 
-def test_holding_out_a_test_split_writes_nothing_into_the_data_folder(env, tmp_path):
-    """datasets' train_test_split wrote its indices (cache-*.arrow) beside the split's files: into --data."""
-    data = save_to_disk_dataset(tmp_path / "data", sizes={"train": 20})
+@pytest.mark.parametrize("labels", ["ClassLabel", "integers"])
+def test_holding_out_a_test_split_writes_nothing_into_the_data_folder(env, tmp_path, labels):
+    """datasets' train_test_split wrote its indices (cache-*.arrow) beside the split's files: into --data; and so did
+    its unique(), counting the held-out split's classes (integer labels)."""
+    data = tmp_path / "data"
+    splits = image_splits(sizes={"train": 20})
+    if labels == "integers":
+        splits = splits.cast_column("label", datasets.Value("int64"))
+    splits.save_to_disk(str(data))
     before = snapshot(data)
     result = ok(run_here("cifar_cnn", "--data", data, *SHORT, "--output_dir", tmp_path / "out"))
     assert "holding out 10% of 'train'" in result.stdout and snapshot(data) == before
     assert json.loads((tmp_path / "out" / "config.json").read_text())["test_size"] == 2
-    # The same split as datasets' own train_test_split(test_size=0.1, seed=0) makes, for any size
+
+
+def test_the_held_out_split_is_the_one_datasets_train_test_split_makes():
+    """The same split as datasets' own train_test_split(test_size=0.1, seed=0) makes, for any size."""
     from shared.data import pick_splits
 
     for size in (2, 37, 1234):
