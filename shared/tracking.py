@@ -349,9 +349,9 @@ class TrainWindow:
             self.estimated, seconds = True, (self.progress.train_s - self.first[1]) / (step - self.first[0])
             left = seconds * (total_steps - step)
             if self.accelerator.is_main_process:  # tqdm.write: above a progress bar, not through it
-                tqdm.write(f"about {f'{left / 60:.0f} min' if left >= 90 else f'{left:.0f} s'} of training to step "
-                           f"{total_steps}, at {seconds:.3g} s a step (steps {self.first[0] + 1}-{step}; evaluations "
-                           "and checkpoints come on top)")
+                tqdm.write(f"about {f'{left / 60:.0f} min' if left >= 90 else f'{left:.0f} s'} of training left to "
+                           f"step {total_steps}, at {seconds:.3g} s a step (steps {self.first[0] + 1}-{step}; "
+                           "evaluations and checkpoints come on top)")
         if now - self.last_line < HEARTBEAT_S or sys.stderr.isatty() or not self.accelerator.is_main_process:
             return
         self.last_line = now

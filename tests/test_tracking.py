@@ -367,8 +367,8 @@ def test_without_a_terminal_a_line_comes_at_least_every_30_s(monkeypatch, capsys
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a terminal has the progress bar instead
     clock[0] += 60
     window.heartbeat(3, 10)  # and once, ESTIMATE_S after the first step, the time the rest takes, on a terminal too
-    assert capsys.readouterr().out == ("about 4 min of training to step 10, at 31 s a step (steps 2-3; evaluations "
-                                       "and checkpoints come on top)\n")
+    assert capsys.readouterr().out == ("about 4 min of training left to step 10, at 31 s a step (steps 2-3; "
+                                       "evaluations and checkpoints come on top)\n")
     clock[0] += 60
     window.heartbeat(4, 10)
     assert capsys.readouterr().out == ""
@@ -397,7 +397,7 @@ def test_the_time_the_rest_of_the_training_takes_is_said_once_early(data, tmp_pa
     result = ok(run_here("cifar_cnn", "--data", data, "--max_steps", "30", "--batch_size", "4", "--tracker", "none",
                          "--output_dir", tmp_path / "run"))
     said = [line for line in result.stdout.splitlines() if line.startswith("about ")]
-    found = re.fullmatch(r"about \d+ (s|min) of training to step 30, at ([\d.e-]+) s a step \(steps 2-(\d+); "
+    found = re.fullmatch(r"about \d+ (s|min) of training left to step 30, at ([\d.e-]+) s a step \(steps 2-(\d+); "
                          r"evaluations and checkpoints come on top\)", said[0])
     assert len(said) == 1 and found and float(found[2]) > 0 and 2 < int(found[3]) <= 21, said
 
