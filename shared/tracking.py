@@ -259,8 +259,13 @@ class WandB(WandBTracker):
             super().start()
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
-        where = self.run.url if self.init_kwargs["mode"] == "online" else (
-            f"offline, in {Path(self.run.dir).parent}; upload it later with: wandb sync {Path(self.run.dir).parent}")
+        if self.run.offline:  # the folder to upload; disabled, wandb keeps nothing (its run.url warns offline)
+            where = (f"offline, in {Path(self.run.dir).parent}; upload it later with: wandb sync "
+                     f"{Path(self.run.dir).parent}")
+        elif self.run.disabled:
+            where = "disabled by WANDB_MODE: nothing is logged there"
+        else:
+            where = self.run.url
         print(f"wandb: {where}", flush=True)
 
     @on_main_process
@@ -314,8 +319,9 @@ class TrainWindow:
         if grad_norm is not None:
             self.grad_norms.append(grad_norm.detach())
         self.batches += 1
-        self.samples += samples * self.accelerator.num_processes
-        self.progress.train_samples += samples * self.accelerator.num_processes
+        samples *= self.accelerator.num_processes  # every process's batch is as large
+        self.samples += samples
+        self.progress.train_samples += samples
 
     def flush(self, step: int) -> dict:
         """train_loss, train_<metric> for each metric, grad_norm and samples_per_s over the window and all processes;

@@ -548,7 +548,7 @@ def test_wandb_unreachable_falls_back_to_offline_within_seconds(env, data, tmp_p
     result = ok(launch(online_but_unreachable, "cifar_cnn", "--data", str(data), "--output_dir", str(run),
                        "--batch_size", "8", "--max_steps", "4", config=None, timeout=60))
     assert "warning: wandb could not start online" in result.stderr and "logging offline instead" in result.stderr
-    assert len(list((run / "wandb").glob("offline-run-*"))) == 1
+    assert len(list((run / "wandb").glob("offline-run-*"))) == 1 and "wandb: offline, in " in result.stdout
     assert (run / "model.safetensors").exists()
 
 

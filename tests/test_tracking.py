@@ -186,6 +186,16 @@ def test_runs_table_lists_every_run(data, tmp_path):
     assert empty.returncode == 1 and "no finished runs" in empty.stderr, empty.stderr
 
 
+def test_wandb_disabled_by_its_variable_is_said_as_such(data, tmp_path):
+    """WANDB_MODE=disabled (wandb's own setting, accepted) printed 'offline, in /tmp/wandb/run-...; upload it later
+    with: wandb sync ...', a folder that wandb never writes."""
+    out = tmp_path / "run"
+    result = ok(run_here("cifar_cnn", "--data", data, *SHORT, "--output_dir", out, env={"WANDB_MODE": "disabled"}))
+    assert [line for line in result.stdout.splitlines() if line.startswith("wandb")] == [
+        "wandb: disabled by WANDB_MODE: nothing is logged there"]
+    assert not (out / "wandb").exists() and (out / "summary.json").is_file()
+
+
 def test_runs_table_shows_the_flags_that_differ_and_every_metric(tmp_path):
     from tools.runs import collect, columns
 
