@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -64,8 +65,10 @@ def summaries(folder: Path) -> list[Path]:
 def stopped_at(run: Path, summary: dict) -> str:
     """A stopped run's state: the step of its newest checkpoint, where a resume continues (the summary's step is the
     last one logged, often earlier); with its checkpoints elsewhere (--checkpoint_dir), that logged step."""
-    folder = run / "checkpoints"
-    names = [path.name for path in folder.iterdir()] if folder.is_dir() and not folder.is_symlink() else []
+    folder, names = run / "checkpoints", []
+    if folder.is_dir() and not folder.is_symlink():
+        with contextlib.suppress(OSError):  # unreadable: the logged step
+            names = [path.name for path in folder.iterdir()]
     steps = [int(found[1]) for name in names if (found := re.fullmatch(r"step_([0-9]+)", name))]
     return f"stopped at step {max(steps)}" if steps else f"stopped (last logged step {summary.get('step', '?')})"
 
