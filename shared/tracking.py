@@ -84,7 +84,8 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
     filled = run_dir.is_dir() and any(run_dir.iterdir())
     if filled and not is_run(run_dir):  # a user's own folder: its metrics.jsonl would be appended to
         raise RecipeError(f"{run_dir} holds files but no run of these recipes (no config.json with a run_id), so "
-                          "nothing is written into it: pass a new or empty --output_dir")
+                          "nothing is written into it: pass a new or empty --output_dir, or to continue a run, its "
+                          f"own folder (runs/{recipe}-<time>)")
     overwrite = cfg.overwrite and not cfg.resume and filled
     # --checkpoint_dir: this run's checkpoints (resumed), the replaced run's (--overwrite), or nothing. Read where it is
     # written: a node's own folder is refused below.

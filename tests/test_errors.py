@@ -449,6 +449,14 @@ def test_resume_given_the_run_folder_names_the_command_that_continues_it(env, da
     assert snapshot(finished) == before
 
 
+def test_resume_given_the_folder_of_the_runs_says_to_pass_the_run_s_own(env, data, finished):
+    """`--resume latest --output_dir runs`: the line said only 'pass a new or empty --output_dir', where a new one
+    holds nothing to continue."""
+    one_line(run_here("cifar_cnn", "--data", str(data), *SHORT, "--output_dir", str(finished.parent), "--resume",
+                      "latest"), "holds files but no run of these recipes", "or to continue a run, its own folder "
+             "(runs/cifar_cnn-<time>)")
+
+
 def test_checkpoint_that_counts_batches(env, data, finished, tmp_path):
     """A checkpoint of the recipes before they kept the epoch's position in samples."""
     old = tmp_path / "run"
