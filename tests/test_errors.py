@@ -38,7 +38,7 @@ from conftest import (
     run_here,
     weights,
 )
-from tiny_data import cifar_binary_dataset, image_splits, imagefolder_dataset, text_dataset
+from tiny_data import CLASSES, cifar_binary_dataset, image_splits, imagefolder_dataset, text_dataset
 
 RECIPES = ["cifar_cnn", "resnet18_fmnist", "deep_mlp_ckpt"]
 SHORT = ("--batch_size", "8", "--max_steps", "4", "--log_every", "1", "--tracker", "none")
@@ -258,6 +258,15 @@ def test_dataset_without_a_label_column(env, tmp_path):
     splits.save_to_disk(str(tmp_path / "unlabelled"))
     one_line(run_here("cifar_cnn", "--data", str(tmp_path / "unlabelled"), "--tracker", "none"),
              "no label column")
+    # Class names as strings (a table made with pandas): the line names the call that makes them a ClassLabel
+    named = image_splits().cast_column("label", datasets.Value("string"))
+    named.save_to_disk(str(tmp_path / "named"))
+    one_line(run_here("cifar_cnn", "--data", str(tmp_path / "named"), "--tracker", "none"), "label (Value)",
+             "dataset.cast_column('label', datasets.ClassLabel(names=[")
+    # What the line says, done (not datasets' class_encode_column: it numbers each split's own names)
+    named.cast_column("label", datasets.ClassLabel(names=CLASSES[:10])).save_to_disk(str(tmp_path / "encoded"))
+    ok(run_here("cifar_cnn", "--data", str(tmp_path / "encoded"), "--max_steps", "2", "--batch_size", "4",
+                "--tracker", "none", "--output_dir", str(tmp_path / "run")))
 
 
 def test_images_with_16_bit_pixels(env, tmp_path):
