@@ -143,7 +143,8 @@ def find_checkpoint(folder: Path | None, resume: str, run: str | None = None) ->
         raise RecipeError(f"--resume {resume}: {found}")
     checkpoints = list_checkpoints(folder, run)
     if not checkpoints:
-        raise RecipeError(f"--resume latest: {folder} has no checkpoints: start it without --resume, "
+        raise RecipeError(f"--resume latest: {folder} has no checkpoints: start the run again without --resume "
+                          "(with --overwrite, where its folder holds it: only the files a run writes are replaced), "
                           "or pass --output_dir of a run that saved one (--checkpoint_every N)")
     return checkpoints[-1]
 

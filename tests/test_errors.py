@@ -481,6 +481,17 @@ def test_checkpoint_that_counts_batches(env, data, finished, tmp_path):
 def test_resume_without_a_checkpoint(env, data, tmp_path):
     one_line(run_here("cifar_cnn", "--data", str(data), "--output_dir", str(tmp_path / "new"), *SHORT,
                     "--resume", "latest"), "has no checkpoints")
+    # A run killed before its first checkpoint: its folder holds config.json, so a plain start is refused ("already
+    # holds a run: pass --resume latest"), and the resume said "start it without --resume": each sent to the other.
+    killed = tmp_path / "killed"
+    ok(run_here("cifar_cnn", "--data", str(data), "--output_dir", str(killed), *SHORT))
+    shutil.rmtree(killed / "checkpoints")
+    (killed / "model.safetensors").unlink()
+    args = ("--data", str(data), "--output_dir", str(killed), *SHORT)
+    one_line(run_here("cifar_cnn", *args), "already holds a run")
+    one_line(run_here("cifar_cnn", *args, "--resume", "latest"), "has no checkpoints: start the run again without "
+             "--resume (with --overwrite, where its folder holds it")
+    ok(run_here("cifar_cnn", *args, "--overwrite"))
 
 
 def test_resume_latest_without_output_dir_never_guesses_the_run(env, data):
