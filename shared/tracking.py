@@ -181,6 +181,10 @@ class RunFiles(GeneralTracker):
             self.last_evaluation = time.perf_counter()
 
     def finish(self):
+        # A stop (no `steps`: only a run's end logs them) where model.safetensors is a finished run's, which a resume
+        # extends: its summary and curves stay, as its weights do, until the longer run finishes (shared/resume.py)
+        if "steps" not in self.summary and (self.run_dir / "model.safetensors").exists():
+            return
         # finish_s: from the last evaluation to here, the weights and pictures saved (curves.png and the other
         # trackers' ends come after it)
         finish_s = None if self.last_evaluation is None else time.perf_counter() - self.last_evaluation

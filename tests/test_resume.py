@@ -189,6 +189,31 @@ def test_a_run_is_continued_by_its_folder_alone_and_an_extension_keeps_the_finis
     assert (run / "model.safetensors").read_bytes() != finished["model.safetensors"]
 
 
+def test_a_stop_while_a_finished_run_is_extended_keeps_its_finished_files(labelled, tmp_path, monkeypatch):
+    """The stop's summary.json and curves.png replaced the finished run's, which the extension keeps until it
+    finishes: its record in finished/ then said neither its steps nor its curves."""
+    from shared.checkpoints import Checkpoints
+
+    data, run = str(labelled[(3, 32, 32)]), tmp_path / "run"
+    ok(run_here("cifar_cnn", "--data", data, "--output_dir", run, *RUN, "--max_steps", "4"))
+    names = ("model.safetensors", "summary.json", "curves.png", "confusion_matrix.png")
+    finished = {name: (run / name).read_bytes() for name in names}
+    after_step = Checkpoints.after_step
+
+    def sigterm_at_step_5(self, model, step, at_log_point):  # as StopOnSignals' handler does, in this process
+        self.signal = self.signal or ("SIGTERM" if step == 5 else None)
+        return after_step(self, model, step, at_log_point)
+
+    monkeypatch.setattr(Checkpoints, "after_step", sigterm_at_step_5)
+    stopped = ok(run_here("cifar_cnn", "--resume", "latest", "--output_dir", run, "--max_steps", "8")).stdout
+    assert "stopped by SIGTERM at step 5, checkpoint saved" in stopped
+    assert {name: (run / name).read_bytes() for name in names} == finished
+    monkeypatch.undo()
+    ok(run_here("cifar_cnn", "--resume", "latest", "--output_dir", run))
+    assert {name: (run / "finished" / "4_steps" / name).read_bytes() for name in names} == finished
+    assert read_json(run / "summary.json")["steps"] == 8
+
+
 @pytest.mark.parametrize("field, value, needle", [
     ("data", "someone/their_dataset", "records --data 'someone/their_dataset', which is no folder here: pass --data "
                                       "to continue (a run folder never makes a run fetch what it names)"),
