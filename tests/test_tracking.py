@@ -202,14 +202,20 @@ def test_runs_table_shows_the_flags_that_differ_and_every_metric(tmp_path):
     for name, lr, extra in (("a", 0.1, {"eval_top5": 0.9}), ("b", 0.2, {})):
         (tmp_path / name).mkdir()
         (tmp_path / name / "summary.json").write_text(json.dumps({"steps": 3, "eval_acc": 0.5, **extra}))
-        (tmp_path / name / "config.json").write_text(json.dumps({"lr": lr, "seed": 0, "run_id": name}))
+        recipe = {"recipe": "cifar_cnn"} if name == "a" else {}
+        (tmp_path / name / "config.json").write_text(json.dumps({"lr": lr, "seed": 0, "run_id": name, **recipe}))
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "summary.json").write_text("[not a run's summary")  # from anywhere: a row, no traceback
+    (tmp_path / "a" / "finished" / "2_steps").mkdir(parents=True)  # a's record before a resume extended it
+    (tmp_path / "a" / "finished" / "2_steps" / "summary.json").write_text(json.dumps({"steps": 2, "eval_acc": 0.4}))
     rows = collect(tmp_path)
-    assert [row.get("--lr") for row in rows] == [0.1, 0.2, None] and [row.get("eval_top5") for row in rows] == [
-        0.9, None, None]
-    # --seed differs too: the folder without a readable config has none
-    assert columns(rows)[-3:] == ["--lr", "--seed", "eval_top5"] and "--run_id" not in columns(rows)
+    assert [row["run"] for row in rows] == ["a/finished/2_steps", "a", "b", "c"]
+    assert [row.get("--lr") for row in rows] == [None, 0.1, 0.2, None] and [row.get("eval_top5") for row in rows] == [
+        None, 0.9, None, None]
+    assert [row["recipe"] for row in rows] == ["cifar_cnn", "cifar_cnn", None, None]  # the record's: its run's
+    # --seed is the same in every run that records it: the folders without a config make no column of it
+    assert columns(rows)[-2:] == ["--lr", "eval_top5"] and "--run_id" not in columns(rows) and "--seed" not in columns(
+        rows)
 
 
 def test_runs_table_says_where_a_stopped_run_continues(tmp_path):

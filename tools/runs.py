@@ -80,9 +80,12 @@ def collect(folder: Path) -> list[dict]:
     for summary_file in sorted(summaries(Path(folder))):
         run = summary_file.parent
         summary, config = read_json(summary_file), read_json(run / "config.json")
+        # finished/<N>_steps: a finished run's record, set aside when a resume extended it (its flags but the length
+        # are those of the run around it)
+        around = read_json(run.parent.parent / "config.json") if run.parent.name == "finished" else {}
         rows.append({
             "run": str(run.relative_to(folder)) if run != Path(folder) else run.name,
-            "recipe": config.get("recipe"), "data": summary.get("data") or config.get("data"),
+            "recipe": config.get("recipe") or around.get("recipe"), "data": summary.get("data") or config.get("data"),
             # Only the end of a run writes `steps`; a stop (SIGTERM, Ctrl-C) leaves its last logged values.
             "state": "finished" if "steps" in summary else stopped_at(run, summary),
             "launch": f"{config.get('distributed_type', '?')} on {config.get('device', '?')}",
@@ -97,7 +100,10 @@ def collect(folder: Path) -> list[dict]:
         })
         configs.append(config)
     flags = sorted({key for config in configs for key in config if key not in NOT_FLAGS})
-    differing = [key for key in flags if len({json.dumps(config.get(key), sort_keys=True) for config in configs}) > 1]
+    # Among the runs that record their flags: a record without (finished/<N>_steps, an unreadable config.json) would
+    # make every flag a column
+    known = [config for config in configs if config]
+    differing = [key for key in flags if len({json.dumps(config.get(key), sort_keys=True) for config in known}) > 1]
     for row, config in zip(rows, configs):
         row.update({f"--{key}": config.get(key) for key in differing})
     return rows
