@@ -86,7 +86,6 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
         raise RecipeError(f"{run_dir} holds files but no run of these recipes (no config.json with a run_id), so "
                           "nothing is written into it: pass a new or empty --output_dir, or to continue a run, its "
                           f"own folder (runs/{recipe}-<time>)")
-    overwrite = cfg.overwrite and not cfg.resume and filled
     # --checkpoint_dir: this run's checkpoints (resumed), the replaced run's (--overwrite), or nothing. Read where it is
     # written: a node's own folder is refused below.
     mine, replaced = run_id(run_dir), []
@@ -106,9 +105,6 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
         except OSError as error:
             raise RecipeError(f"cannot write to {run_dir} ({error.strerror}): pass --output_dir to a writable folder"
                               ) from None
-        if overwrite:  # only what a run writes; the rest stays
-            for path in [*(run_dir / name for name in RUN_FILES), *replaced]:
-                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     state.wait_for_everyone()
     if state.num_processes != int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes)):  # several machines
         from shared.nodes import check_shared  # only the runs of several nodes: an opt-in module
@@ -126,9 +122,11 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
         from shared.tensorboard_tracker import TensorBoard  # only the runs that ask for it: an opt-in module
 
         chosen = [TensorBoard("tensorboard", run_dir)]
-    # RunFiles first: its config.json makes the folder a run before wandb or TensorBoard write into it, so a job
-    # stopped between the two is still a run to its next start.
-    return run_dir, [RunFiles(run_dir, run, labels)] + chosen
+    overwrite = cfg.overwrite and not cfg.resume and filled  # only what a run writes goes; the rest stays
+    replaced = [*(run_dir / name for name in RUN_FILES), *replaced] if overwrite else []
+    # RunFiles first: it deletes what --overwrite replaces before wandb or TensorBoard start, and its config.json makes
+    # the folder a run before they write into it, so a job stopped between the two is still a run to its next start.
+    return run_dir, [RunFiles(run_dir, run, labels, replaced)] + chosen
 
 
 def remove_if_empty(folder: Path) -> None:
@@ -159,12 +157,19 @@ class RunFiles(GeneralTracker):
 
     name, requires_logging_directory = "run_files", False
 
-    def __init__(self, run_dir: Path, run_id: str, labels: dict):
+    def __init__(self, run_dir: Path, run_id: str, labels: dict, replaced: list[Path]):
         self.tracker = self  # what accelerator.get_tracker("run_files", unwrap=True) returns
         super().__init__()
         self.run_dir, self.run_id, self.labels, self.summary = Path(run_dir), run_id, labels, {}
+        self.replaced = replaced  # --overwrite: the replaced run's files
         self.metrics = self.run_dir / "metrics.jsonl"
         self.last_evaluation = None  # time.perf_counter() at the last eval_* point
+
+    def start(self):
+        # The replaced run is deleted only as this one starts to write: after the checks of its flags, data and
+        # weights, so that a mistake among them leaves it whole
+        for path in self.replaced:
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
 
     def store_init_configuration(self, values: dict):
         if values.get("resumed_step") is not None:  # first: a damaged row stops the resume before any change

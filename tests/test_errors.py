@@ -344,6 +344,23 @@ def finished(env, data, tmp_path_factory):
     return run
 
 
+@pytest.mark.parametrize("mistake, needle", [
+    (("--data", "no_such_folder"), "--data no_such_folder: no such folder"),
+    (("--batch_size", "4096"), "training images make no full step of 4096"),  # found after the data is decoded
+], ids=["data", "batch"])
+def test_overwrite_with_a_mistake_leaves_the_run_it_would_replace(env, data, finished, tmp_path, mistake, needle):
+    """--overwrite deleted the run's files as the run folder was opened, before the data and the flags were checked:
+    a mistyped --data then left neither the old run nor a new one."""
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    before = snapshot(run)
+    one_line(run_here("cifar_cnn", "--data", str(data), "--output_dir", str(run), *SHORT, "--overwrite", *mistake),
+             needle)
+    assert snapshot(run) == before
+    ok(run_here("cifar_cnn", "--data", str(data), "--output_dir", str(run), *SHORT, "--overwrite"))
+    assert snapshot(run) != before and not (run / "checkpoints" / "step_2").exists()  # the replaced run's, gone
+
+
 def test_output_dir_already_holding_a_run(env, data, finished):
     before = snapshot(finished)
     one_line(run_here("cifar_cnn", "--data", str(data), "--output_dir", str(finished), *SHORT),
