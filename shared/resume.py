@@ -67,6 +67,9 @@ def recorded_flags(cfg, argv: list[str]):
     if cfg.resume == "latest" and not cfg.output_dir:  # never a guess at which run the user meant
         raise ValueError(f"--resume latest needs the run to continue: add --output_dir runs/{recipe}-<time>")
     path = Path(cfg.output_dir if cfg.resume == "latest" else cfg.resume) / "config.json"
+    if cfg.resume == "latest" and not path.exists():  # else the recipe's defaults: its hub data, fetched for nothing
+        raise ValueError(f"--resume latest: no run in {path.parent} (looked for {path.absolute()}): pass the run's "
+                         "folder, as a full path or from the folder the run was started in")
     recorded = read_json(path)
     if not isinstance(recorded, dict):
         return [], path  # none: the flags given (a run that is none: open_run says so)

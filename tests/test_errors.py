@@ -479,8 +479,10 @@ def test_resume_given_the_folder_of_the_runs_says_to_pass_the_run_s_own(env, dat
     """`--resume latest --output_dir runs`: the line said only 'pass a new or empty --output_dir', where a new one
     holds nothing to continue."""
     one_line(run_here("cifar_cnn", "--data", str(data), *SHORT, "--output_dir", str(finished.parent), "--resume",
-                      "latest"), "holds files but no run of these recipes", "or to continue a run, its own folder "
-             "(runs/cifar_cnn-<time>)")
+                      "latest"), f"--resume latest: no run in {finished.parent}", "pass the run's folder", status=2)
+    # and a new run there: the same folder is no place for one
+    one_line(run_here("cifar_cnn", "--data", str(data), *SHORT, "--output_dir", str(finished.parent)),
+             "holds files but no run of these recipes", "or to continue a run, its own folder (runs/cifar_cnn-<time>)")
 
 
 def test_checkpoint_that_counts_batches(env, data, finished, tmp_path):
@@ -496,8 +498,9 @@ def test_checkpoint_that_counts_batches(env, data, finished, tmp_path):
 
 
 def test_resume_without_a_checkpoint(env, data, tmp_path):
-    one_line(run_here("cifar_cnn", "--data", str(data), "--output_dir", str(tmp_path / "new"), *SHORT,
-                    "--resume", "latest"), "has no checkpoints")
+    # No run at all (another working folder than the run's, a mistyped name): no data read, no hub fetched
+    one_line(run_here("cifar_cnn", "--output_dir", str(tmp_path / "new"), *SHORT, "--resume", "latest"),
+             "--resume latest: no run in", "pass the run's folder, as a full path or from the folder", status=2)
     # A run killed before its first checkpoint: its folder holds config.json, so a plain start is refused ("already
     # holds a run: pass --resume latest"), and the resume said "start it without --resume": each sent to the other.
     killed = tmp_path / "killed"

@@ -492,9 +492,12 @@ def test_resume_of_a_checkpoint_at_a_one_part_relative_path(env, data, run, tmp_
             needle="--resume step_2 is not in a run's checkpoints/ folder")
 
 
-def test_resume_latest_of_a_folder_without_checkpoints(env, data, tmp_path):
+def test_resume_latest_of_a_folder_without_a_run(env, data, tmp_path):
+    """Refused before the data is read (the cache untouched): from another folder than the run's, the recipe's
+    defaults took its hub data, fetched for nothing, before the line."""
     refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--resume", "latest", "--output_dir",
-            tmp_path / "out", needle="has no checkpoints", decoded=True)  # found after the data is read
+            tmp_path / "out", status=2, needle=f"--resume latest: no run in {tmp_path / 'out'} (looked for "
+            f"{tmp_path / 'out' / 'config.json'})")
 
 
 @pytest.mark.parametrize("tampered", [{"step": "3"}, {"max_eval_acc": 5.0}, {"wall_s": -1e9}, {"pieces": 10**15},
