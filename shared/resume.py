@@ -169,10 +169,11 @@ def check_resume(checkpoint: Path, config: dict, progress) -> None:
     if finishing:  # stopped after its last checkpoint, before its weights: the recipe evaluates and writes them
         return print(f"resuming from {checkpoint}: its last step ({total_steps}), the run stopped before writing its "
                      "weights: evaluating and writing them now")
-    epoch, left = progress.epoch + 1, config["train_size"] - progress.samples_into_epoch
-    print(f"resuming from {checkpoint}: step {progress.step}, epoch {epoch} after {progress.samples_into_epoch} of its "
-          f"{config['train_size']} samples")
     before = read_json(checkpoint / "config.json")  # the configuration that wrote the checkpoint, saved in it
+    epoch, left = progress.epoch + 1, config["train_size"] - progress.samples_into_epoch
+    # The position is in the checkpoint's epoch: of its data's size (another --data may hold fewer samples)
+    print(f"resuming from {checkpoint}: step {progress.step}, epoch {epoch} after {progress.samples_into_epoch} of its "
+          f"{(before if isinstance(before, dict) else config).get('train_size', config['train_size'])} samples")
     if not isinstance(before, dict):
         return print(f"no readable config.json in {checkpoint}: what changed since it cannot be listed")
     changed = [key for key in config if key not in NOT_SETTINGS and before.get(key) != config[key]]

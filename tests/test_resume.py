@@ -161,6 +161,19 @@ def test_a_checkpoint_without_its_config_json_still_resumes_and_says_so(tmp_path
         f"no readable config.json in {checkpoint}: what changed since it cannot be listed"]
 
 
+def test_a_resume_onto_less_data_counts_its_position_in_the_checkpoints_epoch(tmp_path, capsys):
+    """It said "epoch 1 after 640 of its 60 samples": the checkpoint's position against the new data's size."""
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_5"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "config.json").write_text(json.dumps({"train_size": 3000, "data": "big", "total_steps": 8}))
+    progress = Progress()
+    progress.step, progress.samples_into_epoch = 5, 640
+    check_resume(checkpoint, {"train_size": 60, "data": "small", "total_steps": 8}, progress)
+    assert capsys.readouterr().out.splitlines()[:2] == [
+        f"resuming from {checkpoint}: step 5, epoch 1 after 640 of its 3000 samples",
+        "changed since the checkpoint: train_size 3000 -> 60, data 'big' -> 'small'"]
+
+
 def test_no_two_seeds_share_an_epoch_order():
     """Seeding epoch e of seed s with s + e gave seed 1 the orders of seed 0, one epoch later: "3 seeds" were not."""
     assert len({tuple(order(seed, epoch)) for seed in range(4) for epoch in range(4)}) == 16
