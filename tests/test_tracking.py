@@ -227,6 +227,7 @@ def test_runs_table_says_where_a_stopped_run_continues(tmp_path):
         (tmp_path / name / "summary.json").write_text(json.dumps({"step": 28, "eval_acc": 0.5}))  # no "steps": stopped
         for checkpoint in checkpoints:
             (tmp_path / name / "checkpoints" / checkpoint).mkdir(parents=True)
+    (tmp_path / "a" / "checkpoints" / "step_99").symlink_to(tmp_path / "b")  # a link named as one is no checkpoint
     assert [row["state"] for row in collect(tmp_path)] == ["stopped at step 29", "stopped (last logged step 28)"]
 
 

@@ -64,12 +64,14 @@ def summaries(folder: Path) -> list[Path]:
 
 def stopped_at(run: Path, summary: dict) -> str:
     """A stopped run's state: the step of its newest checkpoint, where a resume continues (the summary's step is the
-    last one logged, often earlier); with its checkpoints elsewhere (--checkpoint_dir), that logged step."""
-    folder, names = run / "checkpoints", []
+    last one logged, often earlier); with its checkpoints elsewhere (--checkpoint_dir), that logged step. The
+    checkpoints are the step_<N> folders (no link: a resume refuses one), as shared/checkpoints.py's list_checkpoints
+    finds them, without importing torch."""
+    folder, steps = run / "checkpoints", []
     if folder.is_dir() and not folder.is_symlink():
-        with contextlib.suppress(OSError):  # unreadable: the logged step
-            names = [path.name for path in folder.iterdir()]
-    steps = [int(found[1]) for name in names if (found := re.fullmatch(r"step_([0-9]+)", name))]
+        with contextlib.suppress(OSError), os.scandir(folder) as entries:  # unreadable: the logged step
+            steps = [int(found[1]) for entry in entries if entry.is_dir(follow_symlinks=False)
+                     and (found := re.fullmatch(r"step_([0-9]+)", entry.name))]
     return f"stopped at step {max(steps)}" if steps else f"stopped (last logged step {summary.get('step', '?')})"
 
 
