@@ -301,8 +301,11 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
     if output.is_dir() or not output.parent.is_dir():
         raise RecipeError(f"--output {output}: {'a folder' if output.is_dir() else 'its folder does not exist'}: pass "
                           "a file name in an existing folder")
-    if output.exists() and not cfg.overwrite and (cfg.output or not written_here(output)):
-        raise RecipeError(f"{output} exists: pass --overwrite to replace it, or another --output")
+    if output.exists() and not cfg.overwrite:
+        from shared.resume import predictions  # the CSVs predict.py wrote in a run folder: an opt-in module
+
+        if cfg.output or output not in predictions(output.parent):  # the default --output: replaced if written here
+            raise RecipeError(f"{output} exists: pass --overwrite to replace it, or another --output")
     if skipped:
         print(f"skipped {len(skipped)} file(s) whose extension names none of the formats read here "
               f"({', '.join(FORMATS)}), e.g. {printable(skipped[0])}")
@@ -335,7 +338,7 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
     try:  # under a temporary name, renamed when complete: see shared/errors.py
         with replacing(output) as partial, partial.open("x", newline="") as f:
             writer = csv.writer(f)
-            writer.writerow(["path", "class", "confidence", f"top_{k}"])  # what written_here knows it by
+            writer.writerow(["path", "class", "confidence", f"top_{k}"])  # what shared.resume.predictions knows it by
             writer.writerows(rows)
     except OSError as error:
         raise RecipeError(f"cannot write {output} ({error.strerror}): pass --output in a writable folder with room"
@@ -362,15 +365,6 @@ def default_output(weights: Path, images: Path) -> Path:
         folder = folder.parent.parent if folder.parent.name == "checkpoints" else folder.parent
     name = (images.stem if images.is_file() else images.resolve().name).encode(errors="surrogateescape")
     return folder / f"predictions-{name[:200].decode(errors='ignore')}.csv"  # a file name: at most 255 bytes
-
-
-def written_here(path: Path) -> bool:
-    """Whether `path` is a CSV this script wrote, known by its first line: the default --output is replaced only then,
-    never a file of yours that happens to have its name."""
-    if not path.is_file():  # a FIFO would block the read
-        return False
-    with open(path, "rb") as f:
-        return re.fullmatch(rb"path,class,confidence,top_\d+\r?\n", f.readline(64)) is not None
 
 
 def run(cfg: Config) -> None:

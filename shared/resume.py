@@ -312,14 +312,27 @@ def cut_metrics(metrics: Path, step: int, labels: dict) -> None:
 
 
 def set_finished_aside(run_dir: Path) -> None:
-    """A finished run extended by a resume, as it writes its new weights: the finished run's files (FINISHED_FILES) move
-    into finished/<its steps>_steps/."""
+    """A finished run extended by a resume, as it writes its new weights: the finished run's files (FINISHED_FILES), and
+    predict.py's predictions of its weights, move into finished/<its steps>_steps/."""
     summary = read_json(run_dir / "summary.json")
     steps = summary.get("steps") if isinstance(summary, dict) else None
     name = f"{steps}_steps" if type(steps) is int else "earlier"
     aside = Path(new_folder(f"{run_dir}/finished/{name}"))
-    for path in (run_dir / file for file in FINISHED_FILES if (run_dir / file).exists()):
+    for path in [*(run_dir / file for file in FINISHED_FILES if (run_dir / file).exists()), *predictions(run_dir)]:
         os.replace(path, aside / path.name)
+
+
+def predictions(run_dir: Path) -> list[Path]:
+    """The CSVs recipes/predict.py wrote in a run folder, known by their first line: the predictions of the run's
+    weights, which go with them (a finished run extended, a run replaced by --overwrite) and which predict.py
+    replaces; never a file of yours that happens to have such a name."""
+    found = []
+    for path in run_dir.glob("predictions-*.csv"):
+        if path.is_file():  # a FIFO would block the read
+            with open(path, "rb") as f:
+                if re.fullmatch(rb"path,class,confidence,top_\d+\r?\n", f.readline(64)):
+                    found.append(path)
+    return found
 
 
 def resume_command(stop) -> str:

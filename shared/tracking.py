@@ -88,11 +88,11 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
                           f"own folder (runs/{recipe}-<time>)")
     # --checkpoint_dir: this run's checkpoints (resumed), the replaced run's (--overwrite), or nothing. Read where it is
     # written: a node's own folder is refused below.
-    mine, replaced = run_id(run_dir), []
+    mine, its_checkpoints = run_id(run_dir), []
     if cfg.checkpoint_dir and state.is_main_process:
         from shared.resume import check_checkpoint_folder  # only the runs given a --checkpoint_dir: an opt-in module
 
-        replaced = check_checkpoint_folder(cfg.checkpoint_dir, mine)
+        its_checkpoints = check_checkpoint_folder(cfg.checkpoint_dir, mine)
     state.wait_for_everyone()  # every process has read the folder before the main process changes it
     if state.is_main_process:
         if cfg.output_dir is None or not run_dir.exists():  # made by this start (new_folder made the default one)
@@ -122,8 +122,11 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
         from shared.tensorboard_tracker import TensorBoard  # only the runs that ask for it: an opt-in module
 
         chosen = [TensorBoard("tensorboard", run_dir)]
-    overwrite = cfg.overwrite and not cfg.resume and filled  # only what a run writes goes; the rest stays
-    replaced = [*(run_dir / name for name in RUN_FILES), *replaced] if overwrite else []
+    replaced = []  # what --overwrite deletes: only what a run writes (and predict.py of its weights); the rest stays
+    if cfg.overwrite and not cfg.resume and filled:
+        from shared.resume import predictions  # only the runs that replace one: an opt-in module
+
+        replaced = [*(run_dir / name for name in RUN_FILES), *predictions(run_dir), *its_checkpoints]
     # RunFiles first: it deletes what --overwrite replaces before wandb or TensorBoard start, and its config.json makes
     # the folder a run before they write into it, so a job stopped between the two is still a run to its next start.
     return run_dir, [RunFiles(run_dir, run, labels, replaced)] + chosen

@@ -350,15 +350,19 @@ def finished(env, data, tmp_path_factory):
 ], ids=["data", "batch"])
 def test_overwrite_with_a_mistake_leaves_the_run_it_would_replace(env, data, finished, tmp_path, mistake, needle):
     """--overwrite deleted the run's files as the run folder was opened, before the data and the flags were checked:
-    a mistyped --data then left neither the old run nor a new one."""
+    a mistyped --data then left neither the old run nor a new one. A good one deletes predict.py's predictions of the
+    replaced weights (beside the new ones they read as theirs), and no file of yours with such a name."""
     run = tmp_path / "run"
     shutil.copytree(finished, run)
+    (run / "predictions-photos.csv").write_text("path,class,confidence,top_3\r\na.png,cat,0.9,cat 0.9\r\n")
+    (run / "predictions-mine.csv").write_text("my notes\n")
     before = snapshot(run)
     one_line(run_here("cifar_cnn", "--data", str(data), "--output_dir", str(run), *SHORT, "--overwrite", *mistake),
              needle)
     assert snapshot(run) == before
     ok(run_here("cifar_cnn", "--data", str(data), "--output_dir", str(run), *SHORT, "--overwrite"))
     assert snapshot(run) != before and not (run / "checkpoints" / "step_2").exists()  # the replaced run's, gone
+    assert not (run / "predictions-photos.csv").exists() and (run / "predictions-mine.csv").read_text() == "my notes\n"
 
 
 def test_output_dir_already_holding_a_run(env, data, finished):

@@ -183,10 +183,14 @@ def test_a_run_is_continued_by_its_folder_alone_and_an_extension_keeps_the_finis
     """`--resume latest --output_dir RUN` and nothing more continues with the run's own flags (its config.json): with
     the defaults instead (batch 128, 10 epochs), a resumed run of batch 8 went on for hundreds of steps and replaced its
     model.safetensors. A finished run is refused; given a longer --max_steps, the one flag typed, it is extended, which
-    it says before its first step, and the finished run's files move to finished/<steps>_steps/ only as it finishes."""
+    it says before its first step, and the finished run's files move to finished/<steps>_steps/ only as it finishes,
+    with predict.py's predictions of its weights (they stayed, read as the longer run's), and no file of yours."""
     data, run = str(labelled[(3, 32, 32)]), tmp_path / "run"
     ok(run_here("cifar_cnn", "--data", data, "--output_dir", run, *RUN, "--max_steps", "4", "--lr", "0.02"))
-    finished = {name: (run / name).read_bytes() for name in ("model.safetensors", "summary.json")}
+    (run / "predictions-photos.csv").write_text("path,class,confidence,top_3\r\na.png,cat,0.9,cat 0.9\r\n")
+    (run / "predictions-mine.csv").write_text("my notes\n")
+    names = ("model.safetensors", "summary.json", "predictions-photos.csv")
+    finished = {name: (run / name).read_bytes() for name in names}
     again = run_here("cifar_cnn", "--resume", "latest", "--output_dir", run)
     assert again.returncode == 1
     assert f"{run} already finished its 4 steps: raise --max_steps or --epochs" in again.stderr
@@ -200,6 +204,7 @@ def test_a_run_is_continued_by_its_folder_alone_and_an_extension_keeps_the_finis
     assert read_json(run / "summary.json")["steps"] == 6
     assert {name: (run / "finished" / "4_steps" / name).read_bytes() for name in finished} == finished
     assert (run / "model.safetensors").read_bytes() != finished["model.safetensors"]
+    assert not (run / "predictions-photos.csv").exists() and (run / "predictions-mine.csv").read_text() == "my notes\n"
 
 
 def test_a_stop_while_a_finished_run_is_extended_keeps_its_finished_files(labelled, tmp_path, monkeypatch):
