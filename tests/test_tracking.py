@@ -179,6 +179,17 @@ def test_runs_table_lists_every_run(data, tmp_path):
     assert "| --lr |" in header and "--output_dir" not in header and "| eval_loss |" in header  # what differs
     assert "| train_loss |" in header and "--seed" not in header  # every metric; a flag both runs share is no column
     assert header in markdown.read_text()  # the file holds every column
+    # Written again over its own table; never over a file of yours (it replaced a README whole)
+    again = subprocess.run([sys.executable, "-m", "tools.runs", str(folder), "--markdown", str(markdown)], cwd=ROOT,
+                           capture_output=True, text=True)
+    assert again.returncode == 0 and markdown.read_text().count("| cifar_cnn |") == 2, again.stderr
+    readme = tmp_path / "README.md"
+    readme.write_text("# My project\n")
+    mine = subprocess.run([sys.executable, "-m", "tools.runs", str(folder), "--markdown", str(readme)], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert (mine.returncode, mine.stdout, readme.read_text()) == (1, "", "# My project\n")
+    assert mine.stderr == (f"error: --markdown {readme} exists and is no table this tool wrote: nothing written; pass "
+                           "a new file, then copy the table from it\n")
     (tmp_path / "nothing").mkdir()
     # Run as a file from elsewhere (`python tools/runs.py`): it found no `tools` package, a ModuleNotFoundError
     empty = subprocess.run([sys.executable, ROOT / "tools" / "runs.py", str(tmp_path / "nothing")], cwd=tmp_path,

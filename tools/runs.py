@@ -2,7 +2,7 @@
 
     python -m tools.runs runs/                      # print the table: at most 12 columns, the flags that differ first
     python -m tools.runs runs/ --all                # every column: the launch, every metric
-    python -m tools.runs runs/ --markdown RUNS.md   # and write every column as markdown, e.g. for a README
+    python -m tools.runs runs/ --markdown RUNS.md   # and write every column as markdown, e.g. to copy into a README
 """
 
 from __future__ import annotations
@@ -117,12 +117,24 @@ def columns(rows: list[dict]) -> list[str]:
     return COLUMNS + [key for key in keys if key.startswith("--")] + [key for key in keys if not key.startswith("--")]
 
 
+def table_file(path: Path) -> bool:
+    """Whether `path` is a table --markdown wrote, known by its first line: that one is replaced, never a file of yours
+    (a README, a notes file) that --markdown names."""
+    with path.open("rb") as f:
+        return f.readline(4096).startswith(b"Runs under `")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Table of the runs under a folder (their summary.json files).")
     parser.add_argument("folder", type=Path, help="a run folder, or a folder of run folders (e.g. runs/)")
     parser.add_argument("--all", action="store_true", help="print every column (the launch, every metric)")
-    parser.add_argument("--markdown", type=Path, help="also write the table, every column, to this markdown file")
+    parser.add_argument("--markdown", type=Path,
+                        help="also write the table, every column, to this markdown file (a new one, or one it wrote)")
     args = parser.parse_args(argv)
+    if args.markdown and args.markdown.is_file() and not args.markdown.is_symlink() and not table_file(args.markdown):
+        print(f"error: --markdown {args.markdown} exists and is no table this tool wrote: nothing written; pass a new "
+              "file, then copy the table from it", file=sys.stderr)
+        return 1
     if not args.folder.is_dir():
         print(f"error: {args.folder} is no folder: pass a run folder or a folder of runs (e.g. runs/)", file=sys.stderr)
         return 1
