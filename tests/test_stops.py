@@ -277,6 +277,10 @@ def test_a_stop_under_the_launcher_of_1_process(env, data, reference, tmp_path, 
     # the launcher died; the trainer saved after
     assert process.returncode == -getattr(signal, name), stdout[-3000:] + stderr[-3000:]
     assert ("KeyboardInterrupt" in stderr) == ctrl_c and f"stopped by {name} at step " in stdout, stderr[-3000:]
+    if ctrl_c:  # a second Ctrl-C reaches no process once the launcher is gone: the line said so
+        pid = re.search(r"this process, (\d+), saves after it: wait for its 'stopped by' line, or stop it at once "
+                        r"with kill -INT (\d+)\)\n", stdout)
+        assert pid and pid[1] == pid[2] and "Ctrl-C again" not in stdout, stdout[-3000:]
     stopped = int(stdout.split(f"stopped by {name} at step ")[1].split(",")[0])
     assert 1 <= stopped < 20 and (out / "checkpoints" / f"step_{stopped}").is_dir()
     assert not (out / "model.safetensors").exists()  # stopped, not finished
