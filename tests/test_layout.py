@@ -39,8 +39,8 @@ def test_one_command_makes_a_project_that_runs_its_readme_and_a_metric_is_one_ed
         Image.new("RGB", (40, 40), (80 * n, 90, 200)).save(photos / f"{n}.png")
     clean = {k: v for k, v in env.items() if k != "PYTHONPATH"}
     outputs = []
-    for command, extra in zip(commands, (f"--max_steps 3 {short} --output_dir runs/RUN", f"--max_steps 6 {short}", "",
-                                         "", "")):
+    # The resume as the README says it: the run's folder and the one flag that changes (its flags are in config.json)
+    for command, extra in zip(commands, (f"--max_steps 3 {short} --output_dir runs/RUN", "--max_steps 6", "", "", "")):
         words = (command + " " + extra).split()
         launcher = ([sys.executable, "-m", "accelerate.commands.accelerate_cli"] if words[0] == "accelerate"
                     else [sys.executable])
@@ -53,6 +53,8 @@ def test_one_command_makes_a_project_that_runs_its_readme_and_a_metric_is_one_ed
     assert all("eval_top2" in row and row["eval_top2"] >= row["eval_acc"] for row in rows if "eval_loss" in row)
     summary, config = read_json(run / "summary.json"), read_json(run / "config.json")
     assert summary["pieces"] == 2 and config["recipe"] == "my_project" and config["data"] == str(data)
+    assert (config["batch_size"], config["checkpoint_every"], config["tracker"]) == (8, 3, "none")
+    assert "(RUN: the folder a run printed; it continues with the flags its config.json records" in readme
     # a header and a row per image, in the run's folder (the project's own folder keeps its files)
     assert len((run / "predictions-my_photos.csv").read_text().splitlines()) == 4
     assert "wrote runs/RUN/predictions-my_photos.csv (3 images)" in outputs[2]

@@ -70,8 +70,8 @@ def make_project(folder: Path, recipe: str, data: str | None) -> Path:
     commands = COMMANDS.format(data=data or default_data.group(1), smoke=smoke)
     (folder / "README.md").write_text(
         f"# {name}\n\nStarted from the `{recipe}` recipe. Install, then train, continue a stopped run (RUN: the "
-        f"folder a run printed; add the flags it was started with, as the command a stop prints does: without "
-        f"them, their defaults would continue it), use the model, and compare the runs:\n\n"
+        f"folder a run printed; it continues with the flags its config.json records, and a flag you add changes only "
+        f"itself), use the model, and compare the runs:\n\n"
         f"```bash\npip install -r requirements.txt\n{commands}\n```\n\n"
         "Edit train.py: `make_model`, `IMAGE_SHAPE`, `MEAN` and `STD`, `loss_fn`, `metric_sums` (a new entry is logged "
         "as train_<name> and eval_<name>), `preprocess`, and the `Config` fields (each is a flag; its comment, the "
