@@ -239,7 +239,13 @@ def test_runs_table_says_where_a_stopped_run_continues(tmp_path):
         for checkpoint in checkpoints:
             (tmp_path / name / "checkpoints" / checkpoint).mkdir(parents=True)
     (tmp_path / "a" / "checkpoints" / "step_99").symlink_to(tmp_path / "b")  # a link named as one is no checkpoint
-    assert [row["state"] for row in collect(tmp_path)] == ["stopped at step 29", "stopped (last logged step 28)"]
+    # A finished run extended by a resume keeps its summary until the longer run finishes: it read "finished"
+    for name, newest in (("c", "step_5"), ("d", "step_4")):
+        (tmp_path / name / "checkpoints" / newest).mkdir(parents=True)
+        (tmp_path / name / "summary.json").write_text(json.dumps({"steps": 4, "step": 4, "eval_acc": 0.5}))
+    assert [row["state"] for row in collect(tmp_path)] == [
+        "stopped at step 29", "stopped (last logged step 28)", "finished at step 4; its extension stopped at step 5",
+        "finished"]
 
 
 def test_runs_table_shortens_a_hash_to_12_digits(tmp_path, capsys):

@@ -62,17 +62,29 @@ def summaries(folder: Path) -> list[Path]:
     return found
 
 
-def stopped_at(run: Path, summary: dict) -> str:
-    """A stopped run's state: the step of its newest checkpoint, where a resume continues (the summary's step is the
-    last one logged, often earlier); with its checkpoints elsewhere (--checkpoint_dir), that logged step. The
-    checkpoints are the step_<N> folders (no link: a resume refuses one), as shared/checkpoints.py's list_checkpoints
-    finds them, without importing torch."""
+def newest_checkpoint(run: Path) -> int | None:
+    """The step of a run's newest checkpoint in its checkpoints/ (None: none there, or its checkpoints are elsewhere,
+    --checkpoint_dir): where a resume continues. The checkpoints are the step_<N> folders (no link: a resume refuses
+    one), as shared/checkpoints.py's list_checkpoints finds them, without importing torch."""
     folder, steps = run / "checkpoints", []
     if folder.is_dir() and not folder.is_symlink():
-        with contextlib.suppress(OSError), os.scandir(folder) as entries:  # unreadable: the logged step
+        with contextlib.suppress(OSError), os.scandir(folder) as entries:  # unreadable: none known
             steps = [int(found[1]) for entry in entries if entry.is_dir(follow_symlinks=False)
                      and (found := re.fullmatch(r"step_([0-9]+)", entry.name))]
-    return f"stopped at step {max(steps)}" if steps else f"stopped (last logged step {summary.get('step', '?')})"
+    return max(steps, default=None)
+
+
+def state(run: Path, summary: dict) -> str:
+    """Finished (only the end of a run writes `steps`), or stopped at its newest checkpoint's step (the summary's step
+    is the last one logged, often earlier; without a checkpoint here, that step). A finished run that a resume extends
+    keeps its summary until the longer run finishes: its newest checkpoint, past its steps, says how far that got."""
+    newest, steps = newest_checkpoint(run), summary.get("steps")
+    if "steps" in summary:
+        extended = newest is not None and type(steps) is int and newest > steps
+        return f"finished at step {steps}; its extension stopped at step {newest}" if extended else "finished"
+    if newest is None:
+        return f"stopped (last logged step {summary.get('step', '?')})"
+    return f"stopped at step {newest}"
 
 
 def collect(folder: Path) -> list[dict]:
@@ -88,8 +100,7 @@ def collect(folder: Path) -> list[dict]:
         rows.append({
             "run": str(run.relative_to(folder)) if run != Path(folder) else run.name,
             "recipe": config.get("recipe") or around.get("recipe"), "data": summary.get("data") or config.get("data"),
-            # Only the end of a run writes `steps`; a stop (SIGTERM, Ctrl-C) leaves its last logged values.
-            "state": "finished" if "steps" in summary else stopped_at(run, summary),
+            "state": state(run, summary),
             "launch": f"{config.get('distributed_type', '?')} on {config.get('device', '?')}",
             "world_size": summary.get("world_size"), "precision": summary.get("mixed_precision"),
             "global_batch": config.get("global_batch_size"), "epochs": summary.get("epochs"),
