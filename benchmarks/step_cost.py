@@ -360,13 +360,13 @@ def worker(name: str, flags: list[str], out: Path) -> None:
     left out (an agreement falls between two optimizer steps)."""
     from shared import checkpoints
 
-    agreements, agree = [], checkpoints.StopOnSignals._agree_to_stop
+    agreements, agree = [], checkpoints.StopOnSignals._agree
 
-    def counted_agreement(self, step):
+    def counted_agreement(self, step, due):
         agreements.append(step)
-        return agree(self, step)
+        return agree(self, step, due)
 
-    checkpoints.StopOnSignals._agree_to_stop, checkpoints.STOP_CHECK_S = counted_agreement, 1e9
+    checkpoints.StopOnSignals._agree, checkpoints.STOP_CHECK_S = counted_agreement, 1e9
     main_process = PartialState().is_main_process  # starts the process group: the plain loop's DDP needs it
     plain = steady(count_plain_loop(name, flags, ddp=True))  # first: the recipe's end_training ends the group
     counts = steady(count_recipe(name, flags), leave_out={step + 1 for step in agreements})

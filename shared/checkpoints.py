@@ -37,6 +37,7 @@ from shared.errors import RecipeError, flush_to_disk, replacing, walk
 
 STEP_DIR = re.compile(r"step_(\d+)$")
 STOP_CHECK_S = 1.0  # several processes agree on a stop about this often (seconds of training)
+CHECKPOINT_S = 600  # without --checkpoint_every, a checkpoint about this often: a crash or kill -9 loses at most this
 SECOND_INTERRUPT_S = 1.0  # a SIGINT this long after the first is the user's second Ctrl-C, not torchrun's copy
 PR_SET_PDEATHSIG = 1  # prctl: the signal this process gets when its parent dies (<linux/prctl.h>)
 
@@ -78,6 +79,7 @@ class StopOnSignals:
         except psutil.Error:
             self.started_in = {}
         self.next_check, self.last_check = 0, None  # the step of the processes' next agreement on a stop; the last's
+        self.saved_at = time.monotonic()  # the last checkpoint's time (or the start's), for CHECKPOINT_S
 
     def stop_on_signals(self) -> None:
         """From now on SIGTERM (what SLURM and most schedulers send before they kill a job) and SIGINT (Ctrl-C) ask
@@ -115,18 +117,22 @@ class StopOnSignals:
                         os.write(1, f"Ctrl-C: stopping after this step with a checkpoint ({again})\n".encode())
 
     def after_step(self, model, step: int, at_log_point: bool) -> bool:
-        """After each optimizer step: checkpoint every --checkpoint_every steps, and when a stop was asked, checkpoint
-        this step and print the command that continues the run. True: stop now.
+        """After each optimizer step: checkpoint every --checkpoint_every steps (without it, about every CHECKPOINT_S
+        seconds), and when a stop was asked, checkpoint this step and print the command that continues the run.
+        True: stop now.
 
-        Several processes must agree to stop, or one would wait in the checkpoint's barrier while another runs the
-        next all-reduce. They agree where the step already waits for the device (`at_log_point`), at
+        Several processes must agree to stop or save, or one would wait in the checkpoint's barrier while another
+        runs the next all-reduce. They agree where the step already waits for the device (`at_log_point`), at
         checkpoints, and at least every STOP_CHECK_S seconds: log points alone can be minutes apart, and torchrun
-        kills the workers 30 s after a SIGTERM."""
-        save_now = self.cfg.checkpoint_every > 0 and step % self.cfg.checkpoint_every == 0
-        stopping = self.signal is not None  # one process: its own signal decides
+        kills the workers 30 s after a SIGTERM. The main process's clock decides when a checkpoint is due."""
+        every = self.cfg.checkpoint_every
+        save_now = bool(every) and step % every == 0
+        stopping = self.signal is not None  # one process: its own signal and clock decide
+        due = every is None and time.monotonic() - self.saved_at >= CHECKPOINT_S
         if self.accelerator.num_processes > 1:
-            stopping = (at_log_point or save_now or step >= self.next_check) and self._agree_to_stop(step)
-        if save_now or stopping:
+            agree = at_log_point or save_now or step >= self.next_check
+            stopping, due = self._agree(step, due) if agree else (False, False)
+        if save_now or due or stopping:
             self.save(model, step)
         if stopping:
             from shared.resume import resume_command  # only the runs that stop: an opt-in module
@@ -135,17 +141,18 @@ class StopOnSignals:
                                    f"checkpoint saved; continue with:\n  {resume_command(self)}")
         return stopping
 
-    def _agree_to_stop(self, step: int) -> bool:
-        """One gather over the processes: has any been asked to stop, and how many steps take STOP_CHECK_S seconds
-        on the slowest (the step of the next check, the same on every process). On a GPU: a sync about once a second."""
+    def _agree(self, step: int, due: bool) -> tuple[bool, bool]:
+        """One gather over the processes: has any been asked to stop; is a checkpoint due by the main process's clock;
+        and how many steps take STOP_CHECK_S seconds on the slowest (the step of the next check, the same on every
+        process). On a GPU: a sync about once a second."""
         now, steps = time.monotonic(), 1  # every step until an interval has been measured
         if self.last_check is not None:
             seconds_per_step = (now - self.last_check[1]) / (step - self.last_check[0])
             steps = max(1, int(STOP_CHECK_S / max(seconds_per_step, 1e-6)))
-        votes = self.accelerator.gather(torch.tensor([[int(self.signal is not None), steps]],
+        votes = self.accelerator.gather(torch.tensor([[int(self.signal is not None), steps, int(due)]],
                                                      device=self.accelerator.device))
         self.next_check, self.last_check = step + int(votes[:, 1].min()), (step, now)
-        return bool(votes[:, 0].any())
+        return bool(votes[:, 0].any()), bool(votes[0, 2])
 
 
 def stop_with_launcher() -> None:
@@ -278,6 +285,7 @@ class Checkpoints(StopOnSignals):
                 shutil.rmtree(old)
         self.accelerator.wait_for_everyone()
         self.saved.add(final)
+        self.saved_at = time.monotonic()
 
     def save_weights(self, model, metadata: dict) -> None:
         """model.safetensors: a plain state dict, no `module.` or `_orig_mod.` prefixes; `metadata` as JSON text. An

@@ -126,7 +126,7 @@ class RunConfig:
     output_dir: str | None = None  # run folder; default runs/<recipe>-<YYYYmmdd-HHMMSS>
     overwrite: bool = False  # allow a new run in a folder that already holds one
     log_every: int | None = None  # optimizer steps between train_loss / lr / grad_norm points; default: ~100 a run
-    checkpoint_every: int = 0  # optimizer steps between full-state checkpoints (0: only at the end)
+    checkpoint_every: int | None = None  # steps between full-state checkpoints; default: ~10 min apart; 0: at the end
     keep_checkpoints: int = 3  # newest full-state checkpoints kept on disk
     checkpoint_dir: str | None = None  # where checkpoints go (a scratch disk); default: <output_dir>/checkpoints
     resume: str | None = None  # `latest` or a checkpoints/step_<N> folder to continue from

@@ -148,7 +148,7 @@ def find_checkpoint(folder: Path | None, resume: str, run: str | None = None) ->
     if not checkpoints:
         raise RecipeError(f"--resume latest: {folder} has no checkpoints: start the run again without --resume "
                           "(with --overwrite, where its folder holds it: only the files a run writes are replaced), "
-                          "or pass --output_dir of a run that saved one (--checkpoint_every N)")
+                          "or pass --output_dir of a run that saved one")
     return checkpoints[-1]
 
 

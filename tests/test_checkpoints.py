@@ -71,6 +71,52 @@ def test_resume_from_a_checkpoint_is_bitwise_exact(data, reference, tmp_path):
     assert steps == list(range(step + 1, 21))  # continued where the checkpoint stopped, each step once
 
 
+def test_without_checkpoint_every_a_checkpoint_is_saved_every_few_minutes(data, tmp_path, monkeypatch):
+    """Only the end saved one by default: a crash or kill -9 lost the whole run. Now one about every CHECKPOINT_S
+    seconds (here 0: every step; the newest 3 kept), which changes nothing of the training; --checkpoint_every 0
+    still saves only at the end."""
+    from shared import checkpoints
+
+    monkeypatch.setattr(checkpoints, "CHECKPOINT_S", 0)
+    args = ("--data", data, "--batch_size", "8", "--max_steps", "6", "--seed", "5", "--tracker", "none")
+    ok(run_here("cifar_cnn", *args, "--output_dir", tmp_path / "timed"))
+    ok(run_here("cifar_cnn", *args, "--output_dir", tmp_path / "end", "--checkpoint_every", "0"))
+    assert sorted(p.name for p in (tmp_path / "timed" / "checkpoints").iterdir()) == ["step_4", "step_5", "step_6"]
+    assert sorted(p.name for p in (tmp_path / "end" / "checkpoints").iterdir()) == ["step_6"]
+    assert_bitwise_equal(weights(tmp_path / "timed"), weights(tmp_path / "end"))
+
+
+class TwoProcesses:
+    """An Accelerator of 2 processes to StopOnSignals: this process's rank, the other's row of votes."""
+
+    num_processes, device, is_main_process = 2, torch.device("cpu"), True
+
+    def __init__(self, rank: int, other: list[int]):
+        self.rank, self.other = rank, torch.tensor([other])
+
+    def gather(self, mine: torch.Tensor) -> torch.Tensor:
+        return torch.cat([mine, self.other] if self.rank == 0 else [self.other, mine])
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("main_due, other_due", [(True, False), (False, True), (True, True), (False, False)])
+def test_the_main_processs_clock_decides_when_a_checkpoint_is_due(rank, main_due, other_due):
+    """Several processes save on the same step or wait for each other in the checkpoint's barrier: the main process's
+    clock decides, as their agreement on a stop carries it to every process."""
+    from types import SimpleNamespace
+
+    from shared.checkpoints import CHECKPOINT_S, StopOnSignals
+
+    mine, theirs = (main_due, other_due) if rank == 0 else (other_due, main_due)
+    stop = StopOnSignals()
+    stop.accelerator, stop.cfg = TwoProcesses(rank, [0, 1, int(theirs)]), SimpleNamespace(checkpoint_every=None)
+    stop.saved_at -= CHECKPOINT_S if mine else 0
+    saved = []
+    stop.save = lambda model, step: saved.append(step)
+    assert stop.after_step(None, 7, at_log_point=True) is False  # no stop asked
+    assert saved == ([7] if main_due else [])
+
+
 def test_each_file_renamed_into_place_is_on_the_disk_before_its_name(env, data, tmp_path):
     """A rename may reach the disk before the data of the file renamed: a machine that crashes between the two (power
     lost, a node or VM gone) comes back with a checkpoint, model.safetensors or config.json of that name empty or

@@ -121,7 +121,7 @@ def test_what_a_recipe_uses_from_shared_is_what_the_docs_list():
 
 
 # Underscore names of this project's own, and the standard library's: not a dependency's private API.
-OWN_PRIVATE = {"os._exit", "checkpoints.StopOnSignals._agree_to_stop", "tracking._LOCKS"}
+OWN_PRIVATE = {"os._exit", "checkpoints.StopOnSignals._agree", "tracking._LOCKS"}
 
 
 def test_every_private_name_of_a_dependency_the_code_uses_is_listed_in_docs_tests_md():
