@@ -23,6 +23,7 @@
 """
 
 import ctypes
+import os
 import sys
 from pathlib import Path
 
@@ -154,6 +155,13 @@ def device_settings(accelerator, cfg) -> None:
     1,400 steps. BENCHMARKS.md, "GPU speed"."""
     device = accelerator.device
     if device.type == "cpu":
+        # What `accelerate launch` sets from a config without use_cpu (1gpu.yaml, bf16.yaml, or none): a GPU was meant
+        if os.environ.get("ACCELERATE_USE_CPU") == "False" and accelerator.is_main_process:
+            why = (f"it sees no GPU (CUDA {torch.version.cuda}: check nvidia-smi and CUDA_VISIBLE_DEVICES)"
+                   if torch.version.cuda else "it is built for the CPU only: install the build for your GPU "
+                   "(pytorch.org/get-started)")
+            print(f"warning: training on the CPU, as torch {torch.__version__} must: {why}; for the CPU, "
+                  "launch with accelerate_configs/cpu.yaml", flush=True)
         if accelerator.mixed_precision == "bf16" and accelerator.is_main_process and not cpu_has_bf16():
             print("warning: this CPU has no bf16 instructions (no avx512_bf16 or amx_bf16 in lscpu), so bf16 is "
                   "emulated here, several times slower than float32: accelerate_configs/cpu.yaml is faster", flush=True)

@@ -115,6 +115,26 @@ def test_1gpu_yaml_without_a_gpu_trains_on_the_cpu(env, disk_data, tmp_path):
     result = ok(launch(env, "cifar_cnn", "--data", str(disk_data), "--output_dir", str(out), *SHORT, config="1gpu"))
     assert "on cpu" in result.stdout
     assert read_json(out / "summary.json")["steps"] == 6
+    # A GPU was meant: one line says why there is none (a CPU-only torch on a GPU machine trained on, unsaid)
+    cuda = torch.version.cuda
+    why = (f"it sees no GPU (CUDA {cuda}: check nvidia-smi and CUDA_VISIBLE_DEVICES)" if cuda else
+           "it is built for the CPU only: install the build for your GPU (pytorch.org/get-started)")
+    assert (f"warning: training on the CPU, as torch {torch.__version__} must: {why}; for the CPU, launch with "
+            "accelerate_configs/cpu.yaml\n") in result.stdout
+    cpu = ok(launch(env, "cifar_cnn", "--data", str(disk_data), "--output_dir", str(out), *SHORT, "--overwrite",
+                    config="cpu"))
+    assert "on cpu" in cpu.stdout and "training on the CPU" not in cpu.stdout + cpu.stderr  # cpu.yaml: it was meant
+
+
+def test_a_cpu_only_torch_where_a_gpu_was_meant_says_so(tmp_path, monkeypatch):
+    """The README's CPU wheels, installed on a GPU machine, trained on the CPU unsaid (test_1gpu_yaml_without_a_gpu_...:
+    a CUDA build that sees no GPU)."""
+    monkeypatch.setattr(torch.version, "cuda", None)
+    result = ok(run_here("cifar_cnn", "--synthetic", "--max_steps", "1", "--output_dir", tmp_path / "run", "--tracker",
+                         "none", env={"ACCELERATE_USE_CPU": "False"}))  # what accelerate launch sets for 1gpu.yaml
+    assert (f"warning: training on the CPU, as torch {torch.__version__} must: it is built for the CPU only: install "
+            "the build for your GPU (pytorch.org/get-started); for the CPU, launch with accelerate_configs/cpu.yaml\n"
+            ) in result.stdout
 
 
 def test_synthetic_data_is_learnable_and_labelled(tmp_path):
