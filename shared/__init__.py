@@ -1,5 +1,5 @@
 """What every recipe repeats, one job per module (what only sweeps, benchmarks, the runs table and new projects use is
-in tools/, outside the recipes' path). A recipe imports the first eight; the last eleven are opt-in, imported inside
+in tools/, outside the recipes' path). A recipe imports the first eight; the last twelve are opt-in, imported inside
 the function that needs them:
 
 - config: flags from the Config dataclass, a field's comment its --help
@@ -12,8 +12,8 @@ the function that needs them:
 - tracking: the run folder, wandb, readable run files, the training window
 - checkpoints: full-state checkpoints, the run's progress, model.safetensors, a stop on SIGTERM or Ctrl-C with a
   checkpoint and the command that continues the run
-- errors: one-line errors, the launch checks, the free memory and what a dataset may take decoded, a folder's walk, a
-  write that no crash breaks
+- errors: one-line errors, the launch checks, a folder's walk, a write that no crash breaks
+- bounds: the free memory, and what a dataset may take decoded (opt-in: imported where images are decoded)
 - dataset_files: IDX files and CIFAR's binary and Python versions, read as published, and the bounds on a dataset
   file's size and a parquet file's decompressed size (opt-in: imported for local data)
 - image_files: a PNG or a JPEG from anywhere, checked before PIL opens it (opt-in: imported where an image file

@@ -4,8 +4,9 @@ in the resumable order of EpochOrder. load_image_data runs four stages in order,
 1. the source (here; published files and the parquet check in shared/dataset_files.py, imported only for local
    data): a hub id, a save_to_disk, parquet or imagefolder folder, IDX files or CIFAR's files; its splits, their
    sizes and the class names;
-2. the bounds (shared/errors.py): both splits' images, converted, must fit in the free memory, checked before an
-   image is decoded or a published file's pixels are read (their count from the IDX headers or CIFAR's sizes);
+2. the bounds (shared/bounds.py, an opt-in module): both splits' images, converted, must fit in the free memory,
+   checked before an image is decoded or a published file's pixels are read (their count from the IDX headers or
+   CIFAR's sizes);
 3. the decoding (shared/images.py): each image into the recipe's channels and size, once (one line says what was
    converted, with the sizes found);
 4. the cache (here): the tensors saved by what they came from (datasets' fingerprints, or the files' paths, sizes and
@@ -33,15 +34,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from shared import images
-from shared.errors import (
-    RecipeError,
-    check_decoded_size,
-    first_line,
-    is_main_process,
-    printable,
-    process_limit,
-    replacing,
-)
+from shared.errors import RecipeError, first_line, is_main_process, printable, process_limit, replacing
 
 if TYPE_CHECKING:  # for the annotations only
     import datasets
@@ -135,6 +128,8 @@ def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: b
         if found.files:  # their arrays as stored and the class names, bounded (2) before any is read
             stored, found.classes = found.files.read(source, image_shape)
         else:
+            from shared.bounds import check_decoded_size  # what a decode may take: an opt-in module
+
             count = sum(map(len, found.splits.values()))
             check_decoded_size(source, count, image_shape)  # 2
             if is_main_process():  # many large photos take minutes (a 12-megapixel JPEG: 0.1 s here)

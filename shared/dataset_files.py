@@ -29,8 +29,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from shared.bounds import check_decoded_size, free_memory
 from shared.config import MAX_JSON_BYTES, read_json
-from shared.errors import RecipeError, check_decoded_size, first_line, free_memory, walk
+from shared.errors import RecipeError, first_line, walk
 from shared.pickles import check_pickle
 
 FASHION_MNIST = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",

@@ -5,17 +5,16 @@ A recipe raises `RecipeError` for anything the user can fix. Every process of a 
 (same flags, data and checkpoint, a training loss reduced over all processes), so all stop together and
 rank 0 alone prints. Programming errors keep their traceback: those are for whoever changes the code.
 
-Files from anywhere: what one may claim, checked before anything is allocated (the free memory, what this process
-may still allocate; a dataset's decoded size; a dataset file's size and a parquet file's decompressed size are checked
-in shared/dataset_files.py), a walk of a folder tree that no depth breaks, and a write that neither a crash nor a link
-breaks (`replacing`). The limits are listed in docs/troubleshooting.md.
+Files from anywhere: a walk of a folder tree that no depth breaks, and a write that neither a crash nor a link breaks
+(`replacing`). What a file may claim is checked before anything is allocated, where it is read: the free memory and a
+dataset's decoded size in shared/bounds.py, a dataset file's size and a parquet file's decompressed size in
+shared/dataset_files.py (opt-in modules). The limits are listed in docs/troubleshooting.md.
 """
 
 import contextlib
 import errno
 import importlib.util
 import json
-import math
 import os
 import resource
 import sys
@@ -25,7 +24,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 
-import psutil
 import torch
 from accelerate import PartialState
 from accelerate.utils import parse_flag_from_env
@@ -200,26 +198,6 @@ def check_launch() -> None:
                           "use accelerate_configs/bf16.yaml on a CPU")
 
 
-def free_memory(cgroups: Path = Path("/sys/fs/cgroup")) -> float:
-    """Bytes this process may still allocate: the memory the system has available (page cache counts as free, as in
-    `free`), within the limit of its cgroup and of every cgroup above it (cgroup v2: a container's or a SLURM job's
-    memory limit), and within its address-space limit (`ulimit -v`). psutil (accelerate's) reads the system's figures
-    (on Linux, MemAvailable in /proc/meminfo) and this process's address space, on macOS too."""
-    room = [psutil.virtual_memory().available]
-    with contextlib.suppress(OSError, ValueError, StopIteration):
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-        group = cgroups / next(line[3:] for line in lines if line.startswith("0::")).strip("/")
-        for folder in [group, *group.parents[:len(group.relative_to(cgroups).parts)]]:
-            with contextlib.suppress(OSError, ValueError, KeyError):  # "max": no limit in this cgroup
-                stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines())
-                used = int((folder / "memory.current").read_text()) - int(stat["inactive_file"])
-                room.append(int((folder / "memory.max").read_text()) - used)
-    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
-    if limit != resource.RLIM_INFINITY:
-        room.append(limit - psutil.Process().memory_info().vms)
-    return max(min(room), 0)
-
-
 def walk(folder: Path, skip: Path | None = None) -> Iterator[os.DirEntry]:
     """Every entry below `folder` that is not a folder (files, links, FIFOs, ...), links not followed, and nothing below
     `skip`. Not recursive: rglob and os.walk recurse in Python 3.11, and a tree 1,500 folders deep ended in a
@@ -263,13 +241,3 @@ def flush_to_disk(path: Path) -> None:
     for file in walk(path) if path.is_dir() else [path]:
         with open(file, "rb") as f:
             os.fsync(f.fileno())
-
-
-def check_decoded_size(source: str, count: int, image_shape: tuple[int, int, int]) -> None:
-    """Every pixel of both splits is held at once, converted to `image_shape` (150 KB a 224-px photo: 15 GB for
-    100,000): refuse more than the free memory before a byte is decoded or converted."""
-    need, free = count * math.prod(image_shape), free_memory()
-    if need > free:
-        raise RecipeError(f"{source}: {count:,} images of {'x'.join(map(str, image_shape))} take "
-                          f"{need / 2**30:.1f} GiB decoded, more than the {free / 2**30:.1f} GiB of free memory: use "
-                          "smaller images (finetune.py: --image_size) or fewer, or a machine with more memory")

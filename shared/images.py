@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
-from shared.errors import RecipeError, first_line, free_memory
+from shared.errors import RecipeError, first_line
 
 WIDE_MODES = {"I", "I;16", "I;16B", "I;16L", "I;16N", "F"}  # 16/32-bit and float pixels
 # The formats decode reads, each decoded by PIL itself. Not EPS: PIL hands it to Ghostscript, a PostScript interpreter,
@@ -95,9 +95,13 @@ def fit(image: torch.Tensor, height: int, width: int, where: str = "images", int
     size = max(height, width)  # the shorter side's new length; the longer keeps the aspect ratio
     new_h, new_w = (int(size * h / w), size) if w <= h else (size, int(size * w / h))
     need = image.numel() // (h * w) * new_h * new_w  # the resized images before the crop: a 1 x 10^8 image, 10 GB
-    if need > 2**28 and need > free_memory():
-        raise RecipeError(f"{where}: images of {w}x{h} pixels, resized to {new_w}x{new_h} before the centre crop, take "
-                          f"{need / 2**30:.1f} GiB, more than the free memory: crop them nearer to a square first")
+    if need > 2**28:
+        from shared.bounds import free_memory  # the memory a large resize needs: an opt-in module
+
+        if need > free_memory():
+            raise RecipeError(f"{where}: images of {w}x{h} pixels, resized to {new_w}x{new_h} before the centre "
+                              f"crop, take {need / 2**30:.1f} GiB, more than the free memory: crop them nearer to a "
+                              "square first")
     from torchvision.transforms import InterpolationMode  # here: 2 s of a start, paid only by a decode that resizes
     from torchvision.transforms.v2 import functional
 

@@ -371,7 +371,7 @@ def test_the_decode_cache_sits_beside_datasets_own_cache_without_importing_datas
 def test_free_memory_stays_within_the_cgroups_limit(tmp_path):
     """A container's or a SLURM job's memory limit (cgroup v2: memory.max), less what the cgroup uses beyond page cache
     it can drop. This process's own cgroup is "/" here, so the folder given stands for the cgroup root."""
-    from shared.errors import free_memory
+    from shared.bounds import free_memory
 
     if "0::/\n" not in Path("/proc/self/cgroup").read_text():
         pytest.skip("this process sits below the cgroup namespace's root")
@@ -388,7 +388,7 @@ def test_published_files_too_large_once_converted_are_refused_before_they_are_re
                                                                                      layout):
     """Both splits converted to the recipe's input must fit in the free memory, and that is checked from the files'
     headers and sizes before a file's pixels are read (it was checked after both splits were read whole)."""
-    from shared import dataset_files, errors
+    from shared import bounds, dataset_files, errors
 
     shape = (1, 28, 28) if layout == "idx" else (3, 32, 32)
     splits = random_splits(shape, sizes=(30, 10))
@@ -398,10 +398,10 @@ def test_published_files_too_large_once_converted_are_refused_before_they_are_re
     for name in ("read_idx_splits", "read_cifar_splits"):
         real = getattr(dataset_files, name)
         monkeypatch.setattr(dataset_files, name, lambda *args, real=real: reads.append(args) or real(*args))
-    monkeypatch.setattr(errors, "free_memory", lambda: 2**20)  # the files fit; 40 images at 3x224x224 (6 MB) do not
+    monkeypatch.setattr(bounds, "free_memory", lambda: 2**20)  # the files fit; 40 images at 3x224x224 (6 MB) do not
     with pytest.raises(errors.RecipeError, match=r"40 images of 3x224x224 take 0.0 GiB decoded, more than the 0.0 GiB"):
         data_module.load_image_data(str(folder), (3, 224, 224))
     assert not reads
-    monkeypatch.setattr(errors, "free_memory", lambda: 2**30)
+    monkeypatch.setattr(bounds, "free_memory", lambda: 2**30)
     train, test = data_module.load_image_data(str(folder), (3, 224, 224))
     assert (len(train), len(test)) == (30, 10) and len(reads) == 1

@@ -1,0 +1,43 @@
+"""What decoded images may take: the memory this process may still allocate (`free_memory`) and a dataset's images,
+decoded and converted, checked against it before a byte is decoded (`check_decoded_size`). An opt-in module, imported
+where images are decoded (shared/data.py, on a cache miss), where a resize would take more than 256 MiB
+(shared/images.py), and by shared/dataset_files.py for the files it reads. The limits: docs/troubleshooting.md."""
+
+import contextlib
+import math
+import resource
+from pathlib import Path
+
+import psutil
+
+from shared.errors import RecipeError
+
+
+def free_memory(cgroups: Path = Path("/sys/fs/cgroup")) -> float:
+    """Bytes this process may still allocate: the memory the system has available (page cache counts as free, as in
+    `free`), within the limit of its cgroup and of every cgroup above it (cgroup v2: a container's or a SLURM job's
+    memory limit), and within its address-space limit (`ulimit -v`). psutil (accelerate's) reads the system's figures
+    (on Linux, MemAvailable in /proc/meminfo) and this process's address space, on macOS too."""
+    room = [psutil.virtual_memory().available]
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        group = cgroups / next(line[3:] for line in lines if line.startswith("0::")).strip("/")
+        for folder in [group, *group.parents[:len(group.relative_to(cgroups).parts)]]:
+            with contextlib.suppress(OSError, ValueError, KeyError):  # "max": no limit in this cgroup
+                stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines())
+                used = int((folder / "memory.current").read_text()) - int(stat["inactive_file"])
+                room.append(int((folder / "memory.max").read_text()) - used)
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit != resource.RLIM_INFINITY:
+        room.append(limit - psutil.Process().memory_info().vms)
+    return max(min(room), 0)
+
+
+def check_decoded_size(source: str, count: int, image_shape: tuple[int, int, int]) -> None:
+    """Every pixel of both splits is held at once, converted to `image_shape` (150 KB a 224-px photo: 15 GB for
+    100,000): refuse more than the free memory before a byte is decoded or converted."""
+    need, free = count * math.prod(image_shape), free_memory()
+    if need > free:
+        raise RecipeError(f"{source}: {count:,} images of {'x'.join(map(str, image_shape))} take "
+                          f"{need / 2**30:.1f} GiB decoded, more than the {free / 2**30:.1f} GiB of free memory: use "
+                          "smaller images (finetune.py: --image_size) or fewer, or a machine with more memory")
