@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it
 from shared import augment, loop, tracking  # augmentation; lr, EMA, CUDA graph, device settings; run files
-from shared.checkpoints import Checkpoints, Progress, mismatch
+from shared.checkpoints import Checkpoints, Progress
 from shared.config import RunConfig
 from shared.data import EpochOrder, load_image_data
 from shared.errors import RecipeError, check_torchvision, one_line_errors
@@ -215,6 +215,8 @@ def load_pretrained(model: nn.Module, pretrained, cfg: Config) -> None:
     """pretrained_state's tensors into every layer but the new classifier."""
     if pretrained is None:
         return
+    from shared.init_from import mismatch  # weights from anywhere, checked: an opt-in module
+
     file, state = pretrained
     head = classifier_name(model) + "."  # new, for your classes
     if wrong := mismatch(model.state_dict(), {k: tuple(v.shape) for k, v in state.items()}, skip=head):

@@ -44,7 +44,7 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it
-from shared.checkpoints import list_checkpoints, mismatch, plain_name
+from shared.checkpoints import list_checkpoints
 from shared.config import parse_config, read_json
 from shared.errors import RecipeError, check_launch, first_line, one_line_errors, printable, replacing, walk
 from shared.images import FORMATS, decode, fit
@@ -214,6 +214,8 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
         keys = f" (its keys: {', '.join(map(str, list(state)[:5]))[:200]})" if isinstance(state, dict) else ""
         raise RecipeError(f"--weights {path} holds no state dict, names to tensors{keys}: pass a .pt of "
                           "model.state_dict(), alone or under 'model', 'state_dict' or 'model_state_dict'")
+    from shared.init_from import mismatch, plain_name  # weights from anywhere, checked: an opt-in module
+
     state = {plain_name(k): v for k, v in state.items()}
     expected = model.state_dict()
     if wrong := mismatch(expected, {k: tuple(v.shape) for k, v in state.items()}):

@@ -25,7 +25,8 @@ the function that needs them:
   that continues a run a signal stopped (opt-in)
 - nodes: on several machines, the check that every node sees the run's folders (opt-in)
 - synthetic: the generated stand-in of --synthetic (opt-in)
-- init_from: --init_from's model.safetensors loaded into a new run (opt-in)
+- init_from: --init_from's model.safetensors loaded into a new run, and weights from elsewhere checked against the
+  model (opt-in: also where finetune.py and predict.py load weights)
 - tensorboard_tracker: accelerate's TensorBoard tracker for --tracker tensorboard (opt-in)
 - ema: --ema's average of the weights, updated as a function of the step (opt-in)
 - reinstall: the command that installs the torchvision built for this torch, where the installed one does not

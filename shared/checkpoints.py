@@ -185,11 +185,6 @@ def launcher_command() -> list[str] | None:
     return ["accelerate", "launch", *command[starts[0]:end]]
 
 
-def plain_name(key: str) -> str:
-    """A state dict key without the prefixes DDP (`module.`) and torch.compile (`_orig_mod.`) add to it."""
-    return re.sub(r"^(module\.|_orig_mod\.)+", "", key)
-
-
 class Progress:
     """Where training stands. Registered with accelerator.register_for_checkpointing, it is saved and restored
     with the model: the counters can never disagree with the weights."""
@@ -319,19 +314,6 @@ class Checkpoints(StopOnSignals):
         from shared.init_from import initial_weights  # only the runs that start from a file: an opt-in module
 
         return initial_weights(model, cfg, classes)
-
-
-def mismatch(expected: dict, shapes: dict, skip: str = "\0") -> str:
-    """Weights of another model, in words (`expected`: the model's state dict; `shapes`: the file's tensor names and
-    shapes): the first of the model's tensors (but those whose names start with `skip`)
-    that the file lacks or holds in another shape, and how many more; empty where every one fits."""
-    wrong = [name for name, tensor in expected.items()
-             if not name.startswith(skip) and shapes.get(name) != tuple(tensor.shape)]
-    if not wrong:
-        return ""
-    found = shapes.get(wrong[0])
-    return (f"{wrong[0]!r} is {found if found else 'missing'} in the file, {tuple(expected[wrong[0]].shape)} in the "
-            "model" + (f", and {len(wrong) - 1} more tensors differ" if len(wrong) > 1 else ""))
 
 
 def new_folder(base: str) -> str:

@@ -1,15 +1,18 @@
-"""--init_from: a new run started from a model.safetensors. An opt-in module, imported by shared/checkpoints.py's
-`Checkpoints.initial_weights` for the runs that pass --init_from."""
+"""--init_from: a new run started from a model.safetensors; and what every reader of weights from elsewhere uses:
+`mismatch` (weights of another model, in words) and `plain_name` (a key without the prefixes DDP and torch.compile
+add). An opt-in module, imported by shared/checkpoints.py's `Checkpoints.initial_weights` for the runs that pass
+--init_from, by finetune.py where it checks its pretrained file, and by predict.py where it loads weights."""
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import torch
 from accelerate import PartialState
 from safetensors import safe_open
 
-from shared.checkpoints import list_checkpoints, mismatch, plain_name
+from shared.checkpoints import list_checkpoints
 from shared.errors import RecipeError, first_line
 
 
@@ -69,3 +72,21 @@ def initial_weights(model, cfg, classes: list[str]) -> str | None:
     PartialState().print(f"--init_from {path}: {len(loaded)} of {len(expected)} tensors loaded; new: "
                          f"{', '.join(new) if new else 'none'}{why}")
     return digest.hexdigest()
+
+
+def mismatch(expected: dict, shapes: dict, skip: str = "\0") -> str:
+    """Weights of another model, in words (`expected`: the model's state dict; `shapes`: the file's tensor names and
+    shapes): the first of the model's tensors (but those whose names start with `skip`)
+    that the file lacks or holds in another shape, and how many more; empty where every one fits."""
+    wrong = [name for name, tensor in expected.items()
+             if not name.startswith(skip) and shapes.get(name) != tuple(tensor.shape)]
+    if not wrong:
+        return ""
+    found = shapes.get(wrong[0])
+    return (f"{wrong[0]!r} is {found if found else 'missing'} in the file, {tuple(expected[wrong[0]].shape)} in the "
+            "model" + (f", and {len(wrong) - 1} more tensors differ" if len(wrong) > 1 else ""))
+
+
+def plain_name(key: str) -> str:
+    """A state dict key without the prefixes DDP (`module.`) and torch.compile (`_orig_mod.`) add to it."""
+    return re.sub(r"^(module\.|_orig_mod\.)+", "", key)
