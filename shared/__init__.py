@@ -19,7 +19,8 @@ the function that needs them:
 - image_files: a PNG or a JPEG from anywhere, checked before PIL opens it (opt-in: imported where an image file
   is decoded)
 - pickles: a CIFAR pickle or a file for torch.load from anywhere, checked before it is unpickled (opt-in)
-- pictures: curves.png and the confusion matrix, with matplotlib (opt-in: imported where one is drawn)
+- pictures: curves.png and the confusion matrix, with matplotlib, and metrics.jsonl's rows read back, bounded (opt-in:
+  imported where one is drawn or a resume cuts the file back)
 - resume: everything --resume does: the flags it continues with, the checkpoint it names, checked and loaded, what
   changed since it, the run's files cut back to it or set aside, and a branch from an older one; and the command
   that continues a run a signal stopped (opt-in)

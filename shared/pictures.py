@@ -1,22 +1,25 @@
 """[shared/pictures.py]
-The run's pictures, drawn with matplotlib: curves.png (RunFiles.finish) and the confusion matrix (`save_pictures`).
-An opt-in module: imported where a picture is drawn.
+The run's pictures, drawn with matplotlib: curves.png (RunFiles.finish) and the confusion matrix (`save_pictures`);
+and metrics.jsonl's rows read back, bounded (`read_rows`: for curves.png, and for a resume that cuts the file back to
+its checkpoint). An opt-in module: imported where a picture is drawn or the rows are read.
 """
 
+import json
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
 
-from shared.errors import printable, replacing
+from shared.errors import RecipeError, printable, replacing
 
 COLOURS = {"train": "C0", "eval": "C1", "grad": "C2"}  # matplotlib's first three: blue, orange, green
 STYLES = ("-", "--", ":", "-.")
 MAX_POINTS = 10_000  # of a curve: more than a picture 1,500 pixels wide shows (a metrics.jsonl may hold millions)
 MAX_MATRIX_CLASSES = 1_000  # above, a confusion matrix is no picture to read, and 10^5 classes take 80 GB
+MAX_ROW_BYTES = 2**20  # one line of metrics.jsonl: a few hundred bytes as a run writes them
 
 
 def is_point(row: dict) -> bool:
@@ -121,3 +124,22 @@ def save_pictures(accelerator, run_dir: Path, test_set, predictions: torch.Tenso
             tracker.log_images({"confusion_matrix": [pixels]}, step=step)
         elif tracker.name == "tensorboard":
             tracker.log_images({"confusion_matrix": pixels[None]}, step=step, dataformats="NHWC")
+
+
+def read_rows(path: Path) -> Iterator[dict]:
+    """metrics.jsonl's rows, one at a time (memory: one row, whatever the file's size). A run folder may come from
+    anywhere: a line that is not a JSON object with an integer step, or is over MAX_ROW_BYTES, is one error line."""
+    if not path.exists():
+        return
+    with path.open("rb") as f:
+        for number, line in enumerate(iter(lambda: f.readline(MAX_ROW_BYTES + 1), b""), start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line) if len(line) <= MAX_ROW_BYTES else None
+            except (ValueError, RecursionError):
+                row = None
+            if not isinstance(row, dict) or type(row.get("step")) is not int:
+                raise RecipeError(f"{path} line {number} is not a metrics row (a JSON object with an integer step, "
+                                  f"under {MAX_ROW_BYTES // 2**20} MiB): remove the line, or start a new --output_dir")
+            yield row

@@ -37,7 +37,8 @@ from accelerate.utils import set_seed
 from shared.checkpoints import STEP_DIR, check_entries, is_run, list_checkpoints, new_folder, run_id
 from shared.config import read_json
 from shared.errors import RecipeError, first_line
-from shared.tracking import read_rows, write_atomic
+from shared.pictures import read_rows
+from shared.tracking import write_atomic
 
 DATA_ORDER_KEYS = ("data", "synthetic", "train_size", "seed")  # change one, and the rest of the epoch is another
 BATCHING_KEYS = ("world_size", "batch_size", "grad_accum")  # these only cut the same order into other batches

@@ -24,7 +24,7 @@ import shutil
 import sys
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -50,7 +50,6 @@ from shared.loop import SCHEDULE_RULE
 RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "curves.png", "confusion_matrix.png", "misclassified.png",
              "model.safetensors", "checkpoints", "wandb", "tensorboard", "profile", "abandoned", "finished")
 _LOCKS: dict[Path, int] = {}  # run folder -> its open descriptor, locked while this process runs in it
-MAX_ROW_BYTES = 2**20  # one line of metrics.jsonl: a few hundred bytes as a run writes them
 HEARTBEAT_S = 30  # without a terminal, TrainWindow.heartbeat prints a line at least this often
 ESTIMATE_S, ESTIMATE_STEPS = 10, 20  # the time a run takes is said after this much of it (heartbeat)
 # No monitor thread behind the progress bars (it only retunes the refresh rate of a bar that stalls): under `ulimit -v`
@@ -197,7 +196,7 @@ class RunFiles(GeneralTracker):
         # trackers' ends come after it)
         finish_s = None if self.last_evaluation is None else time.perf_counter() - self.last_evaluation
         write_json(self.run_dir / "summary.json", {**self.summary, "finish_s": finish_s, **self.labels})
-        from shared.pictures import plot_curves  # matplotlib: an opt-in module
+        from shared.pictures import plot_curves, read_rows  # matplotlib: an opt-in module
 
         plot_curves(read_rows(self.metrics), self.run_dir / "curves.png",
                     self.run_dir.name + (" (SYNTHETIC DATA)" if self.labels else ""))
@@ -210,25 +209,6 @@ def write_json(path: Path, values: dict) -> None:
 def write_atomic(path: Path, pieces: Iterable[str]) -> None:
     with replacing(path) as partial, partial.open("w") as f:
         f.writelines(pieces)
-
-
-def read_rows(path: Path) -> Iterator[dict]:
-    """metrics.jsonl's rows, one at a time (memory: one row, whatever the file's size). A run folder may come from
-    anywhere: a line that is not a JSON object with an integer step, or is over MAX_ROW_BYTES, is one error line."""
-    if not path.exists():
-        return
-    with path.open("rb") as f:
-        for number, line in enumerate(iter(lambda: f.readline(MAX_ROW_BYTES + 1), b""), start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line) if len(line) <= MAX_ROW_BYTES else None
-            except (ValueError, RecursionError):
-                row = None
-            if not isinstance(row, dict) or type(row.get("step")) is not int:
-                raise RecipeError(f"{path} line {number} is not a metrics row (a JSON object with an integer step, "
-                                  f"under {MAX_ROW_BYTES // 2**20} MiB): remove the line, or start a new --output_dir")
-            yield row
 
 
 class WandB(WandBTracker):
