@@ -194,7 +194,8 @@ def test_runs_table_lists_every_run(data, tmp_path):
     # Run as a file from elsewhere (`python tools/runs.py`): it found no `tools` package, a ModuleNotFoundError
     empty = subprocess.run([sys.executable, ROOT / "tools" / "runs.py", str(tmp_path / "nothing")], cwd=tmp_path,
                            capture_output=True, text=True)
-    assert empty.returncode == 1 and "no finished runs" in empty.stderr, empty.stderr
+    assert empty.returncode == 1 and "error: no runs (a summary.json, or a run's config.json) under" in empty.stderr, (
+        empty.stderr)
 
 
 def test_wandb_disabled_by_its_variable_is_said_as_such(data, tmp_path):
@@ -246,6 +247,37 @@ def test_runs_table_says_where_a_stopped_run_continues(tmp_path):
     assert [row["state"] for row in collect(tmp_path)] == [
         "stopped at step 29", "stopped (last logged step 28)", "finished at step 4; its extension stopped at step 5",
         "finished"]
+
+
+def test_runs_table_shows_a_running_run_and_a_killed_one(tmp_path):
+    """A run killed (kill -9, an OOM kill) writes no summary.json, and was missing from the table, though a resume
+    continues it from its newest checkpoint; a resumed run still running read "stopped at step N"."""
+    import fcntl
+
+    from tools.runs import collect
+
+    config = json.dumps({"recipe": "cifar_cnn", "run_id": "k", "data": "d"})
+    for name in ("killed", "running"):
+        (tmp_path / name / "checkpoints" / "step_7").mkdir(parents=True)
+        (tmp_path / name / "config.json").write_text(config)
+        (tmp_path / name / "checkpoints" / "step_7" / "config.json").write_text(config)  # each checkpoint's copy
+    (tmp_path / "killed" / "checkpoints" / "partial_step_9").mkdir()
+    (tmp_path / "killed" / "checkpoints" / "partial_step_9" / "config.json").write_text(config)
+    (tmp_path / "running" / "summary.json").write_text(json.dumps({"step": 6}))  # stopped at 7, resumed, running
+    (tmp_path / "early").mkdir()  # killed before its first checkpoint
+    (tmp_path / "early" / "config.json").write_text(config)
+    (tmp_path / "notes").mkdir()  # a config.json of something else: no run
+    (tmp_path / "notes" / "config.json").write_text(json.dumps({"lr": 1}))
+    descriptor = os.open(tmp_path / "running", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as shared/tracking.py's lock holds a run's folder
+        rows = collect(tmp_path)
+    finally:
+        os.close(descriptor)
+    assert [(row["run"], row["state"]) for row in rows] == [
+        ("early", "killed? no summary, no checkpoint"), ("killed", "killed? no summary; resumes from step 7"),
+        ("running", "running")]
+    assert [row["state"] for row in collect(tmp_path) if row["run"] == "running"] == ["stopped at step 7"]  # unlocked
 
 
 def test_runs_table_shortens_a_hash_to_12_digits(tmp_path, capsys):

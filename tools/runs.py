@@ -48,18 +48,39 @@ def read_json(path: Path) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def summaries(folder: Path) -> list[Path]:
-    """Every summary.json under `folder`, without following links; not recursive (rglob is, in Python 3.11): a tree
-    thousands of folders deep is walked all the same. shared/errors.py's walk, without importing torch."""
+def run_folders(folder: Path) -> list[Path]:
+    """Every folder under `folder` that holds a summary.json, or a run's config.json without one (a run still running,
+    or killed): not a checkpoint's copy of it (step_<N>, partial_step_<N>). Without following links; not recursive
+    (rglob is, in Python 3.11): a tree thousands of folders deep is walked all the same. shared/errors.py's walk,
+    without importing torch."""
     found, folders = [], [folder]
     while folders:
-        with os.scandir(folders.pop()) as entries:
+        current = folders.pop()
+        with os.scandir(current) as entries:
+            names = set()
             for entry in entries:
                 if entry.is_dir(follow_symlinks=False):
                     folders.append(Path(entry.path))
-                elif entry.name == "summary.json" and entry.is_file(follow_symlinks=False):
-                    found.append(Path(entry.path))
+                elif entry.is_file(follow_symlinks=False):
+                    names.add(entry.name)
+        checkpoint = re.fullmatch(r"(partial_)?step_[0-9]+", current.name)
+        if "summary.json" in names or "config.json" in names and not checkpoint:
+            found.append(current)
     return found
+
+
+def held_folders() -> set[tuple[int, int, int]]:
+    """(major, minor, inode) of every file or folder a process of this machine holds an flock on, from Linux's
+    /proc/locks (elsewhere: none known): a run's folder while the run holds it (shared/tracking.py's lock)."""
+    held = set()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/locks").read_text().splitlines():  # 1: FLOCK  ADVISORY  WRITE 4242 fe:00:2261247 0 EOF
+            words = line.split()
+            with contextlib.suppress(ValueError, IndexError):
+                if words[1] == "FLOCK":  # not a process waiting for one ("->")
+                    major, minor, inode = words[5].split(":")
+                    held.add((int(major, 16), int(minor, 16), int(inode)))
+    return held
 
 
 def newest_checkpoint(run: Path) -> int | None:
@@ -74,11 +95,20 @@ def newest_checkpoint(run: Path) -> int | None:
     return max(steps, default=None)
 
 
-def state(run: Path, summary: dict) -> str:
-    """Finished (only the end of a run writes `steps`), or stopped at its newest checkpoint's step (the summary's step
-    is the last one logged, often earlier; without a checkpoint here, that step). A finished run that a resume extends
-    keeps its summary until the longer run finishes: its newest checkpoint, past its steps, says how far that got."""
+def state(run: Path, summary: dict, held: set) -> str:
+    """Running (its folder locked by a process of this machine), finished (only the end of a run writes `steps`), or
+    stopped at its newest checkpoint's step (the summary's step is the last one logged, often earlier; without a
+    checkpoint here, that step). A finished run that a resume extends keeps its summary until the longer run
+    finishes: its newest checkpoint, past its steps, says how far that got. A run without a summary was killed (or
+    runs on another machine): a resume continues from its newest checkpoint."""
+    with contextlib.suppress(OSError):
+        stat = run.stat()
+        if (os.major(stat.st_dev), os.minor(stat.st_dev), stat.st_ino) in held:
+            return "running"
     newest, steps = newest_checkpoint(run), summary.get("steps")
+    if not (run / "summary.json").is_file():
+        return f"killed? no summary; resumes from step {newest}" if newest is not None else (
+            "killed? no summary, no checkpoint")
     if "steps" in summary:
         extended = newest is not None and type(steps) is int and newest > steps
         return f"finished at step {steps}; its extension stopped at step {newest}" if extended else "finished"
@@ -90,17 +120,18 @@ def state(run: Path, summary: dict) -> str:
 def collect(folder: Path) -> list[dict]:
     """One row per run under `folder`: the columns above, then the flags whose values differ between the runs
     (`--name`), then every metric of their summaries (the last logged value of each)."""
-    rows, configs = [], []
-    for summary_file in sorted(summaries(Path(folder))):
-        run = summary_file.parent
-        summary, config = read_json(summary_file), read_json(run / "config.json")
+    rows, configs, held = [], [], held_folders()
+    for run in sorted(run_folders(Path(folder)), key=lambda run: run / "summary.json"):  # finished/<N>_steps first
+        summary, config = read_json(run / "summary.json"), read_json(run / "config.json")
+        if not (run / "summary.json").is_file() and not (isinstance(config.get("run_id"), str) and "recipe" in config):
+            continue  # a config.json of something else, no run of these recipes
         # finished/<N>_steps: a finished run's record, set aside when a resume extended it (its flags but the length
         # are those of the run around it)
         around = read_json(run.parent.parent / "config.json") if run.parent.name == "finished" else {}
         rows.append({
             "run": str(run.relative_to(folder)) if run != Path(folder) else run.name,
             "recipe": config.get("recipe") or around.get("recipe"), "data": summary.get("data") or config.get("data"),
-            "state": state(run, summary),
+            "state": state(run, summary, held),
             "launch": f"{config.get('distributed_type', '?')} on {config.get('device', '?')}",
             "world_size": summary.get("world_size"), "precision": summary.get("mixed_precision"),
             "global_batch": config.get("global_batch_size"), "epochs": summary.get("epochs"),
@@ -136,7 +167,7 @@ def table_file(path: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Table of the runs under a folder (their summary.json files).")
+    parser = argparse.ArgumentParser(description="Table of the runs under a folder (summary.json, config.json).")
     parser.add_argument("folder", type=Path, help="a run folder, or a folder of run folders (e.g. runs/)")
     parser.add_argument("--all", action="store_true", help="print every column (the launch, every metric)")
     parser.add_argument("--markdown", type=Path,
@@ -156,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
               "or make their folders readable", file=sys.stderr)
         return 1
     if not rows:
-        print(f"error: no finished runs (summary.json) under {args.folder}", file=sys.stderr)
+        print(f"error: no runs (a summary.json, or a run's config.json) under {args.folder}", file=sys.stderr)
         return 1
     rows = [{key: value[:12] if isinstance(value, str) and HASH.fullmatch(value) else value
              for key, value in row.items()} for row in rows]
