@@ -268,6 +268,10 @@ def test_runs_table_shows_a_running_run_and_a_killed_one(tmp_path):
     (tmp_path / "early" / "config.json").write_text(config)
     (tmp_path / "notes").mkdir()  # a config.json of something else: no run
     (tmp_path / "notes" / "config.json").write_text(json.dumps({"lr": 1}))
+    (tmp_path / "linked").mkdir()  # a summary.json that is a link is none: never read through
+    (tmp_path / "linked" / "config.json").write_text(config)
+    (tmp_path / "elsewhere.json").write_text(json.dumps({"steps": 3}))
+    (tmp_path / "linked" / "summary.json").symlink_to(tmp_path / "elsewhere.json")
     descriptor = os.open(tmp_path / "running", os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as shared/tracking.py's lock holds a run's folder
@@ -276,7 +280,7 @@ def test_runs_table_shows_a_running_run_and_a_killed_one(tmp_path):
         os.close(descriptor)
     assert [(row["run"], row["state"]) for row in rows] == [
         ("early", "killed? no summary, no checkpoint"), ("killed", "killed? no summary; resumes from step 7"),
-        ("running", "running")]
+        ("linked", "killed? no summary, no checkpoint"), ("running", "running")]
     assert [row["state"] for row in collect(tmp_path) if row["run"] == "running"] == ["stopped at step 7"]  # unlocked
 
 

@@ -48,9 +48,10 @@ def read_json(path: Path) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def run_folders(folder: Path) -> list[Path]:
-    """Every folder under `folder` that holds a summary.json, or a run's config.json without one (a run still running,
-    or killed): not a checkpoint's copy of it (step_<N>, partial_step_<N>). Without following links; not recursive
+def run_folders(folder: Path) -> list[tuple[Path, bool]]:
+    """(folder, whether it holds a summary.json) for every folder under `folder` that holds a summary.json, or a run's
+    config.json without one (a run still running, or killed): not a checkpoint's copy of it (step_<N>,
+    partial_step_<N>). A summary.json that is a link counts as none. Without following links; not recursive
     (rglob is, in Python 3.11): a tree thousands of folders deep is walked all the same. shared/errors.py's walk,
     without importing torch."""
     found, folders = [], [folder]
@@ -65,7 +66,7 @@ def run_folders(folder: Path) -> list[Path]:
                     names.add(entry.name)
         checkpoint = re.fullmatch(r"(partial_)?step_[0-9]+", current.name)
         if "summary.json" in names or "config.json" in names and not checkpoint:
-            found.append(current)
+            found.append((current, "summary.json" in names))
     return found
 
 
@@ -95,21 +96,22 @@ def newest_checkpoint(run: Path) -> int | None:
     return max(steps, default=None)
 
 
-def state(run: Path, summary: dict, held: set) -> str:
+def state(run: Path, summary: dict | None, held: set) -> str:
     """Running (its folder locked by a process of this machine), finished (only the end of a run writes `steps`), or
     stopped at its newest checkpoint's step (the summary's step is the last one logged, often earlier; without a
     checkpoint here, that step). A finished run that a resume extends keeps its summary until the longer run
     finishes: its newest checkpoint, past its steps, says how far that got. A run without a summary was killed (or
-    runs on another machine): a resume continues from its newest checkpoint."""
+    runs on another machine; `summary` None): a resume continues from its newest checkpoint."""
     with contextlib.suppress(OSError):
         stat = run.stat()
         if (os.major(stat.st_dev), os.minor(stat.st_dev), stat.st_ino) in held:
             return "running"
-    newest, steps = newest_checkpoint(run), summary.get("steps")
-    if not (run / "summary.json").is_file():
+    newest = newest_checkpoint(run)
+    if summary is None:
         return f"killed? no summary; resumes from step {newest}" if newest is not None else (
             "killed? no summary, no checkpoint")
     if "steps" in summary:
+        steps = summary["steps"]
         extended = newest is not None and type(steps) is int and newest > steps
         return f"finished at step {steps}; its extension stopped at step {newest}" if extended else "finished"
     if newest is None:
@@ -121,9 +123,10 @@ def collect(folder: Path) -> list[dict]:
     """One row per run under `folder`: the columns above, then the flags whose values differ between the runs
     (`--name`), then every metric of their summaries (the last logged value of each)."""
     rows, configs, held = [], [], held_folders()
-    for run in sorted(run_folders(Path(folder)), key=lambda run: run / "summary.json"):  # finished/<N>_steps first
-        summary, config = read_json(run / "summary.json"), read_json(run / "config.json")
-        if not (run / "summary.json").is_file() and not (isinstance(config.get("run_id"), str) and "recipe" in config):
+    found = sorted(run_folders(Path(folder)), key=lambda pair: pair[0] / "summary.json")  # finished/<N>_steps first
+    for run, has_summary in found:
+        summary, config = read_json(run / "summary.json") if has_summary else {}, read_json(run / "config.json")
+        if not has_summary and not (isinstance(config.get("run_id"), str) and "recipe" in config):
             continue  # a config.json of something else, no run of these recipes
         # finished/<N>_steps: a finished run's record, set aside when a resume extended it (its flags but the length
         # are those of the run around it)
@@ -131,7 +134,7 @@ def collect(folder: Path) -> list[dict]:
         rows.append({
             "run": str(run.relative_to(folder)) if run != Path(folder) else run.name,
             "recipe": config.get("recipe") or around.get("recipe"), "data": summary.get("data") or config.get("data"),
-            "state": state(run, summary, held),
+            "state": state(run, summary if has_summary else None, held),
             "launch": f"{config.get('distributed_type', '?')} on {config.get('device', '?')}",
             "world_size": summary.get("world_size"), "precision": summary.get("mixed_precision"),
             "global_batch": config.get("global_batch_size"), "epochs": summary.get("epochs"),
