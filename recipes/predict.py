@@ -8,9 +8,9 @@ my_project/train.py). A recipe is code and weights come from anywhere: a path or
 fetched. Its own make_model, preprocess, load_data and evaluate are used, so an edited copy works as is.
 
 --images: any image files (subfolders included), any size, mode or channel count, each converted as the training
-data was. The CSV (--output; by default predictions-<images>.csv in the weights' run folder, replaced there if this
-script wrote it) gets a row per image: path (relative to --images), class, confidence (softmax probability), the top-k
-classes with theirs; a cell that would start a spreadsheet formula (= + - @) starts with an apostrophe.
+data was. The CSV (--output; by default predictions-<images>.csv in the weights' run folder, -step_<N>.csv for a
+checkpoint's, replaced there if this script wrote it): a row per image, its path (relative to --images), class,
+confidence (softmax probability), the top-k classes with theirs; a cell starting as a formula gets an apostrophe.
 --evaluate: the recipe's evaluate() on the test split of --data, or of the data the weights were trained on where
 that is a folder on this machine, as one JSON line; under `accelerate launch` it runs on every process and
 precision of the config.
@@ -361,12 +361,15 @@ def cell(text: str) -> str:
 def default_output(weights: Path, images: Path) -> Path:
     """predictions-<images>.csv in the run the weights belong to: beside a model.safetensors or .pt; for a checkpoint,
     in its run (checkpoints/step_<N>) or beside it (--checkpoint_dir), never in the checkpoint, which a later save may
-    prune; never in the working folder (a repository)."""
-    folder = weights if weights.is_dir() else weights.parent
+    prune; never in the working folder (a repository). Weights other than a run's model.safetensors add their name
+    (predictions-<images>-step_<N>.csv), so that one's CSV never replaces, or reads as, another's."""
+    folder, tag = (weights, "model") if weights.is_dir() else (weights.parent, weights.stem)
     if (folder / "custom_checkpoint_0.pkl").is_file():  # what every checkpoint holds (Progress)
-        folder = folder.parent.parent if folder.parent.name == "checkpoints" else folder.parent
-    name = (images.stem if images.is_file() else images.resolve().name).encode(errors="surrogateescape")
-    return folder / f"predictions-{name[:200].decode(errors='ignore')}.csv"  # a file name: at most 255 bytes
+        folder, tag = folder.parent.parent if folder.parent.name == "checkpoints" else folder.parent, folder.name
+    name = images.stem if images.is_file() else images.resolve().name
+    tag = b"" if tag == "model" else f"-{tag}".encode(errors="surrogateescape")[:60]
+    name = name.encode(errors="surrogateescape")[:150] + tag  # a file name: at most 255 bytes
+    return folder / f"predictions-{name.decode(errors='ignore')}.csv"
 
 
 def run(cfg: Config) -> None:

@@ -137,14 +137,15 @@ def test_predict_writes_a_row_per_image_and_agrees_with_the_runs_evaluation(env,
 def test_predict_writes_beside_the_weights_by_default_and_says_where(env, run, folder, tmp_path):
     """It wrote predictions.csv into the working folder (the repository), and a second call needed --overwrite. A
     checkpoint in a --checkpoint_dir (no run around it) named no classes, and the CSV went into the checkpoint, which
-    a later save prunes with it."""
+    a later save prunes with it. A checkpoint's CSV then went into the run under the name of the run's weights' CSV:
+    it replaced theirs, and read as theirs."""
     out, _ = run
     root, _ = folder
     copy, scratch = tmp_path / "run", tmp_path / "scratch"
     (copy / "checkpoints").mkdir(parents=True)
     (copy / "checkpoints" / "step_12").symlink_to(out / "checkpoints" / "step_12")
     shutil.copytree(out / "checkpoints" / "step_12", scratch / "step_12")  # its own config.json, as every save's
-    expected = copy / f"predictions-{root.name}.csv"
+    expected = copy / f"predictions-{root.name}-step_12.csv"
     for weights in (out / "model.safetensors", out / "model.safetensors", copy / "checkpoints" / "step_12",
                     scratch / "step_12"):
         written = out / f"predictions-{root.name}.csv" if weights.name == "model.safetensors" else expected
@@ -154,6 +155,14 @@ def test_predict_writes_beside_the_weights_by_default_and_says_where(env, run, f
     assert expected.is_file() and not (copy / "checkpoints" / "step_12" / expected.name).exists()
     assert (scratch / expected.name).read_text() == expected.read_text()  # the same classes, from its config.json
     assert not (scratch / "step_12" / expected.name).exists()
+    # Beside the checkpoint, the run's weights and a .pt of them: each its own CSV, none replacing another's
+    shutil.copy(out / "model.safetensors", copy)
+    torch.save(load_file(out / "model.safetensors"), copy / "weights.pt")
+    for weights, tag in ((copy / "model.safetensors", ""), (copy / "weights.pt", "-weights")):
+        classes = ",".join(read_json(out / "config.json")["classes"])  # which a .pt does not hold
+        result = predict(env, "--weights", weights, "--images", root, "--classes", classes)
+        assert result.returncode == 0 and f"wrote {copy}/predictions-{root.name}{tag}.csv (" in result.stdout
+    assert expected.read_text() == (scratch / expected.name).read_text()  # the checkpoint's, kept
 
 
 def test_predict_replaces_only_a_csv_it_wrote_and_names_it_within_a_file_names_limit(env, run, tmp_path):
@@ -167,7 +176,7 @@ def test_predict_replaces_only_a_csv_it_wrote_and_names_it_within_a_file_names_l
     photos.mkdir()
     Image.new("RGB", (32, 32), (10, 200, 10)).save(photos / "a.png")
     result = predict(env, "--weights", weights, "--images", photos)
-    written = weights.parent / f"predictions-{'p' * 200}.csv"
+    written = weights.parent / f"predictions-{'p' * 150}.csv"
     assert result.returncode == 0 and f"wrote {written} (1 images)" in result.stdout, result.stderr
     assert predict(env, "--weights", weights, "--images", photos).returncode == 0  # its own: replaced
     written.write_text("my notes\n")
