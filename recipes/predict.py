@@ -96,6 +96,8 @@ def describe_weights(cfg: Config) -> dict:
             return {k: json.loads(about[k]) if k in ("flags", "classes") else about[k] for k in about}
         except (ValueError, RecursionError):  # not the recipes' metadata: --recipe and --classes say what it is
             return {}
+    if path.is_dir() and (newest := list_checkpoints(path)[-1:]):  # a run's checkpoints/, or a --checkpoint_dir
+        raise RecipeError(f"--weights {path} is a folder of checkpoints: pass one, e.g. {newest[0]}, the newest")
     if path.is_dir():  # a checkpoint (or a run) folder: the config.json saved in it, which --checkpoint_dir's have
         older = [path.resolve().parent.parent / "config.json"] if path.resolve().parent.name == "checkpoints" else []
         # older checkpoints: their run's beside checkpoints/; none readable: --recipe and --classes say what it is

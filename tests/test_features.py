@@ -215,6 +215,8 @@ def test_predict_bad_input_is_one_line_and_keeps_what_is_on_disk(env, run, folde
         ((tmp_path / "none.pt", root, tmp_path / "new.csv"), {}, f"--weights {tmp_path / 'none.pt'}: no such file"),
         ((stopped, root, tmp_path / "new.csv"), mine, f"--weights {stopped / 'model.safetensors'}: no such file: the "
          f"run has not written it (stopped, or still running): pass --weights {stopped / 'checkpoints' / 'step_12'}"),
+        ((stopped / "checkpoints", root, tmp_path / "new.csv"), {}, f"--weights {stopped / 'checkpoints'} is a folder "
+         f"of checkpoints: pass one, e.g. {stopped / 'checkpoints' / 'step_12'}, the newest"),  # was: which recipe?
     ]
     for (weights_path, images, output), flags, needle in cases:  # in this process: torch starts once
         with pytest.raises(RecipeError) as error:
