@@ -142,8 +142,11 @@ def find_checkpoint(folder: Path | None, resume: str, run: str | None = None) ->
         where = Path(resume)
         if (where / "custom_checkpoint_0.pkl").is_file() and STEP_DIR.search(where.name):
             return where
-        found = (f"a run folder: continue it with --resume latest --output_dir {resume}" if is_run(where) else
-                 "not a checkpoint folder (expected checkpoints/step_<N> of a run)")
+        found = "not a checkpoint folder (expected checkpoints/step_<N> of a run)"
+        if is_run(where):
+            found = f"a run folder: continue it with --resume latest --output_dir {resume}"
+        elif where.name == "checkpoints" and is_run(where.parent):
+            found = f"its run's checkpoints: continue the run with --resume latest --output_dir {where.parent}"
         raise RecipeError(f"--resume {resume}: {found}")
     checkpoints = list_checkpoints(folder, run)
     if not checkpoints:
