@@ -31,6 +31,10 @@ from accelerate.utils import parse_flag_from_env
 # An allocation refused, as torch's CPU allocator, oneDNN and the dynamic loader (a library imported late) say it: under
 # an address-space limit (ulimit -v), where a run may stop at any of them, this is the limit.
 ALLOCATION_FAILED = ("can't allocate memory", "could not create a primitive", "failed to map segment")
+# The mode open() gives a new file (0o644 under umask 022), for the files safetensors makes (flush_to_disk). Read at
+# import, before a thread runs: umask is the process's, and a file another thread made meanwhile would get 0o666.
+UMASK = os.umask(0)
+os.umask(UMASK)
 
 
 class RecipeError(Exception):
@@ -237,7 +241,10 @@ def flush_to_disk(path: Path) -> None:
     """A file, or every file in a folder, written from memory to the disk (fsync) before a rename says it is complete:
     the system may write the rename first, and a machine that crashed between the two (power lost, a node or VM gone)
     came back with a file of that name empty or zero-filled. torch.distributed.checkpoint syncs its files for this too
-    (FileSystemWriter's sync_files)."""
+    (FileSystemWriter's sync_files). Each also gets the mode open() gives a new file: safetensors (0.8) makes its
+    files 0600 (safetensors #782), and weights, checkpoints and the decode cache were their owner's alone, unreadable
+    to a group that shares them, or to a container's user where root trained."""
     for file in walk(path) if path.is_dir() else [path]:
+        os.chmod(file, 0o666 & ~UMASK)
         with open(file, "rb") as f:
             os.fsync(f.fileno())

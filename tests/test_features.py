@@ -10,7 +10,9 @@ from __future__ import annotations
 import copy
 import csv
 import json
+import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,6 +42,20 @@ def run(env, data, tmp_path_factory):
     result = ok(run_here("cifar_cnn", "--data", data, "--output_dir", out, "--batch_size", "8", "--max_steps", "12",
                          "--ema", "0.5", "--tta", "--tracker", "none"))
     return out, result.stdout
+
+
+def test_every_file_a_run_writes_is_as_readable_as_a_file_opened_here(run, data, tmp_path, monkeypatch):
+    """safetensors (0.8) makes its files 0600, its owner's alone (safetensors #782): model.safetensors, a checkpoint's
+    weights and the decode cache were unreadable to a group that shares the run or the cache."""
+    from shared import data as data_module
+
+    umask = int(re.search(r"Umask:\s+(\d+)", Path("/proc/self/status").read_text()).group(1), 8)  # Linux's
+    monkeypatch.setattr(data_module, "CACHE_DIR", tmp_path)  # a decode of its own, into an empty cache
+    load_image_data(str(data), cifar_cnn.IMAGE_SHAPE)
+    out, _ = run
+    files = [*out.rglob("*"), *tmp_path.glob("*")]
+    assert {f.name for f in files} >= {"model.safetensors", "config.json", "optimizer.bin"} and len(files) > 10
+    assert {f: oct(f.stat().st_mode) for f in files if f.is_file() and f.stat().st_mode & 0o777 != 0o666 & ~umask} == {}
 
 
 def test_ema_and_tta_are_evaluated_beside_the_trained_weights(run):
