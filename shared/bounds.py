@@ -1,7 +1,8 @@
 """What decoded images may take: the memory this process may still allocate (`free_memory`) and a dataset's images,
-decoded and converted, checked against it before a byte is decoded (`check_decoded_size`). An opt-in module, imported
-where images are decoded (shared/data.py, on a cache miss), where a resize would take more than 256 MiB
-(shared/images.py), and by shared/dataset_files.py for the files it reads. The limits: docs/troubleshooting.md."""
+decoded and converted, checked against it before a byte is decoded (`check_decoded_size`); and datasets' cache, which
+must be writable (`check_cache_error`). An opt-in module, imported where images are decoded (shared/data.py, on a
+cache miss), where a resize would take more than 256 MiB (shared/images.py), by shared/dataset_files.py for the files
+it reads, and where datasets failed to load a dataset. The limits: docs/troubleshooting.md."""
 
 import contextlib
 import math
@@ -41,3 +42,12 @@ def check_decoded_size(source: str, count: int, image_shape: tuple[int, int, int
         raise RecipeError(f"{source}: {count:,} images of {'x'.join(map(str, image_shape))} take "
                           f"{need / 2**30:.1f} GiB decoded, more than the {free / 2**30:.1f} GiB of free memory: use "
                           "smaller images (finetune.py: --image_size) or fewer, or a machine with more memory")
+
+
+def check_cache_error(error: Exception, data: Path) -> None:
+    """A file datasets could not make outside --data (its cache, under HF_HOME: a home that is read-only, full, or
+    not a folder) is the cause named, not the data's format or the hub."""
+    made = error.filename if isinstance(error, OSError) and isinstance(error.filename, str) else None
+    if made and not Path(made).absolute().is_relative_to(data.absolute()):
+        raise RecipeError(f"datasets could not write its cache ({made}: {error.strerror}): set HF_HOME (or "
+                          "HF_DATASETS_CACHE) to a writable folder with room") from None

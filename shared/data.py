@@ -197,6 +197,9 @@ def open_dataset(source: str, builder: str) -> datasets.DatasetDict:
             if limit := process_limit(error):
                 raise RecipeError(f"reading {path}, this process reached its limit on {limit}: raise it, then run "
                                   "again") from None
+            from shared.bounds import check_cache_error  # only a failed read: an opt-in module
+
+            check_cache_error(error, path)
             raise RecipeError(f"could not read a dataset from {path} ({type(error).__name__}: {first_line(error)}): "
                               "expected a save_to_disk folder, parquet files, an imagefolder (one subfolder per "
                               "class) with examples in every split, IDX files or CIFAR's files") from None
@@ -206,6 +209,9 @@ def open_dataset(source: str, builder: str) -> datasets.DatasetDict:
     try:
         return datasets.load_dataset(source)
     except (ConnectionError, OSError, datasets.exceptions.DatasetNotFoundError) as error:
+        from shared.bounds import check_cache_error  # only a failed load: an opt-in module
+
+        check_cache_error(error, path)
         raise RecipeError(f"--data {source}: not a local folder, and the Hugging Face hub could not provide it "
                           f"({type(error).__name__}: {first_line(error)}): pass --data PATH of a local copy "
                           "(save_to_disk, parquet, imagefolder, IDX or CIFAR binary), or --synthetic for an offline "
