@@ -196,6 +196,13 @@ def check_launch() -> None:
         raise RecipeError(f"{launched} processes were launched but no GPUs were found, so each would train alone "
                           "(duplicate runs): set ACCELERATE_USE_CPU=true to run them as one group on the CPU, "
                           "or use accelerate_configs/cpu.yaml")
+    from shared.checkpoints import launcher_command  # a module that imports this one
+
+    if launched == 1 and "MASTER_ADDR" in os.environ and "--cpu" in (launcher_command() or []):
+        # The launcher --cpu always takes starts one process, and sets MASTER_ADDR for the mpirun it expects
+        print("warning: accelerate launch --cpu starts one process, whatever --num_processes or the config asks: for "
+              "several on the CPU, set ACCELERATE_USE_CPU=true instead (ACCELERATE_USE_CPU=true accelerate launch "
+              "--config_file accelerate_configs/2gpu.yaml ...)", flush=True)
     if os.environ.get("ACCELERATE_MIXED_PRECISION") == "fp16" and state.device.type == "cpu":
         # accelerate accepts fp16 on a CPU but does not autocast there: the run would be float32.
         raise RecipeError("fp16 mixed precision needs a GPU (on a CPU it would silently train in float32): "

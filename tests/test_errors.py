@@ -223,6 +223,28 @@ def test_more_processes_per_machine_than_gpus(monkeypatch):
         check_launch()
 
 
+def test_accelerate_launch_cpu_of_several_processes_says_it_starts_one(monkeypatch, capsys):
+    """`accelerate launch --cpu --num_processes 2` (or --cpu with 2gpu.yaml) starts one process, unsaid but for "1
+    process(es)" in the run's first line: --cpu always takes accelerate's simple launcher, which starts one and sets
+    MASTER_ADDR for an mpirun."""
+    from shared import checkpoints
+    from shared.errors import check_launch
+
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    cases = ((["accelerate", "launch", "--cpu", "--num_processes", "2"], True, True),
+             (["accelerate", "launch", "--cpu"], False, False),  # one process, as asked
+             (["accelerate", "launch", "--num_processes", "2"], True, False), (None, True, False))
+    for command, master, warned in cases:
+        monkeypatch.setattr(checkpoints, "launcher_command", lambda command=command: command)
+        if master:
+            monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        check_launch()
+        monkeypatch.delenv("MASTER_ADDR", raising=False)
+        printed = capsys.readouterr().out
+        assert ("warning: accelerate launch --cpu starts one process, whatever --num_processes or the config asks: "
+                "for several on the CPU, set ACCELERATE_USE_CPU=true" in printed) == warned, (command, printed)
+
+
 # ------------------------------------------------------------------ data
 def test_local_data_path_missing(env, tmp_path):
     one_line(run_here("cifar_cnn", "--data", str(tmp_path / "nope"), "--tracker", "none"),
