@@ -38,8 +38,14 @@ def pyplot():
 
 def label(name: str) -> str:
     """A run's or a class's name as matplotlib draws it: control characters escaped, and `$` a dollar sign, never the
-    start of a formula (an unbalanced one would stop the drawing)."""
-    return printable(name).replace("$", r"\$")
+    start of a formula (an unbalanced one would stop the drawing). A character its font has no glyph for (狗 in
+    matplotlib's own DejaVu Sans) is written as its escape, \\u72d7: it was drawn as an empty box, and matplotlib
+    warned of it at each run's end."""
+    from matplotlib import font_manager, ft2font
+
+    font = ft2font.FT2Font(font_manager.findfont(font_manager.FontProperties()))  # matplotlib's default
+    return "".join(c if font.get_char_index(ord(c)) else c.encode("unicode_escape").decode()
+                   for c in printable(name).replace("$", r"\$"))
 
 
 def plot_curves(rows: Iterable[dict], path: Path, title: str) -> None:

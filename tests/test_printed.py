@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from unittest import mock
 
@@ -172,12 +173,20 @@ def test_a_flag_that_holds_a_newline_is_one_error_line():
 
 def test_class_names_a_terminal_or_matplotlib_would_act_on_are_drawn_as_text(tmp_path):
     """Class folders named with an escape and with an unbalanced formula: before, matplotlib's formula parser stopped
-    the drawing of the confusion matrix in a traceback, after the run."""
-    data = imagefolder_dataset(tmp_path / "data", sizes={"train": 20, "test": 10}, num_classes=2)
+    the drawing of the confusion matrix in a traceback, after the run. And one named in a script matplotlib's own font
+    has no glyphs for: drawn as an empty box, with a UserWarning and its source line at the run's end."""
+    from shared.pictures import label
+
+    data = imagefolder_dataset(tmp_path / "data", sizes={"train": 30, "test": 15}, num_classes=3)
     for split in ("train", "test"):
         folders = sorted((data / split).iterdir())
         folders[0].rename(folders[0].with_name("$x_$"))
         folders[1].rename(folders[1].with_name("\x1b]0;owned\x07"))
-    result = ok(run_here("cifar_cnn", "--data", data, "--output_dir", tmp_path / "run", *SHORT))
+        folders[2].rename(folders[2].with_name("狗 é"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = ok(run_here("cifar_cnn", "--data", data, "--output_dir", tmp_path / "run", *SHORT))
     shown(result.stdout + result.stderr)
     assert (tmp_path / "run" / "confusion_matrix.png").is_file()
+    assert not [str(warning.message) for warning in caught if "Glyph" in str(warning.message)]
+    assert label("狗 é $x") == "\\u72d7 é \\$x"  # an escape, as printable() writes a control character
