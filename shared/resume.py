@@ -181,8 +181,13 @@ def check_resume(checkpoint: Path, config: dict, progress) -> None:
     if not isinstance(before, dict):
         return print(f"no readable config.json in {checkpoint}: what changed since it cannot be listed")
     changed = [key for key in config if key not in NOT_SETTINGS and before.get(key) != config[key]]
+    # Another release of torch or its libraries may compute the same step to other last bits (a GPU's kernels most)
+    versions = before.get("versions") if isinstance(before.get("versions"), dict) else {}
+    if moved := [f"{k} {versions[k]} -> {v}" for k, v in config["versions"].items() if versions.get(k, v) != v]:
+        print(f"other versions than the checkpoint's: {', '.join(moved)}: the same steps, perhaps not to the same bits")
     if not changed:
-        return print("same configuration: the run continues exactly, to the same weights as a run never stopped")
+        return print("same configuration: " + ("the sample order continues exactly" if moved else
+                                               "the run continues exactly, to the same weights as a run never stopped"))
     print("changed since the checkpoint: " + ", ".join(f"{k} {before.get(k)!r} -> {config[k]!r}" for k in changed))
     if any(key in DATA_ORDER_KEYS for key in changed):
         print(f"the sample order is NOT a run's never stopped ({', '.join(k for k in changed if k in DATA_ORDER_KEYS)} "

@@ -168,10 +168,30 @@ def test_a_resume_onto_less_data_counts_its_position_in_the_checkpoints_epoch(tm
     (checkpoint / "config.json").write_text(json.dumps({"train_size": 3000, "data": "big", "total_steps": 8}))
     progress = Progress()
     progress.step, progress.samples_into_epoch = 5, 640
-    check_resume(checkpoint, {"train_size": 60, "data": "small", "total_steps": 8}, progress)
+    check_resume(checkpoint, {"train_size": 60, "data": "small", "total_steps": 8, "versions": {}}, progress)
     assert capsys.readouterr().out.splitlines()[:2] == [
         f"resuming from {checkpoint}: step 5, epoch 1 after 640 of its 3000 samples",
         "changed since the checkpoint: train_size 3000 -> 60, data 'big' -> 'small'"]
+
+
+def test_a_resume_under_other_versions_says_so_and_promises_no_bits(tmp_path, capsys):
+    """A run moved to a machine with another torch: the line said "the run continues exactly, to the same weights as
+    a run never stopped", which another release's kernels need not keep."""
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_5"
+    checkpoint.mkdir(parents=True)
+    before = {"train_size": 64, "total_steps": 8, "versions": {"torch": "2.15.0", "accelerate": "1.15.0"}}
+    progress = Progress()
+    progress.step, progress.samples_into_epoch = 5, 40
+    moved = "other versions than the checkpoint's: torch 2.15.0 -> 2.11.0: the same steps, perhaps not to the same bits"
+    for versions, lines in (({"torch": "2.11.0", "accelerate": "1.15.0"}, [
+            moved, "same configuration: the sample order continues exactly"]),
+            ({"torch": "2.15.0", "accelerate": "1.15.0", "datasets": None}, [  # one it did not record: unknown
+            "same configuration: the run continues exactly, to the same weights as a run never stopped"])):
+        for recorded in (before, {**before, "versions": "2.15"}):  # a config.json from anywhere: any JSON
+            (checkpoint / "config.json").write_text(json.dumps(recorded))
+            check_resume(checkpoint, {**before, "versions": versions}, progress)
+            printed = capsys.readouterr().out.splitlines()[1:]
+            assert printed == lines if recorded is before else printed[-1].startswith("same configuration: ")
 
 
 def test_no_two_seeds_share_an_epoch_order():
