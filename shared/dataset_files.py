@@ -31,7 +31,7 @@ import torch
 
 from shared.bounds import check_decoded_size, free_memory
 from shared.config import MAX_JSON_BYTES, read_json
-from shared.errors import RecipeError, first_line, walk
+from shared.errors import RecipeError, first_line, is_main_process, printable, walk
 from shared.pickles import check_pickle
 
 FASHION_MNIST = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
@@ -137,23 +137,42 @@ def read_size(file: Path, meta, limit: int) -> int:
     return total
 
 
-def check_saved_dataset(folder: Path) -> None:
+def check_image_folder(folder: Path) -> None:
+    """What datasets' imagefolder would make of a folder's files, said first: a file of no image format it reads (an
+    iPhone's .heic, notes.txt) it leaves out, unsaid; an archive (.zip) it reads as a folder of its own, at another
+    depth than the class folders, which drops every label ("no label column")."""
+    from datasets.packaged_modules.imagefolder.imagefolder import ImageFolder
+
+    known = (*ImageFolder.EXTENSIONS, *ImageFolder.METADATA_FILENAMES)
+    others = sorted(Path(entry.path) for entry in walk(folder) if not entry.name.startswith(".")
+                    and Path(entry.name).suffix.lower() not in known and entry.name not in known)
+    if archives := [file for file in others if file.suffix.lower() == ".zip"]:
+        raise RecipeError(f"{archives[0]} is an archive among the images, which datasets would read as a folder of "
+                          "its own: unpack it, or move it out of --data")
+    if others and is_main_process():
+        print(f"{folder}: {len(others)} file(s) of no image format read here left out, e.g. "
+              f"{printable(others[0].relative_to(folder))} (photos: convert them to JPEG or PNG)", flush=True)
+
+
+def check_saved_dataset(folder: Path) -> bool:
     """A save_to_disk folder, before load_from_disk reads it: its JSON files within MAX_JSON_BYTES, and the split
     folders and data files they name, each once, a name inside its folder and a regular file. datasets reads any file
-    a state.json names (an absolute path, ../), as often as it is named, and blocked for ever on a FIFO there."""
+    a state.json names (an absolute path, ../), as often as it is named, and blocked for ever on a FIFO there. Returns
+    whether `folder` is one."""
     listing = folder / "dataset_dict.json"
     if listing.exists():  # a DatasetDict: its splits, each a Dataset's folder
         splits = [folder / name for name in saved_names(listing, lambda saved: saved["splits"])]
     elif (folder / "state.json").exists():  # one Dataset
         splits = [folder]
     else:
-        return  # not a save_to_disk folder
+        return False
     for split in splits:
         data = saved_names(split / "state.json", lambda state: [file["filename"] for file in state["_data_files"]])
         for name in data:
             check_regular(split / name, "the dataset's file, written again with save_to_disk")
             check_uncompressed(split / name)
         saved_names(split / "dataset_info.json", lambda info: [] if isinstance(info, dict) else None)
+    return True
 
 
 def check_uncompressed(file: Path) -> None:

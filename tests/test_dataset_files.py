@@ -356,6 +356,29 @@ def test_resnet_trains_on_real_fashion_mnist_idx_files(env, real_subset, tmp_pat
     assert read_json(out / "summary.json")["eval_samples"] == 500
 
 
+def test_an_image_folder_says_which_files_it_leaves_out_and_refuses_an_archive(tmp_path, capsys):
+    """datasets' imagefolder left out every file of no image format it reads, unsaid: an iPhone's .heic photos trained
+    on by no one. An archive among the images it read as a folder of its own, at another depth than the class folders:
+    every label dropped, and the line said the classes' folders were laid out wrong."""
+    from shared.data import find_source
+    from shared.errors import RecipeError
+
+    photos = imagefolder_dataset(tmp_path / "photos", sizes={"train": 8, "test": 4})
+    (photos / "train" / "class_0" / "IMG_0001.HEIC").write_bytes(b"ftypheic")
+    (photos / "notes.txt").write_text("where the photos came from")
+    (photos / ".DS_Store").write_bytes(b"\0")  # a hidden file: no one's photo
+    found = find_source(str(photos))
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"{photos}: 2 file(s) of no image format read here left out, e.g. notes.txt (photos: convert them to JPEG or "
+        "PNG)")
+    assert len(found.splits["train"]) == 8
+    shutil.make_archive(str(photos / "train" / "more"), "zip", photos / "train" / "class_0")
+    with pytest.raises(RecipeError) as error:
+        find_source(str(photos))
+    assert str(error.value) == (f"{photos / 'train' / 'more.zip'} is an archive among the images, which datasets "
+                                "would read as a folder of its own: unpack it, or move it out of --data")
+
+
 def test_a_datasets_cache_that_cannot_be_written_is_named_as_the_cause(tmp_path, monkeypatch):
     """A home that is not writable (a container's, say): datasets cannot make its cache, and the line said the folder
     was no dataset ("expected a save_to_disk folder, parquet files, ...") or that the hub could not provide it."""
