@@ -139,13 +139,18 @@ def read_size(file: Path, meta, limit: int) -> int:
 
 def check_image_folder(folder: Path) -> None:
     """What datasets' imagefolder would make of a folder's files, said first: a file of no image format it reads (an
-    iPhone's .heic, notes.txt) it leaves out, unsaid; an archive (.zip) it reads as a folder of its own, at another
-    depth than the class folders, which drops every label ("no label column")."""
+    iPhone's .heic, notes.txt) it leaves out, unsaid, and a link to a folder too (its images gone, or "doesn't contain
+    any data files"); an archive (.zip) it reads as a folder of its own, at another depth than the class folders, which
+    drops every label ("no label column")."""
     from datasets.packaged_modules.imagefolder.imagefolder import ImageFolder
 
+    entries = [entry for entry in walk(folder) if not entry.name.startswith(".")]
+    if linked := sorted(entry.path for entry in entries if entry.is_dir()):  # walk follows no link: datasets neither
+        raise RecipeError(f"{linked[0]} is a link to a folder, which datasets does not follow: copy the folder there, "
+                          "or move the images into --data")
     known = (*ImageFolder.EXTENSIONS, *ImageFolder.METADATA_FILENAMES)
-    others = sorted(Path(entry.path) for entry in walk(folder) if not entry.name.startswith(".")
-                    and Path(entry.name).suffix.lower() not in known and entry.name not in known)
+    others = sorted(Path(entry.path) for entry in entries
+                    if Path(entry.name).suffix.lower() not in known and entry.name not in known)
     if archives := [file for file in others if file.suffix.lower() == ".zip"]:
         raise RecipeError(f"{archives[0]} is an archive among the images, which datasets would read as a folder of "
                           "its own: unpack it, or move it out of --data")

@@ -359,7 +359,8 @@ def test_resnet_trains_on_real_fashion_mnist_idx_files(env, real_subset, tmp_pat
 def test_an_image_folder_says_which_files_it_leaves_out_and_refuses_an_archive(tmp_path, capsys):
     """datasets' imagefolder left out every file of no image format it reads, unsaid: an iPhone's .heic photos trained
     on by no one. An archive among the images it read as a folder of its own, at another depth than the class folders:
-    every label dropped, and the line said the classes' folders were laid out wrong."""
+    every label dropped, and the line said the classes' folders were laid out wrong. A linked class folder it left out
+    too."""
     from shared.data import find_source
     from shared.errors import RecipeError
 
@@ -377,6 +378,14 @@ def test_an_image_folder_says_which_files_it_leaves_out_and_refuses_an_archive(t
         find_source(str(photos))
     assert str(error.value) == (f"{photos / 'train' / 'more.zip'} is an archive among the images, which datasets "
                                 "would read as a folder of its own: unpack it, or move it out of --data")
+    # A class folder that is a link: datasets does not follow it ("doesn't contain any data files", or a class gone)
+    (photos / "train" / "more.zip").unlink()
+    shutil.move(photos / "train" / "class_0", tmp_path / "elsewhere")
+    (photos / "train" / "class_0").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(RecipeError) as error:
+        find_source(str(photos))
+    assert str(error.value) == (f"{photos / 'train' / 'class_0'} is a link to a folder, which datasets does not "
+                                "follow: copy the folder there, or move the images into --data")
 
 
 def test_a_datasets_cache_that_cannot_be_written_is_named_as_the_cause(tmp_path, monkeypatch):
