@@ -75,6 +75,10 @@ def parse_config(cls: type, argv: list[str] | None = None):
             if isinstance(value, str) and re.search("[\udc80-\udcff]", value):  # bytes Python could not read as UTF-8
                 parser.error(f"--{name} {value!r} is not UTF-8 (a name in another encoding, which datasets, "
                              "safetensors and matplotlib refuse): rename it in UTF-8")
+            # `--output_dir=~/runs` (one word) reaches here as typed, since no shell expands a ~ after a `=`: a folder
+            # named ~ in the working folder, which a later `rm -rf ~` of it would take the home with
+            if isinstance(value, str) and value.startswith("~/"):
+                args[name] = str(Path(value).expanduser())
         try:
             return cls(**args)
         except ValueError as error:

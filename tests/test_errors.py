@@ -725,6 +725,19 @@ def test_flags_parse_without_the_source_file_and_take_help_from_it_when_there(ca
     assert "--widen INT" in text and "passes over the training set" in text  # RunConfig's file is there
 
 
+def test_a_path_given_with_a_tilde_after_an_equals_sign_is_the_home(monkeypatch, tmp_path):
+    """`--output_dir=~/runs/x` is one word, and no shell expands a ~ after its `=`: the run went into a folder named
+    ~ in the working folder, which a later `rm -rf ~` of it would take the home with."""
+    from recipes import cifar_cnn, predict
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = cifar_cnn.Config.parse(["--output_dir=~/runs/x", "--init_from=~/w.safetensors", "--data", "~/photos"])
+    assert (cfg.output_dir, cfg.init_from, cfg.data) == (f"{tmp_path}/runs/x", f"{tmp_path}/w.safetensors",
+                                                         f"{tmp_path}/photos")
+    cfg = predict.Config.parse(["--weights=~/m.safetensors", "--images=~/new", "--classes=~cat,dog"])
+    assert (cfg.weights, cfg.images, cfg.classes) == (f"{tmp_path}/m.safetensors", f"{tmp_path}/new", "~cat,dog")
+
+
 @pytest.mark.slow  # under a memory limit
 def test_a_batch_whose_activations_do_not_fit_in_memory_is_one_line(env, tmp_path):
     """torch's CPU allocator raises a RuntimeError, not a MemoryError. The run gets 8 GiB of address space (torch
