@@ -95,10 +95,14 @@ def recorded_flags(cfg, argv: list[str]):
     return words, path
 
 
-def check_checkpoint_folder(folder: Path, run: str | None) -> list[Path]:
+def check_checkpoint_folder(folder: Path, run: str | None, run_dir: Path) -> list[Path]:
     """A --checkpoint_dir, before anything is written: it may hold only checkpoints (complete or partial) of the run
     whose id is `run` (the run resumed, or the one --overwrite replaces), which are returned. Anything else is
-    refused, since pruning, --resume latest and --overwrite would act on it."""
+    refused, since pruning, --resume latest and --overwrite would act on it; so is the run folder or one above it,
+    which the run's own files fill (a new run's start found it empty, and its resume refused it)."""
+    if Path(run_dir).resolve().is_relative_to(Path(folder).resolve()):
+        raise RecipeError(f"--checkpoint_dir {folder} holds the run folder {run_dir}: pass a folder of its own (on a "
+                          f"scratch disk, say), or leave it out for {Path(run_dir) / 'checkpoints'}")
     if not Path(folder).is_dir():
         return []
     check_entries(folder)

@@ -91,7 +91,7 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
     if cfg.checkpoint_dir and state.is_main_process:
         from shared.resume import check_checkpoint_folder  # only the runs given a --checkpoint_dir: an opt-in module
 
-        its_checkpoints = check_checkpoint_folder(cfg.checkpoint_dir, mine)
+        its_checkpoints = check_checkpoint_folder(cfg.checkpoint_dir, mine, run_dir)
     state.wait_for_everyone()  # every process has read the folder before the main process changes it
     if state.is_main_process:
         if cfg.output_dir is None or not run_dir.exists():  # made by this start (new_folder made the default one)

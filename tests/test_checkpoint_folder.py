@@ -114,12 +114,25 @@ def test_pruning_and_latest_see_only_the_runs_own_checkpoints(tmp_path):
         (tmp_path / f"step_{step}" / "config.json").write_text(f'{{"run_id": "{run}"}}')
     (tmp_path / "step_5").mkdir()  # no config.json: no run's
     assert [p.name for p in list_checkpoints(tmp_path, "aaaa")] == ["step_1", "step_3"]
+    run_dir = tmp_path.parent / f"{tmp_path.name}-run"  # beside the checkpoint folder
     with pytest.raises(RecipeError, match="holds 'step_2', a checkpoint of run 'bbbb'"):
-        check_checkpoint_folder(tmp_path, "aaaa")
-    assert check_checkpoint_folder(tmp_path / "new", None) == []
+        check_checkpoint_folder(tmp_path, "aaaa", run_dir)
+    assert check_checkpoint_folder(tmp_path / "new", None, run_dir) == []
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / ".shared_check").write_text("x")  # left by a start of several nodes killed in its check
-    assert check_checkpoint_folder(tmp_path / "mine", "aaaa") == [tmp_path / "mine" / ".shared_check"]
+    assert check_checkpoint_folder(tmp_path / "mine", "aaaa", run_dir) == [tmp_path / "mine" / ".shared_check"]
+    assert check_checkpoint_folder(run_dir / "ck", None, run_dir) == []  # a folder of its own, in the run's
+
+
+def test_the_run_folder_or_one_above_it_is_no_checkpoint_folder(data, tmp_path):
+    """--checkpoint_dir runs/x --output_dir runs/x: the start found it empty and saved step_<N> beside config.json,
+    then the resume refused it ("holds 'config.json', no checkpoint of this run"). Now the start refuses it."""
+    run_dir = tmp_path / "runs" / "x"
+    for folder in (run_dir, run_dir.parent, run_dir / ".."):
+        one_line(run(data, run_dir, folder, "--max_steps", "2"), f"--checkpoint_dir {folder} holds the run folder "
+                 f"{run_dir}: pass a folder of its own (on a scratch disk, say), or leave it out for "
+                 f"{run_dir / 'checkpoints'}")
+        assert not run_dir.exists()
 
 
 def test_a_synthetic_runs_recorded_data_is_no_flag_of_its_resume(tmp_path):
