@@ -109,7 +109,11 @@ def one_line_errors():
                        "(the complete checkpoints are kept)")
         elif limit := process_limit(error):
             message = f"this process reached its limit on {limit}: raise it, then run again"
-        elif isinstance(error, ImportError):  # caught for the limit above only: a package that does not load says why
+        elif isinstance(error, ModuleNotFoundError) and error.name and "." not in error.name:
+            # a requirement not installed (a GPU image has torch and accelerate, and often neither wandb nor datasets)
+            message = (f"No module named {error.name!r} in this Python ({sys.executable}): install the requirements "
+                       "there: pip install -r requirements.txt")
+        elif isinstance(error, ImportError):  # a package that does not load says why, in its traceback
             raise
         elif isinstance(error, MemoryError) or "DefaultCPUAllocator: can't allocate memory" in str(error):
             # a CPU allocation, Python's or torch's (a RuntimeError); the readers of data files name the file themselves

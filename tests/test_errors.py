@@ -711,6 +711,19 @@ def test_ddp_errors_keep_their_message_and_collective_failures_are_one_line(monk
     assert capsys.readouterr().err.startswith("error: another process of this run stopped ([gloo] Connection closed")
 
 
+def test_a_requirement_not_installed_is_one_line(data, tmp_path, monkeypatch):
+    """A GPU image has torch and accelerate, and often neither wandb nor datasets: the default tracker ended in
+    ModuleNotFoundError's traceback, and so did a folder of photos (datasets)."""
+    from shared.errors import one_line_errors
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed: `import wandb` raises ModuleNotFoundError
+    one_line(run_here("cifar_cnn", "--data", data, "--output_dir", tmp_path / "run"), "error: No module named 'wandb' "
+             f"in this Python ({sys.executable}): install the requirements there: pip install -r requirements.txt")
+    assert not list((tmp_path / "run").iterdir())  # empty: a process's exit removes it (remove_if_empty)
+    with pytest.raises(ModuleNotFoundError), one_line_errors():  # one missing inside a package: its traceback says why
+        raise ModuleNotFoundError("No module named 'torchvision._meta'", name="torchvision._meta")
+
+
 def test_flags_parse_without_the_source_file_and_take_help_from_it_when_there(capsys):
     """A recipe run from a notebook cell or exec() has no source file to read the comments from: no help, same flags."""
     from shared.config import RunConfig, parse_config
