@@ -154,6 +154,11 @@ def device_settings(accelerator, cfg) -> None:
     without (19.1 s in the first process on a fresh machine). Off by default: by these figures it pays beyond about
     1,400 steps. BENCHMARKS.md, "GPU speed"."""
     device = accelerator.device
+    if cfg.compile:
+        # model.compile() of a model whose forward is torch's own (an nn.Sequential: cifar_cnn's) compiled nothing on
+        # torch 2.11, silently (pytorch #150915; fixed later by pytorch #185722), and of the ResNet each block apart:
+        # with its top frame wrapped, each model is one graph, on every torch
+        torch._dynamo.config.wrap_top_frame = True
     if device.type == "cpu":
         # What `accelerate launch` sets from a config without use_cpu (1gpu.yaml, bf16.yaml, or none): a GPU was meant
         if os.environ.get("ACCELERATE_USE_CPU") == "False" and accelerator.is_main_process:

@@ -10,6 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from shared.config import RunConfig
+
 from conftest import hooked, launch, ok, read_json, run_here
 from tiny_data import save_to_disk_dataset
 
@@ -92,9 +94,9 @@ def test_bf16_on_a_cpu_without_its_instructions_says_so_in_one_line(tmp_path, ca
         assert loop.cpu_has_bf16(tmp_path / "cpuinfo") == (not emulated)
     accelerator = SimpleNamespace(device=torch.device("cpu"), mixed_precision="bf16", is_main_process=True)
     with mock.patch.object(loop, "cpu_has_bf16", lambda: False):
-        loop.device_settings(accelerator, None)
+        loop.device_settings(accelerator, RunConfig())
         accelerator.mixed_precision = "no"
-        loop.device_settings(accelerator, None)
+        loop.device_settings(accelerator, RunConfig())
     assert capsys.readouterr().out.splitlines() == [
         "warning: this CPU has no bf16 instructions (no avx512_bf16 or amx_bf16 in lscpu), so bf16 is emulated here, "
         "several times slower than float32: accelerate_configs/cpu.yaml is faster"]
