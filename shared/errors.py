@@ -120,6 +120,10 @@ def one_line_errors():
             message = "out of memory: lower --batch_size, or check that --data holds what it should"
         elif isinstance(error, torch.OutOfMemoryError):
             message = f"out of GPU memory ({first_line(error)[:120]}): lower --batch_size"
+        elif type(error).__name__ in ("BackendCompilerFailed", "InductorError"):  # --compile: torch's compiler failed
+            cause = getattr(error, "inner_exception", error)  # on a CPU, often no C++ compiler (a slim image's)
+            message = (f"--compile failed in torch's compiler ({type(cause).__name__}: {first_line(cause)[:160]}): "
+                       "leave out --compile (torch.compile needs a C++ compiler, g++, on a CPU)")
         elif os.environ.get("WORLD_SIZE", "1") != "1" and in_collective(error):
             message = (f"another process of this run stopped ({first_line(error)[:160]}): see its error, or if a node "
                        "died, start every node again with --resume latest")

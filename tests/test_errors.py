@@ -711,6 +711,22 @@ def test_ddp_errors_keep_their_message_and_collective_failures_are_one_line(monk
     assert capsys.readouterr().err.startswith("error: another process of this run stopped ([gloo] Connection closed")
 
 
+def test_a_compile_that_fails_in_torchs_compiler_is_one_line(capsys):
+    """--compile without a C++ compiler (a slim image's): torch's traceback, 140 lines. What torch raises there, on
+    both ends of its range (tried: InductorError on 2.11 and 2.15, BackendCompilerFailed on 2.15 before the model was
+    one graph), holds the cause."""
+    from shared.errors import one_line_errors
+
+    for name in ("InductorError", "BackendCompilerFailed"):
+        error = type(name, (RuntimeError,), {})("backend='inductor' raised:\nInvalidCxxCompiler: ...")
+        error.inner_exception = type("InvalidCxxCompiler", (RuntimeError,), {})("No working C++ compiler found")
+        with pytest.raises(SystemExit), one_line_errors():
+            raise error
+        assert capsys.readouterr().err == ("error: --compile failed in torch's compiler (InvalidCxxCompiler: No "
+                                           "working C++ compiler found): leave out --compile (torch.compile needs a "
+                                           "C++ compiler, g++, on a CPU)\n")
+
+
 def test_a_requirement_not_installed_is_one_line(data, tmp_path, monkeypatch):
     """A GPU image has torch and accelerate, and often neither wandb nor datasets: the default tracker ended in
     ModuleNotFoundError's traceback, and so did a folder of photos (datasets)."""
