@@ -144,13 +144,19 @@ def check_image_folder(folder: Path) -> None:
     drops every label ("no label column")."""
     from datasets.packaged_modules.imagefolder.imagefolder import ImageFolder
 
-    entries = [entry for entry in walk(folder) if not entry.name.startswith(".")]
-    if linked := sorted(entry.path for entry in entries if entry.is_dir()):  # walk follows no link: datasets neither
-        raise RecipeError(f"{linked[0]} is a link to a folder, which datasets does not follow: copy the folder there, "
-                          "or move the images into --data")
     known = (*ImageFolder.EXTENSIONS, *ImageFolder.METADATA_FILENAMES)
-    others = sorted(Path(entry.path) for entry in entries
-                    if Path(entry.name).suffix.lower() not in known and entry.name not in known)
+    linked, others = [], []  # one pass, keeping only these: a folder may hold millions of photos
+    for entry in walk(folder):
+        if entry.name.startswith("."):
+            continue
+        if entry.is_dir():  # walk follows no link: datasets neither
+            linked.append(entry.path)
+        elif Path(entry.name).suffix.lower() not in known and entry.name not in known:
+            others.append(Path(entry.path))
+    if linked:
+        raise RecipeError(f"{min(linked)} is a link to a folder, which datasets does not follow: copy the folder "
+                          "there, or move the images into --data")
+    others.sort()
     if archives := [file for file in others if file.suffix.lower() == ".zip"]:
         raise RecipeError(f"{archives[0]} is an archive among the images, which datasets would read as a folder of "
                           "its own: unpack it, or move it out of --data")
