@@ -13,7 +13,8 @@ the function that needs them:
 - checkpoints: full-state checkpoints, the run's progress, model.safetensors, a stop on SIGTERM or Ctrl-C with a
   checkpoint and the command that continues the run
 - errors: one-line errors, the launch checks, a folder's walk, a write that no crash breaks
-- bounds: the free memory, and what a dataset may take decoded (opt-in: imported where images are decoded)
+- bounds: the free memory, what a dataset may take decoded, and datasets' cache that cannot be written (opt-in:
+  imported where images are decoded, and where datasets failed to load a dataset)
 - dataset_files: IDX files and CIFAR's binary and Python versions, read as published, and the bounds on a dataset
   file's size and a parquet file's decompressed size (opt-in: imported for local data)
 - image_files: a PNG or a JPEG from anywhere, checked before PIL opens it (opt-in: imported where an image file
