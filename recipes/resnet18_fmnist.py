@@ -6,9 +6,9 @@ rate must follow it (--lr_scaling), gradient accumulation makes a bigger batch o
 
 Result: the real Fashion-MNIST (Debian's dataset-fashion-mnist) in cpu_bf16.yaml on a 2-core CPU: test accuracy
 0.951 after the default 30 epochs (seed 0), 0.930 +- 0.001 after 5 (3 seeds; 257 s an epoch; both with d2l's conv
-biases, without them not measured on a CPU); d2l's loop 0.883 after 5. On one H100 in bf16.yaml, --batch_size 512
---epochs 6, the step a CUDA graph: 0.9338-0.9344 in 7.0-7.2 s of training (seeds 0-2, each a new process; 21-23 s
-from the command; benchmarks/gpu_speed.sh, 2026-11-28).
+biases, without them not measured on a CPU); d2l's loop 0.883 after 5. On one H200 in bf16.yaml, --batch_size 512
+--epochs 6, the step a CUDA graph: 0.9326-0.9354 in 6.2-6.3 s of training (seeds 0-2, each a new process; 12.8-14.8
+s from the command, Python's compiled code kept; benchmarks/results/gpu-h200/2026-11-29/call3.sh, 2026-11-29).
 More: benchmarks/BENCHMARKS.md.
   accelerate launch --config_file accelerate_configs/cpu_bf16.yaml recipes/resnet18_fmnist.py \
     --data /usr/share/datasets/fashion-mnist

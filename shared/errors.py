@@ -211,6 +211,19 @@ def check_launch() -> None:
         print("warning: accelerate launch --cpu starts one process, whatever --num_processes or the config asks: for "
               "several on the CPU, set ACCELERATE_USE_CPU=true instead (ACCELERATE_USE_CPU=true accelerate launch "
               "--config_file accelerate_configs/2gpu.yaml ...)", flush=True)
+    source = Path(torch.__file__)
+    if state.is_main_process and source.suffix == ".py" and not Path(importlib.util.cache_from_source(source)).exists():
+        # Python compiles torch's code again in each process that cannot keep its compiled copy (the launcher's too):
+        # on one H200 whose image sets PYTHONDONTWRITEBYTECODE, the README's GPU line took 22-25 s, 13-15 s once kept
+        fixes = []
+        if sys.dont_write_bytecode:
+            fixes.append("unset PYTHONDONTWRITEBYTECODE")
+        if not os.access(source.parent, os.W_OK):  # a read-only image (Apptainer's, say): keep the copies elsewhere
+            fixes.append("export PYTHONPYCACHEPREFIX=~/.cache/pycache")
+        if fixes:
+            print("note: each start compiles torch's Python code again, as Python cannot keep the compiled copy here "
+                  "(the README's GPU line took 22-25 s without it on one H200, 13-15 s with it): to keep it, "
+                  f"{' and '.join(fixes)}", flush=True)
     if os.environ.get("ACCELERATE_MIXED_PRECISION") == "fp16" and state.device.type == "cpu":
         # accelerate accepts fp16 on a CPU but does not autocast there: the run would be float32.
         raise RecipeError("fp16 mixed precision needs a GPU (on a CPU it would silently train in float32): "

@@ -245,6 +245,35 @@ def test_accelerate_launch_cpu_of_several_processes_says_it_starts_one(monkeypat
                 "for several on the CPU, set ACCELERATE_USE_CPU=true" in printed) == warned, (command, printed)
 
 
+def test_a_python_that_cannot_keep_torchs_compiled_code_is_told_how(monkeypatch, capsys, tmp_path):
+    """The GPU image sets PYTHONDONTWRITEBYTECODE and holds no .pyc of torch, so each process compiled torch's Python
+    again: 8 of the 22 s of the README's GPU line on one H200, unsaid. sys.pycache_prefix points Python's compiled
+    copies at an empty folder here, as where none was kept."""
+    import os
+
+    from shared.errors import check_launch
+
+    torch_folder, access = Path(torch.__file__).parent, os.access
+    monkeypatch.setattr(sys, "pycache_prefix", str(tmp_path))
+    cases = ((True, True, "to keep it, unset PYTHONDONTWRITEBYTECODE\n"),
+             (True, False, "to keep it, unset PYTHONDONTWRITEBYTECODE and export PYTHONPYCACHEPREFIX=~/.cache/pycache"),
+             (False, False, "to keep it, export PYTHONPYCACHEPREFIX=~/.cache/pycache\n"),
+             (False, True, None))  # Python may write the copy: nothing known to say
+    for dont_write, writable, said in cases:
+        monkeypatch.setattr(sys, "dont_write_bytecode", dont_write)
+        monkeypatch.setattr(os, "access", lambda path, mode, w=writable: w if Path(path) == torch_folder
+                            else access(path, mode))
+        check_launch()
+        printed = capsys.readouterr().out
+        assert (said in printed if said else "compiles torch's Python code again" not in printed), (dont_write, printed)
+    cached = Path(importlib.util.cache_from_source(torch.__file__))  # under tmp_path: a copy is kept
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(b"")
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    check_launch()
+    assert "compiles torch's Python code again" not in capsys.readouterr().out
+
+
 # ------------------------------------------------------------------ data
 def test_local_data_path_missing(env, tmp_path):
     one_line(run_here("cifar_cnn", "--data", str(tmp_path / "nope"), "--tracker", "none"),
