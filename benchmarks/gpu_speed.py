@@ -26,6 +26,9 @@ In the order they run (the most wanted first: a run cut short keeps them), until
   (open it at https://ui.perfetto.dev), a table of the operations that took the most time, and the GPU's idle share
   over those steps (1 - the trace's kernel, copy and memset time / wall time) and its kernels per step.
 
+Beside them, `bytecode_kept`: whether this Python had torch's compiled code (its .pyc); without it every new process
+compiles torch's Python again, seconds of each start (BENCHMARKS.md, 2026-11-29).
+
 The GPU setting (GPU_SETTING): bf16.yaml and --batch_size 512 (the ResNet's learning rate follows the global batch by
 its default --lr_scaling sqrt), on top of the recipes' GPU defaults (shared/loop.py): the data held on the GPU,
 TF32 for float32 matmuls and convolutions, cudnn.benchmark off (its row turns it on).
@@ -40,6 +43,7 @@ import argparse
 import contextlib
 import gzip
 import importlib
+import importlib.util
 import json
 import math
 import os
@@ -82,6 +86,7 @@ class Speed:
         self.deadline = STARTED + args.budget_s
         self.results = {"device": device_name(), "date": time.strftime("%Y-%m-%d"), "commit": commit(),
                         "torch": torch.__version__, "dry_run": args.dry_run, "budget_s": args.budget_s,
+                        "bytecode_kept": Path(importlib.util.cache_from_source(torch.__file__)).exists(),
                         "gpu_setting": {**GPU_SETTING, "epochs": GPU_EPOCHS}, "runs": str(self.runs),
                         "profile": None, "profile_summary": None, "rows": [], "start": [],
                         "time_to_accuracy": [], "skipped": [], "errors": []}

@@ -6,11 +6,13 @@ one code path with the recipe's name; the ResNet runs in the time to accuracy, t
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
 import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import ROOT
 from tiny_data import idx_folder, random_splits
@@ -32,6 +34,7 @@ def test_the_gpu_speed_check_makes_every_measurement_on_the_cpu(env, tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     figures = json.loads((out / "gpu_speed.json").read_text())
     assert figures["dry_run"] and figures["device"] == "CPU" and figures["torch"] and figures["date"]
+    assert figures["bytecode_kept"] is Path(importlib.util.cache_from_source(torch.__file__)).exists()
     # The commit a copied tree was given wins over the .git beside it (a GPU machine's copy of it can be stale).
     assert figures["commit"] == "0123abc" and not figures["errors"], figures["errors"]
     assert [skipped["name"] for skipped in figures["skipped"]] == ["resnet18_fmnist gpu bf16 compile default",
