@@ -29,7 +29,6 @@ MAX_WORDS = 1_000  # a command line's words: a recipe has under 40 flags, of one
 def parse_config(cls: type, argv: list[str] | None = None):
     """Build `cls` from the command line (or `argv`); a bad value is one line and exit status 2."""
     parser = argparse.ArgumentParser(description=(sys.modules[cls.__module__].__doc__ or "").split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                      allow_abbrev=False)  # `--lr` must not silently match `--lr_scaling`
     flags = []  # every --flag, for the one a mistyped flag was meant to be (Python 3.14's argparse suggests too)
 
@@ -57,7 +56,9 @@ def parse_config(cls: type, argv: list[str] | None = None):
         kind = hints[field.name]
         if typing.get_origin(kind) in (typing.Union, types.UnionType):  # `int | None` -> int
             kind = next(arg for arg in typing.get_args(kind) if arg is not type(None))
-        kwargs = {"default": field.default, "help": helps.get(field.name, "")}
+        # The default, where there is one: a None's meaning is the comment's ("default: ~100 a run", not "None")
+        default = "" if field.default is None else " (default: %(default)s)"
+        kwargs = {"default": field.default, "help": helps.get(field.name, "") + default}
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(kind) is Literal:

@@ -164,6 +164,11 @@ def test_help_lists_the_contract_flags_with_units():
                  "--compile", "--channels_last", "--data_on_device"):
         assert flag in result.stdout, flag
     assert "images per process per step" in result.stdout
+    # A default where there is one; a None's meaning is the comment's: "points; default: ~100 a run (default: None)"
+    # read as two defaults that disagree
+    help_text = " ".join(result.stdout.split())
+    assert "x processes x grad_accum (default: 128)" in help_text and "(default: None)" not in help_text
+    assert "points; default: ~100 a run --checkpoint_every" in help_text
 
 
 def test_an_accumulation_window_spans_an_epoch_end(env, tmp_path):
