@@ -139,7 +139,7 @@ class RunConfig:
     init_partial: bool = False  # --init_from another model: load only the tensors that fit by name and shape
     keep_classifier: bool = False  # --init_from weights trained on other classes: keep their classifier anyway
     tracker: Literal["wandb", "tensorboard", "none"] = "wandb"  # wandb is offline without an API key
-    compile: bool = False  # torch.compile the model (the first steps wait 10-40 s while it compiles)
+    compile: bool = False  # torch.compile the model: 10-40 s to compile, then slower in every run measured (BENCHMARKS)
     channels_last: bool = False  # NHWC memory layout for convolutions (faster on CPUs; on GPUs: BENCHMARKS.md)
     data_on_device: bool | None = None  # uint8 dataset in GPU memory, no copy per batch; default: on a GPU if it fits
     tf32: bool = True  # on a GPU, float32 matmuls and convolutions in TF32 (~3x faster); --no-tf32: full float32
