@@ -56,8 +56,9 @@ def parse_config(cls: type, argv: list[str] | None = None):
         kind = hints[field.name]
         if typing.get_origin(kind) in (typing.Union, types.UnionType):  # `int | None` -> int
             kind = next(arg for arg in typing.get_args(kind) if arg is not type(None))
-        # The default, where there is one: a None's meaning is the comment's ("default: ~100 a run", not "None")
-        default = "" if field.default is None else " (default: %(default)s)"
+        # The default, where there is one: a None's or an empty string's meaning is the comment's ("default: ~100 a
+        # run", not "None"; "(default: )")
+        default = "" if field.default in (None, "") else " (default: %(default)s)"
         kwargs = {"default": field.default, "help": helps.get(field.name, "") + default}
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction

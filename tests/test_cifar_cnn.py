@@ -169,6 +169,8 @@ def test_help_lists_the_contract_flags_with_units():
     help_text = " ".join(result.stdout.split())
     assert "x processes x grad_accum (default: 128)" in help_text and "(default: None)" not in help_text
     assert "points; default: ~100 a run --checkpoint_every" in help_text
+    predict_help = " ".join(ok(run_here("predict", "--help")).stdout.split())
+    assert "state dict --images" in predict_help and "(default: )" not in predict_help  # "" is no value either
 
 
 def test_an_accumulation_window_spans_an_epoch_end(env, tmp_path):
