@@ -111,8 +111,9 @@ def one_line_errors():
             message = f"this process reached its limit on {limit}: raise it, then run again"
         elif isinstance(error, ModuleNotFoundError) and error.name and "." not in error.name:
             # a requirement not installed (a GPU image has torch and accelerate, and often neither wandb nor datasets)
+            untracked = ", or train without it: --tracker tensorboard or none" if error.name == "wandb" else ""
             message = (f"No module named {error.name!r} in this Python ({sys.executable}): install the requirements "
-                       "there: pip install -r requirements.txt")
+                       f"there: pip install -r requirements.txt{untracked}")
         elif isinstance(error, ImportError):  # a package that does not load says why, in its traceback
             raise
         elif isinstance(error, MemoryError) or "DefaultCPUAllocator: can't allocate memory" in str(error):

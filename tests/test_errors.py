@@ -763,8 +763,18 @@ def test_a_requirement_not_installed_is_one_line(data, tmp_path, monkeypatch):
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed: `import wandb` raises ModuleNotFoundError
     one_line(run_here("cifar_cnn", "--data", data, "--output_dir", tmp_path / "run"), "error: No module named 'wandb' "
-             f"in this Python ({sys.executable}): install the requirements there: pip install -r requirements.txt")
+             f"in this Python ({sys.executable}): install the requirements there: pip install -r requirements.txt, "
+             "or train without it: --tracker tensorboard or none")
     assert not list((tmp_path / "run").iterdir())  # empty: a process's exit removes it (remove_if_empty)
+    for tracker in ("tensorboard", "none"):  # what the line offers works without wandb (an offline GPU image's case)
+        ok(run_here("cifar_cnn", "--data", data, "--output_dir", tmp_path / tracker, "--tracker", tracker,
+                    "--max_steps", "1", "--batch_size", "8"))
+        assert (tmp_path / tracker / "model.safetensors").exists()
+    photos = imagefolder_dataset(tmp_path / "photos", sizes={"train": 4, "test": 2})
+    monkeypatch.setitem(sys.modules, "datasets", None)  # a folder of photos: datasets' imagefolder reads it
+    one_line(run_here("cifar_cnn", "--data", photos, "--output_dir", tmp_path / "run", "--tracker", "none"),
+             f"error: No module named 'datasets' in this Python ({sys.executable}): install the requirements there: "
+             "pip install -r requirements.txt")
     with pytest.raises(ModuleNotFoundError), one_line_errors():  # one missing inside a package: its traceback says why
         raise ModuleNotFoundError("No module named 'torchvision._meta'", name="torchvision._meta")
 
