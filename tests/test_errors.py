@@ -247,8 +247,8 @@ def test_accelerate_launch_cpu_of_several_processes_says_it_starts_one(monkeypat
 
 def test_a_python_that_cannot_keep_torchs_compiled_code_is_told_how(monkeypatch, capsys, tmp_path):
     """The GPU image sets PYTHONDONTWRITEBYTECODE and holds no .pyc of torch, so each process compiled torch's Python
-    again: 8 of the 22 s of the README's GPU line on one H200, unsaid. sys.pycache_prefix points Python's compiled
-    copies at an empty folder here, as where none was kept."""
+    again, unsaid: the README's GPU line took 22-25 s from the command on one H200, 13-15 s once they were kept.
+    sys.pycache_prefix points Python's compiled copies at an empty folder here, as where none was kept."""
     import os
 
     from shared.errors import check_launch
