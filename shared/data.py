@@ -148,17 +148,13 @@ def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: b
 def find_source(source: str) -> Source:
     """Published files in a folder, else a dataset: checked as far as can be without decoding an image (a bad first
     image is one line at once)."""
-    path, files, tables = Path(source).expanduser(), None, []
+    path, files, tables = Path(source).expanduser(), None, False
     if path.exists():  # the published formats (IDX, CIFAR's files) and the checks of datasets' files: an opt-in module
         from shared import dataset_files
 
         files = dataset_files.find_dataset_files(path)
         if not files:  # what datasets will read, bounded first
-            saved = dataset_files.check_saved_dataset(path)
-            parquet = dataset_files.check_parquet_files(path)
-            tables = [file for file in parquet if file.name != "metadata.parquet"]  # that one: an imagefolder's labels
-            if not saved and not tables:
-                dataset_files.check_image_folder(path)
+            tables = dataset_files.check_datasets_folder(path)
     if files:
         stamps = [(str(file.resolve()), file.stat().st_size, file.stat().st_mtime_ns) for file in files.all_files()]
         readers = inspect.getsource(dataset_files)  # they name the classes kept in the cache too

@@ -11,8 +11,8 @@
   the operations first (`read_pickled_batch`). A folder holding both versions is read in the binary one.
 Every reader checks the size a file or header claims against MAX_FILE_BYTES and the free memory before it
 allocates. `.read()` returns {"train": (images, labels), "test": ...}, uint8 (N, C, H, W) and int64 (N,), and the
-class names. `check_parquet_files` bounds, for datasets' reader, what a folder's parquet files claim once
-decompressed.
+class names. `check_datasets_folder` checks, in one walk, what datasets' readers will read from a local folder: what its
+parquet files claim once decompressed (`check_parquet_files`), and an imagefolder's files (`check_image_folder`).
 """
 
 import functools
@@ -76,13 +76,37 @@ def check_regular(file: Path, what: str) -> None:
                           f"{what}")
 
 
-def check_parquet_files(folder: Path) -> list[Path]:
+def check_datasets_folder(folder: Path) -> bool:
+    """What datasets will read from a local folder, checked first, in one walk (a folder may hold millions of photos,
+    so only what the checks read is kept): a save_to_disk folder's files, its parquet files' sizes once read, or an
+    imagefolder's files. Returns whether it holds parquet tables (datasets' parquet builder reads them)."""
+    from datasets.packaged_modules.imagefolder.imagefolder import ImageFolder
+
+    saved = check_saved_dataset(folder)
+    known = (*ImageFolder.EXTENSIONS, *ImageFolder.METADATA_FILENAMES)
+    parquet, linked, others = [], [], []
+    for entry in walk(folder):
+        if entry.name.endswith(".parquet"):
+            parquet.append(Path(entry.path))
+        if entry.name.startswith("."):
+            continue
+        if entry.is_dir():  # walk follows no link: datasets neither
+            linked.append(entry.path)
+        elif Path(entry.name).suffix.lower() not in known and entry.name not in known:
+            others.append(Path(entry.path))
+    check_parquet_files(sorted(parquet))
+    tables = [file for file in parquet if file.name != "metadata.parquet"]  # that one: an imagefolder's labels
+    if not saved and not tables:
+        check_image_folder(folder, linked, sorted(others))
+    return bool(tables)
+
+
+def check_parquet_files(files: list[Path]) -> None:
     """A parquet file's footer says how large its columns are once decompressed: a 52 KB file of compressed zeros
     reached 3.6 GB. Refuse a file that claims more than MAX_INFLATE_RATIO times its size (images inside are compressed
-    already; raw pixel columns shrink a few times) or than the free memory, before a page is read. Returns the files."""
+    already; raw pixel columns shrink a few times) or than the free memory, before a page is read."""
     import pyarrow.parquet as pq
 
-    files = sorted(Path(entry.path) for entry in walk(folder) if entry.name.endswith(".parquet"))
     for file in files:
         check_regular(file, "the parquet file")  # datasets' read after this one would block too
         size, free = file.stat().st_size, free_memory()
@@ -103,7 +127,6 @@ def check_parquet_files(folder: Path) -> list[Path]:
             raise RecipeError(f"{file} holds over {values:,} bytes of values once read, from {size:,} on disk (over "
                               f"{MAX_INFLATE_RATIO} times its size plus 64 MiB, or the {free / 2**30:.1f} GiB of free "
                               "memory): a damaged or hostile file; write it again")
-    return files
 
 
 def read_size(file: Path, meta, limit: int) -> int:
@@ -137,26 +160,15 @@ def read_size(file: Path, meta, limit: int) -> int:
     return total
 
 
-def check_image_folder(folder: Path) -> None:
-    """What datasets' imagefolder would make of a folder's files, said first: a file of no image format it reads (an
-    iPhone's .heic, notes.txt) it leaves out, unsaid, and a link to a folder too (its images gone, or "doesn't contain
-    any data files"); an archive (.zip) it reads as a folder of its own, at another depth than the class folders, which
-    drops every label ("no label column")."""
-    from datasets.packaged_modules.imagefolder.imagefolder import ImageFolder
-
-    known = (*ImageFolder.EXTENSIONS, *ImageFolder.METADATA_FILENAMES)
-    linked, others = [], []  # one pass, keeping only these: a folder may hold millions of photos
-    for entry in walk(folder):
-        if entry.name.startswith("."):
-            continue
-        if entry.is_dir():  # walk follows no link: datasets neither
-            linked.append(entry.path)
-        elif Path(entry.name).suffix.lower() not in known and entry.name not in known:
-            others.append(Path(entry.path))
+def check_image_folder(folder: Path, linked: list[str], others: list[Path]) -> None:
+    """What datasets' imagefolder would make of a folder's files, said first (its links to folders, and its files of
+    no image format datasets reads, sorted): a file of no image format (an iPhone's .heic, notes.txt) it leaves out,
+    unsaid, and a link to a folder too (its images gone, or "doesn't contain any data files"); an archive (.zip) it
+    reads as a folder of its own, at another depth than the class folders, which drops every label ("no label
+    column")."""
     if linked:
         raise RecipeError(f"{min(linked)} is a link to a folder, which datasets does not follow: copy the folder "
                           "there, or move the images into --data")
-    others.sort()
     if archives := [file for file in others if file.suffix.lower() == ".zip"]:
         raise RecipeError(f"{archives[0]} is an archive among the images, which datasets would read as a folder of "
                           "its own: unpack it, or move it out of --data")

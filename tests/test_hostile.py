@@ -967,7 +967,7 @@ def test_a_parquet_file_of_one_value_in_many_rows_is_refused_from_its_footer(tmp
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from shared.dataset_files import check_parquet_files
+    from shared.dataset_files import check_datasets_folder
 
     rows = 10_000_000
     image = pa.nulls(rows, pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
@@ -975,7 +975,7 @@ def test_a_parquet_file_of_one_value_in_many_rows_is_refused_from_its_footer(tmp
     pq.write_table(pa.table({"image": image, "label": pa.array(np.zeros(rows, np.int64))}),
                    tmp_path / "data" / "train.parquet")
     with pytest.raises(RecipeError, match="train.parquet holds over 240,000,000 bytes of values once read"):
-        check_parquet_files(tmp_path / "data")
+        check_datasets_folder(tmp_path / "data")
 
 
 @pytest.mark.parametrize("nest", ["struct", "list", "map"])
@@ -1003,7 +1003,7 @@ def test_a_parquet_file_whose_pages_are_damaged_is_one_line_naming_it(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from shared.dataset_files import check_parquet_files
+    from shared.dataset_files import check_datasets_folder
 
     (tmp_path / "data").mkdir()
     file = tmp_path / "data" / "train.parquet"
@@ -1012,7 +1012,7 @@ def test_a_parquet_file_whose_pages_are_damaged_is_one_line_naming_it(tmp_path):
     raw[4:40] = b"\x7f" * 36  # after the magic "PAR1": the first page's header
     file.write_bytes(bytes(raw))
     with pytest.raises(RecipeError, match="train.parquet is not a readable parquet file \\(OSError: "):
-        check_parquet_files(tmp_path / "data")
+        check_datasets_folder(tmp_path / "data")
 
 
 @pytest.mark.slow  # a read that would block forever: launched, under the timeout
