@@ -13,6 +13,7 @@ shared/dataset_files.py (opt-in modules). The limits are listed in docs/troubles
 
 import contextlib
 import errno
+import glob
 import importlib.util
 import json
 import os
@@ -24,6 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 
+import psutil
 import torch
 from accelerate import PartialState
 from accelerate.utils import parse_flag_from_env
@@ -35,6 +37,7 @@ ALLOCATION_FAILED = ("can't allocate memory", "could not create a primitive", "f
 # import, before a thread runs: umask is the process's, and a file another thread made meanwhile would get 0o666.
 UMASK = os.umask(0)
 os.umask(UMASK)
+STALE_S = 3600  # a write's temporary file untouched this long, its process gone, was left by a kill -9
 
 
 class RecipeError(Exception):
@@ -255,9 +258,16 @@ def replacing(path: Path) -> Iterator[Path]:
     """Write `path` under a temporary name beside it (what this yields), renamed over it when complete: a reader, a
     run killed while writing, and another name of the file (a hard link from elsewhere) see the old file or the new
     one, never half of one (a machine's crash too: flush_to_disk), and the file is never changed in place. A link left
-    at the temporary name is removed, never written through."""
+    at the temporary name is removed, never written through, and so is the temporary file of a writer killed before
+    (the decode cache's is the size of the decoded dataset)."""
     partial = path.with_name(f"{path.name}.tmp{os.getpid()}")
     partial.unlink(missing_ok=True)
+    for stale in path.parent.glob(f"{glob.escape(path.name)}.tmp*"):  # left by a writer killed mid-write (kill -9)
+        pid = stale.name.rpartition(".tmp")[2]
+        # Its process gone, and untouched for STALE_S: a writer on another machine (a shared cache) keeps writing.
+        with contextlib.suppress(OSError):
+            if pid.isdigit() and not psutil.pid_exists(int(pid)) and time.time() - stale.lstat().st_mtime > STALE_S:
+                stale.unlink()
     try:
         yield partial
         flush_to_disk(partial)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import os
 import re
 import resource
 import shutil
@@ -862,3 +863,28 @@ def test_a_limit_of_the_process_is_named_as_a_limit_not_as_a_data_format(env, tm
     assert result.stderr.strip().splitlines()[-1] == (
         f"error: reading {folder}, this process reached its limit on threads (ulimit -u, a container's pids limit, or "
         "the memory for their stacks: ulimit -v): raise it, then run again")
+
+
+def test_a_decode_cache_left_half_written_by_a_kill_9_is_removed_by_the_next_write(tmp_path):
+    """kill -9 (an OOM kill) while the decoded images were written left `<cache>.tmp<pid>` beside the cache, the size
+    of the decoded dataset, and every later run left it there. The next write now removes such a file when its
+    process is gone and it is an hour old; one whose writer still runs, or that changed within the hour (a writer on
+    another machine sharing the cache), stays."""
+    from shared import data
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    cache = tmp_path / "decoded" / "set-abc.safetensors"
+    cache.parent.mkdir()
+    old = time.time() - 2 * 3600
+    left = {name: cache.with_name(f"{cache.name}.tmp{pid}") for name, pid in
+            (("killed", dead.pid), ("running", os.getppid()), ("recent", dead.pid + 10**7), ("not a pid", "x1"))}
+    for name, file in left.items():
+        file.write_bytes(b"half")
+        if name != "recent":
+            os.utime(file, (old, old))
+    splits = {split: (torch.zeros(2, 1, 4, 4, dtype=torch.uint8), torch.tensor([0, 1])) for split in ("train", "test")}
+    data.write_cache(cache, splits, ["a", "b"], "a source")
+    assert not left["killed"].exists()
+    assert all(left[name].exists() for name in ("running", "recent", "not a pid"))
+    assert data.read_cache(cache)[0].labels.tolist() == [0, 1]
