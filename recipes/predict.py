@@ -240,12 +240,15 @@ def read_image(file: Path, image_shape: tuple[int, int, int], interpolation: str
 
 
 def find_images(root: Path) -> tuple[list[Path], list[Path]]:
-    """(images, skipped): files under `root` whose extension names a format decode reads, and the others."""
+    """(images, skipped): the files and links under `root` whose extension names a format decode reads, and the
+    others."""
     if root.is_file():
         return [root], []
     if not root.is_dir():
         raise RecipeError(f"--images {root}: no such file or folder")
-    files = sorted(Path(entry.path) for entry in walk(root) if entry.is_file() and not entry.name.startswith("."))
+    # Links too: one to a folder is not followed (a loop, or a walk outside --images), but said with the other files
+    # skipped; one whose file is gone, with the files that cannot be read.
+    files = sorted(Path(entry.path) for entry in walk(root) if not entry.name.startswith("."))
     images = [p for p in files if p.suffix.lower() in IMAGE_EXTENSIONS]
     if not images:
         raise RecipeError(f"--images {root} holds no images ({len(files)} other files): pass a folder of .png, "
@@ -312,7 +315,7 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
             raise RecipeError(f"{output} exists: pass --overwrite to replace it, or another --output")
     if skipped:
         print(f"skipped {len(skipped)} file(s) whose extension names none of the formats read here "
-              f"({', '.join(FORMATS)}), e.g. {printable(skipped[0])}")
+              f"({', '.join(FORMATS)}), or links to folders (not followed), e.g. {printable(skipped[0])}")
 
     rows, counts, unreadable = [], Counter(), []
     k = min(cfg.top_k, len(classes))

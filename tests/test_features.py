@@ -150,6 +150,27 @@ def test_predict_writes_a_row_per_image_and_agrees_with_the_runs_evaluation(env,
     assert "per class: " in result.stdout
 
 
+
+def test_predict_says_the_links_it_does_not_follow(env, run, folder, tmp_path):
+    """A link to a folder under --images (a folder of photos gathered by links) was left out unsaid: fewer rows than
+    the user's images, and no line; so was a link whose file is gone. Each is said now: the folder's link as skipped
+    (a link to a folder is not followed: it may loop, or lead out of --images), the dead link as unreadable."""
+    out, _ = run
+    root, _ = folder
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    shutil.copy(root / "gray_50x70.jpg", photos / "a.jpg")
+    (photos / "more").symlink_to(root, target_is_directory=True)
+    (photos / "gone.png").symlink_to(tmp_path / "deleted.png")
+    result = predict(env, "--weights", out / "model.safetensors", "--images", photos, "--output", tmp_path / "p.csv")
+    assert result.returncode == 0, result.stderr
+    assert [row["path"] for row in csv.DictReader((tmp_path / "p.csv").open())] == ["a.jpg"]
+    said = r"skipped 1 file\(s\) whose extension names none of the formats read here \(.*\), or links to folders"
+    more = re.escape(str(photos / "more"))
+    assert re.search(rf"{said} \(not followed\), e\.g\. {more}\n", result.stdout), result.stdout
+    assert f"skipped 1 image file(s) that could not be read, e.g. {photos / 'gone.png'}: no such image file" in \
+        result.stdout, result.stdout
+
 def test_predict_writes_beside_the_weights_by_default_and_says_where(env, run, folder, tmp_path):
     """It wrote predictions.csv into the working folder (the repository), and a second call needed --overwrite. A
     checkpoint in a --checkpoint_dir (no run around it) named no classes, and the CSV went into the checkpoint, which
