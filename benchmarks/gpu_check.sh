@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU path of the recipes, run once, for correctness (benchmarks/gpu_check.py says what it runs; speed and
-# time to accuracy are benchmarks/gpu_speed.sh's): writes gpu_check.log and gpu_check.json under OUT_DIR. With the
-# speed steps it had then, it took about 12 minutes on one H200; without them: not measured.
+# time to accuracy are benchmarks/gpu_speed.sh's): writes gpu_check.log and gpu_check.json under OUT_DIR. It took 6
+# minutes on one H200 (2026-11-30, Python keeping its compiled code: benchmarks/BENCHMARKS.md).
 #   bash benchmarks/gpu_check.sh [OUT_DIR]                  # default runs/gpu_check-<time>
 #   GPU_CHECK_CPU=1 bash benchmarks/gpu_check.sh OUT_DIR    # the same steps, tiny, on the CPU (a test runs this)
 #   GPU_CHECK_RECIPES="cifar_cnn" ...                       # the per-recipe steps for these recipes only
