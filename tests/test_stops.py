@@ -53,6 +53,22 @@ def reference_of_two(env, data, tmp_path_factory) -> Path:
     return out
 
 
+# A run long enough for the processes' agreements on a stop (about every STOP_CHECK_S, 1 s, of training) to fall
+# between its log points: 400 steps of milliseconds, about 4 s of training on a 2-core CPU. In the 20 steps of RUN
+# (0.2-0.4 s), a signal that reached the processes after their second agreement (forwarded late by torchrun on a
+# loaded machine; seen once in CI) was agreed on only at the last step, or came after it.
+LONG = ("--batch_size", "8", "--max_steps", "400", "--seed", "5", "--tracker", "none", *EMA)
+
+
+@pytest.fixture(scope="module")
+def reference_of_two_long(env, data, tmp_path_factory) -> Path:
+    """The uninterrupted LONG run of 2 processes (gloo), its only checkpoint at the end."""
+    out = tmp_path_factory.mktemp("reference") / "two_long"
+    ok(launch(env, "cifar_cnn", "--data", str(data), "--output_dir", str(out), *LONG, "--checkpoint_every", "0",
+              config="2gpu", use_cpu=True))
+    return out
+
+
 def ema_weights(run: Path) -> dict:
     return ema_state(run / "checkpoints" / "step_20")
 
@@ -293,16 +309,15 @@ def test_a_stop_under_the_launcher_of_1_process(env, data, reference, tmp_path, 
 
 
 @pytest.mark.parametrize("ctrl_c", [False, True])
-def test_a_stop_of_2_processes_between_log_points(env, data, reference_of_two, tmp_path, ctrl_c):
+def test_a_stop_of_2_processes_between_log_points(env, data, reference_of_two_long, tmp_path, ctrl_c):
     """`accelerate launch` of several processes runs torchrun, which forwards a SIGTERM to every worker and kills
     them TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds later (30 by default; 5 here). This run's only log point is its
     last step, and it saves no checkpoint before it: the processes must agree on a stop between log points, save a
     complete checkpoint before the kill, and resume from it to the weights of the uninterrupted 2-process run, which
-    logged every step and saved every 2 (neither changes what is trained). Ctrl-C reaches every process of the
-    terminal's group, and torchrun forwards it again at once: that copy is not a second Ctrl-C. torchrun itself
-    then ends in its SignalException traceback, exit 1 (what README.md says the user sees)."""
-    args = ("--data", str(data), "--batch_size", "8", "--max_steps", "20", "--log_every", "20", "--seed", "5",
-            "--tracker", "none", *EMA)
+    logged about every 4 steps and saved only at its end (neither changes what is trained). Ctrl-C reaches every
+    process of the terminal's group, and torchrun forwards it again at once: that copy is not a second Ctrl-C.
+    torchrun itself then ends in its SignalException traceback, exit 1 (what README.md says the user sees)."""
+    args = ("--data", str(data), *LONG, "--log_every", "400")
     out = tmp_path / "run"
     command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file",
                "accelerate_configs/2gpu.yaml", "recipes/cifar_cnn.py", *args, "--output_dir", str(out)]
@@ -310,7 +325,7 @@ def test_a_stop_of_2_processes_between_log_points(env, data, reference_of_two, t
                                                            TORCH_ELASTIC_SHUTDOWN_TIMEOUT="5"),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     # Signalled as soon as both training processes catch SIGTERM (their handlers are in place, before the first of
-    # 20 steps, each an all-reduce between them): on any machine, the run is far from its only log point.
+    # 400 steps, each an all-reduce between them): on any machine, the run is far from its only log point.
     wait_for(lambda: [catches_sigterm(pid) for pid in training_processes(process.pid)] == [True, True], process)
     if ctrl_c:
         os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
@@ -322,7 +337,7 @@ def test_a_stop_of_2_processes_between_log_points(env, data, reference_of_two, t
     assert process.returncode == 1 and "SignalException" in stderr  # torchrun's own ending
     stopped = int(stdout.split(f"stopped by {name} at step ")[1].split(",")[0])
     checkpoint = out / "checkpoints" / f"step_{stopped}"
-    assert stopped < 20 and sorted(p.name for p in checkpoint.glob("random_states_*")) == [
+    assert stopped < 400 and sorted(p.name for p in checkpoint.glob("random_states_*")) == [
         "random_states_0.pkl", "random_states_1.pkl"]
     # Each process draws its own crops and flips (set_seed(..., device_specific=True)).
     states = [accelerate_load(checkpoint / f"random_states_{rank}.pkl") for rank in (0, 1)]
@@ -332,9 +347,9 @@ def test_a_stop_of_2_processes_between_log_points(env, data, reference_of_two, t
     assert "ACCELERATE_USE_CPU=true " in resume and " accelerate launch --config_file " in resume, resume
     ok(pasted(resume))
     # model.safetensors holds the EMA (--ema), the last checkpoint the trained weights: both as if never stopped.
-    assert_bitwise_equal(weights(out), weights(reference_of_two))
-    assert_bitwise_equal(load_file(out / "checkpoints" / "step_20" / "model.safetensors"),
-                         load_file(reference_of_two / "checkpoints" / "step_20" / "model.safetensors"))
+    assert_bitwise_equal(weights(out), weights(reference_of_two_long))
+    assert_bitwise_equal(load_file(out / "checkpoints" / "step_400" / "model.safetensors"),
+                         load_file(reference_of_two_long / "checkpoints" / "step_400" / "model.safetensors"))
 
 
 def test_kill_9_of_the_launcher_of_2_processes_stops_both_with_a_checkpoint(env, data, reference_of_two, tmp_path):
