@@ -30,7 +30,7 @@ from recipes.deep_mlp_ckpt import WIDTH, DeepMLP, make_model, make_optimizer
 from recipes.deep_mlp_ckpt import Config as RecipeConfig
 from shared.checkpoints import new_folder
 from shared.config import parse_config
-from shared.errors import RecipeError, check_launch, one_line_errors
+from shared.errors import RecipeError, one_line_errors
 from tools.measure import median_step_ms, memory_breakdown
 from tools.report import markdown_table, write_report
 
@@ -91,6 +91,8 @@ def measure(model: DeepMLP, optimizer, x, labels, segments: int | None, mode: st
 
 
 def sweep(cfg: Config) -> None:
+    from shared.launch import check_launch  # the launch's settings, checked: an opt-in module
+
     check_launch()
     accelerator = Accelerator()
     if accelerator.num_processes > 1:

@@ -46,7 +46,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it
 from shared.checkpoints import list_checkpoints
 from shared.config import parse_config, read_json
-from shared.errors import RecipeError, check_launch, first_line, one_line_errors, printable, replacing, walk
+from shared.errors import RecipeError, first_line, one_line_errors, printable, replacing, walk
 from shared.images import FORMATS, decode, fit
 
 RECIPES = Path(__file__).resolve().parent  # where a recipe named by its name is looked for
@@ -378,6 +378,8 @@ def default_output(weights: Path, images: Path) -> Path:
 
 
 def run(cfg: Config) -> None:
+    from shared.launch import check_launch  # the launch's settings, checked: an opt-in module
+
     check_launch()  # as the recipes do: a broken launch is one line
     about = describe_weights(cfg)
     recipe = load_recipe(cfg, about)

@@ -200,7 +200,7 @@ def evaluate(model, loader, accelerator, cfg: Config) -> tuple[dict, torch.Tenso
 
 # ----------------------------------------------------------------------------- training
 def train(cfg: Config) -> None:
-    run_dir, trackers = tracking.open_run(cfg, RECIPE)  # checks the launch first (see shared/errors.py)
+    run_dir, trackers = tracking.open_run(cfg, RECIPE)  # checks the launch first (see shared/launch.py)
     accelerator = Accelerator(
         # Every optimizer step averages exactly grad_accum batches, also across an epoch's end (by default accelerate
         # steps early at the end of the data, with too small a gradient).

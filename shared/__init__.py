@@ -1,5 +1,5 @@
 """What every recipe repeats, one job per module (what only sweeps, benchmarks, the runs table and new projects use is
-in tools/, outside the recipes' path). A recipe imports the first eight; the last twelve are opt-in, imported inside
+in tools/, outside the recipes' path). A recipe imports the first eight; the last fourteen are opt-in, imported inside
 the function that needs them:
 
 - config: flags from the Config dataclass, a field's comment its --help
@@ -12,7 +12,10 @@ the function that needs them:
 - tracking: the run folder, wandb, readable run files, the training window
 - checkpoints: full-state checkpoints, the run's progress, model.safetensors, a stop on SIGTERM or Ctrl-C with a
   checkpoint and the command that continues the run
-- errors: one-line errors, the launch checks, a folder's walk, a write that no crash breaks
+- errors: one-line errors, a folder's walk, a write that no crash breaks
+- launch: the launch's settings checked before the process group starts (opt-in: imported where a run opens)
+- failures: a failed run's error in one line, where it is not the recipe's own (a full disk, a process limit,
+  memory, a package not installed, another process): opt-in, imported where a run fails
 - bounds: the free memory, what a dataset may take decoded, and datasets' cache that cannot be written (opt-in:
   imported where images are decoded, and where datasets failed to load a dataset)
 - dataset_files: IDX files and CIFAR's binary and Python versions, read as published, and the bounds on a dataset

@@ -34,7 +34,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from shared import images
-from shared.errors import RecipeError, first_line, is_main_process, printable, process_limit, replacing
+from shared.errors import RecipeError, first_line, is_main_process, printable, replacing
 
 if TYPE_CHECKING:  # for the annotations only
     import datasets
@@ -192,6 +192,8 @@ def open_dataset(source: str, builder: str) -> datasets.DatasetDict:
         except RecipeError:
             raise
         except Exception as error:
+            from shared.failures import process_limit  # only a failed read: an opt-in module
+
             if limit := process_limit(error):
                 raise RecipeError(f"reading {path}, this process reached its limit on {limit}: raise it, then run "
                                   "again") from None

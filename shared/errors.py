@@ -1,9 +1,10 @@
-"""One-line errors: the problem, the fix, exit status 1, no traceback; the launch checks; and the bounds on files from
-anywhere.
+"""One-line errors: the problem, the fix, exit status 1, no traceback; and the bounds on files from anywhere.
 
 A recipe raises `RecipeError` for anything the user can fix. Every process of a run makes the same checks
 (same flags, data and checkpoint, a training loss reduced over all processes), so all stop together and
-rank 0 alone prints. Programming errors keep their traceback: those are for whoever changes the code.
+rank 0 alone prints. Other errors the user can fix (a full disk, a process limit, memory) are put in a line by
+shared/failures.py, an opt-in module imported only when a run fails. Programming errors keep their traceback: those are
+for whoever changes the code.
 
 Files from anywhere: a walk of a folder tree that no depth breaks, and a write that neither a crash nor a link breaks
 (`replacing`). What a file may claim is checked before anything is allocated, where it is read: the free memory and a
@@ -12,27 +13,19 @@ shared/dataset_files.py (opt-in modules). The limits are listed in docs/troubles
 """
 
 import contextlib
-import errno
 import glob
 import importlib.util
 import json
 import os
-import resource
 import sys
 import time
-import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 
 import psutil
 import torch
-from accelerate import PartialState
-from accelerate.utils import parse_flag_from_env
 
-# An allocation refused, as torch's CPU allocator, oneDNN and the dynamic loader (a library imported late) say it: under
-# an address-space limit (ulimit -v), where a run may stop at any of them, this is the limit.
-ALLOCATION_FAILED = ("can't allocate memory", "could not create a primitive", "failed to map segment")
 # The mode open() gives a new file (0o644 under umask 022), for the files safetensors makes (flush_to_disk). Read at
 # import, before a thread runs: umask is the process's, and a file another thread made meanwhile would get 0o666.
 UMASK = os.umask(0)
@@ -54,21 +47,6 @@ def printable(text: str) -> str:
 def first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
-
-
-def process_limit(error: BaseException) -> str | None:
-    """The limit of this process that `error` says it reached, in words, or None: a limit is named as one, never taken
-    for damaged data (datasets' reader, short of threads under `ulimit -v`, said "could not read a dataset")."""
-    if "can't start new thread" in str(error):
-        return "threads (ulimit -u, a container's pids limit, or the memory for their stacks: ulimit -v)"
-    if isinstance(error, OSError) and error.errno in (errno.EMFILE, errno.ENFILE):
-        return "open files (ulimit -n)"
-    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
-    if limit != resource.RLIM_INFINITY and (isinstance(error, MemoryError) or any(
-            failed in str(error) for failed in ALLOCATION_FAILED)):
-        return (f"address space (ulimit -v: {limit / 2**30:.1f} GiB, of which torch's libraries map about 5 GiB; a "
-                "smaller --batch_size needs less)")
-    return None
 
 
 def is_main_process() -> bool:
@@ -106,33 +84,13 @@ def one_line_errors():
     except (RecipeError, MemoryError, torch.OutOfMemoryError, RuntimeError, OSError, ImportError) as error:
         if isinstance(error, RecipeError):
             message = str(error)
-        elif isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):  # metrics, pictures, ...
-            written = error.filename or "the run's files"  # a failed write() names no file
-            message = (f"writing {written} failed ({error.strerror}): free space, then continue with --resume latest "
-                       "(the complete checkpoints are kept)")
-        elif limit := process_limit(error):
-            message = f"this process reached its limit on {limit}: raise it, then run again"
-        elif isinstance(error, ModuleNotFoundError) and error.name and "." not in error.name:
-            # a requirement not installed (a GPU image has torch and accelerate, and often neither wandb nor datasets)
-            untracked = ", or train without it: --tracker tensorboard or none" if error.name == "wandb" else ""
-            message = (f"No module named {error.name!r} in this Python ({sys.executable}): install the requirements "
-                       f"there: pip install -r requirements.txt{untracked}")
-        elif isinstance(error, ImportError):  # a package that does not load says why, in its traceback
-            raise
-        elif isinstance(error, MemoryError) or "DefaultCPUAllocator: can't allocate memory" in str(error):
-            # a CPU allocation, Python's or torch's (a RuntimeError); the readers of data files name the file themselves
-            message = "out of memory: lower --batch_size, or check that --data holds what it should"
-        elif isinstance(error, torch.OutOfMemoryError):
-            message = f"out of GPU memory ({first_line(error)[:120]}): lower --batch_size"
-        elif type(error).__name__ in ("BackendCompilerFailed", "InductorError"):  # --compile: torch's compiler failed
-            cause = getattr(error, "inner_exception", error)  # on a CPU, often no C++ compiler (a slim image's)
-            message = (f"--compile failed in torch's compiler ({type(cause).__name__}: {first_line(cause)[:160]}): "
-                       "leave out --compile (torch.compile needs a C++ compiler, g++, on a CPU)")
-        elif os.environ.get("WORLD_SIZE", "1") != "1" and in_collective(error):
-            message = (f"another process of this run stopped ({first_line(error)[:160]}): see its error, or if a node "
-                       "died, start every node again with --resume latest")
-        else:
-            raise
+        else:  # a failure the user can act on, said in a line; a programming error keeps its traceback
+            try:
+                from shared.failures import explain  # only a run that fails: an opt-in module
+            except (OSError, MemoryError):  # no file or memory left to import it with (ulimit -n, -v): the error itself
+                explain = first_line
+            if (message := explain(error)) is None:
+                raise
         line = "error: " + printable(message)  # a file name may hold a newline: the line stays one
         if is_main_process():
             print(line, file=sys.stderr, flush=True)
@@ -144,16 +102,6 @@ def one_line_errors():
             with contextlib.suppress(OSError), replacing(Path(os.environ["TORCHELASTIC_ERROR_FILE"])) as partial:
                 partial.write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
         sys.exit(1)
-
-
-def in_collective(error: RuntimeError) -> bool:
-    """A collective (barrier, all-reduce) failed because another process stopped first and printed why (or the
-    launcher will): more tracebacks would only bury that line. Raised in torch.distributed itself, or gloo's
-    "Connection reset by peer" when another node died. DDP's own errors (unused parameters, a reduction left
-    unfinished) are programming errors: they keep their traceback and whole message."""
-    frames = traceback.extract_tb(error.__traceback__)
-    return (bool(frames) and f"torch{os.sep}distributed" in frames[-1].filename
-            or isinstance(error, torch.distributed.DistError) or "gloo" in str(error))
 
 
 def check_torchvision() -> None:
@@ -173,65 +121,6 @@ def check_torchvision() -> None:
             from shared.reinstall import torchvision_for_this_torch  # only a broken install: an opt-in module
 
             raise RecipeError(torchvision_for_this_torch(folder, library)) from None
-
-
-def check_launch() -> None:
-    """Start the process group, and stop launches that would run, but not as the user thinks."""
-    check_torchvision()
-    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):  # what a launcher sets for each process
-        if not os.environ.get(name, "0").isdigit():
-            raise RecipeError(f"the environment sets {name}={os.environ[name]!r}, not a count of processes: unset it "
-                              "(accelerate launch sets it)")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
-        # A value left in the shell: the process group would wait forever for processes that never start.
-        raise RecipeError(f"the environment sets WORLD_SIZE={os.environ['WORLD_SIZE']}, but no launcher started "
-                          "this process (torchrun, which accelerate launch runs, would have): unset WORLD_SIZE, or "
-                          "start it with accelerate launch")
-    # Set by accelerate launch from a config (`accelerate config`'s default config, say) that these recipes do not
-    # follow: each model fits on one device (DDP), and --compile compiles it in place, where accelerate's dynamo would
-    # wrap it (every weight named `_orig_mod.` in model.safetensors and the checkpoints)
-    for name in ("USE_FSDP", "USE_DEEPSPEED", "USE_MEGATRON_LM", "DYNAMO_BACKEND"):
-        if os.environ.get(f"ACCELERATE_{name}", "NO").upper() not in ("NO", "FALSE", "0", ""):
-            raise RecipeError(f"the accelerate config sets ACCELERATE_{name}={os.environ[f'ACCELERATE_{name}']}: these "
-                              "recipes train with DDP and compile with --compile: pass --config_file "
-                              "accelerate_configs/2gpu.yaml or another of accelerate_configs/")
-    per_machine, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
-    if per_machine > 1 and not parse_flag_from_env("ACCELERATE_USE_CPU") and 0 < gpus < per_machine:
-        raise RecipeError(f"the config starts {per_machine} processes on this machine but it has {gpus} GPU(s): "
-                          f"use --num_processes {gpus} or a config that matches the machine")
-    # The Accelerator reuses this state. Like the Accelerator, honour ACCELERATE_USE_CPU (PartialState would not).
-    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if launched > 1 and state.num_processes == 1:
-        # accelerate 1.x starts a MULTI_GPU config's processes even without GPUs; each then trains alone on the CPU,
-        # writing the same files: N duplicate runs, not one DDP run.
-        raise RecipeError(f"{launched} processes were launched but no GPUs were found, so each would train alone "
-                          "(duplicate runs): set ACCELERATE_USE_CPU=true to run them as one group on the CPU, "
-                          "or use accelerate_configs/cpu.yaml")
-    from shared.checkpoints import launcher_command  # a module that imports this one
-
-    if launched == 1 and "MASTER_ADDR" in os.environ and "--cpu" in (launcher_command() or []):
-        # The launcher --cpu always takes starts one process, and sets MASTER_ADDR for the mpirun it expects
-        print("warning: accelerate launch --cpu starts one process, whatever --num_processes or the config asks: for "
-              "several on the CPU, set ACCELERATE_USE_CPU=true instead (ACCELERATE_USE_CPU=true accelerate launch "
-              "--config_file accelerate_configs/2gpu.yaml ...)", flush=True)
-    source = Path(torch.__file__)
-    if state.is_main_process and source.suffix == ".py" and not Path(importlib.util.cache_from_source(source)).exists():
-        # Python compiles torch's code again in each process that cannot keep its compiled copy (the launcher's too):
-        # on one H200 whose image sets PYTHONDONTWRITEBYTECODE, the README's GPU line took 22-25 s, 13-15 s once kept
-        fixes = []
-        if sys.dont_write_bytecode:
-            fixes.append("unset PYTHONDONTWRITEBYTECODE")
-        if not os.access(source.parent, os.W_OK):  # a read-only image (Apptainer's, say): keep the copies elsewhere
-            fixes.append("export PYTHONPYCACHEPREFIX=~/.cache/pycache")
-        if fixes:
-            print("note: each start compiles torch's Python code again, as Python cannot keep the compiled copy here "
-                  "(the README's GPU line took 22-25 s without it on one H200, 13-15 s with it): to keep it, "
-                  f"{' and '.join(fixes)}", flush=True)
-    if os.environ.get("ACCELERATE_MIXED_PRECISION") == "fp16" and state.device.type == "cpu":
-        # accelerate accepts fp16 on a CPU but does not autocast there: the run would be float32.
-        raise RecipeError("fp16 mixed precision needs a GPU (on a CPU it would silently train in float32): "
-                          "use accelerate_configs/bf16.yaml on a CPU")
 
 
 def walk(folder: Path, skip: Path | None = None) -> Iterator[os.DirEntry]:

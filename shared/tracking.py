@@ -43,7 +43,7 @@ from shared.checkpoints import (
     run_id,
     stop_with_launcher,
 )
-from shared.errors import RecipeError, check_launch, first_line, replacing
+from shared.errors import RecipeError, first_line, replacing
 from shared.loop import SCHEDULE_RULE
 
 # What a run writes (misclassified.png and profile/: what earlier versions wrote), and all --overwrite deletes.
@@ -61,6 +61,8 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
     """Check the launch; return the run folder (--output_dir, the run being resumed, or
     runs/<recipe>-<YYYYmmdd-HHMMSS>) and the trackers for Accelerator(log_with=...)."""
     stop_with_launcher()  # first: the process group below may wait for other processes
+    from shared.launch import check_launch  # the launch's settings, checked: an opt-in module
+
     check_launch()  # also starts the process group, which the folder's name is broadcast over
     state = PartialState()
     output_dir = cfg.output_dir

@@ -216,7 +216,8 @@ def test_more_processes_than_gpus_on_a_cpu_machine(env, data, tmp_path):
 
 
 def test_more_processes_per_machine_than_gpus(monkeypatch):
-    from shared.errors import RecipeError, check_launch
+    from shared.errors import RecipeError
+    from shared.launch import check_launch
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -228,18 +229,17 @@ def test_accelerate_launch_cpu_of_several_processes_says_it_starts_one(monkeypat
     """`accelerate launch --cpu --num_processes 2` (or --cpu with 2gpu.yaml) starts one process, unsaid but for "1
     process(es)" in the run's first line: --cpu always takes accelerate's simple launcher, which starts one and sets
     MASTER_ADDR for an mpirun."""
-    from shared import checkpoints
-    from shared.errors import check_launch
+    from shared import launch
 
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     cases = ((["accelerate", "launch", "--cpu", "--num_processes", "2"], True, True),
              (["accelerate", "launch", "--cpu"], False, False),  # one process, as asked
              (["accelerate", "launch", "--num_processes", "2"], True, False), (None, True, False))
     for command, master, warned in cases:
-        monkeypatch.setattr(checkpoints, "launcher_command", lambda command=command: command)
+        monkeypatch.setattr(launch, "launcher_command", lambda command=command: command)
         if master:
             monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-        check_launch()
+        launch.check_launch()
         monkeypatch.delenv("MASTER_ADDR", raising=False)
         printed = capsys.readouterr().out
         assert ("warning: accelerate launch --cpu starts one process, whatever --num_processes or the config asks: "
@@ -252,7 +252,7 @@ def test_a_python_that_cannot_keep_torchs_compiled_code_is_told_how(monkeypatch,
     sys.pycache_prefix points Python's compiled copies at an empty folder here, as where none was kept."""
     import os
 
-    from shared.errors import check_launch
+    from shared.launch import check_launch
 
     torch_folder, access = Path(torch.__file__).parent, os.access
     monkeypatch.setattr(sys, "pycache_prefix", str(tmp_path))
@@ -832,9 +832,9 @@ def test_an_allocation_refused_under_an_address_space_limit_names_the_limit(monk
     oneDNN's and the loader's errors keep their traceback: they may be a programming error."""
     from shared import errors
 
-    real, limit = errors.resource.getrlimit, [errors.resource.RLIM_INFINITY]
-    monkeypatch.setattr(errors.resource, "getrlimit", lambda kind: (limit[0], limit[0])
-                        if kind == errors.resource.RLIMIT_AS else real(kind))
+    real, limit = resource.getrlimit, [resource.RLIM_INFINITY]
+    monkeypatch.setattr(resource, "getrlimit", lambda kind: (limit[0], limit[0])
+                        if kind == resource.RLIMIT_AS else real(kind))
     if isinstance(error, MemoryError) or "can't allocate memory" in str(error):  # Python's or torch's
         with pytest.raises(SystemExit, match="1"), errors.one_line_errors():
             raise error
@@ -848,6 +848,23 @@ def test_an_allocation_refused_under_an_address_space_limit_names_the_limit(monk
     assert capsys.readouterr().err == (
         "error: this process reached its limit on address space (ulimit -v: 4.0 GiB, of which torch's libraries map "
         "about 5 GiB; a smaller --batch_size needs less): raise it, then run again\n")
+
+
+def test_a_run_out_of_file_descriptors_still_ends_in_one_line(tmp_path):
+    """The explanations of failures are an opt-in module, imported when a run fails: a run that used up its file
+    descriptors (ulimit -n), still held by the failed frames, could not open that module, and ended in two
+    tracebacks."""
+    script = tmp_path / "descriptors.py"
+    script.write_text("import resource, sys\n"
+                      f"sys.path.insert(0, {str(ROOT)!r})\n"
+                      "from shared.errors import one_line_errors\n"
+                      "resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))\n"
+                      "held = []\n"
+                      "with one_line_errors():\n"
+                      "    while True:\n"
+                      "        held.append(open('/dev/null'))\n")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and result.stderr == "error: [Errno 24] Too many open files: '/dev/null'\n"
 
 
 @pytest.mark.slow  # a process of its own, whose threads are refused

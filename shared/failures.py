@@ -1,0 +1,73 @@
+"""Why a run failed, in one line, where the error is not a RecipeError but still the user's to fix: a full disk, a
+limit of the process, a requirement not installed, memory, torch's compiler, another process of the run. Called by
+shared/errors.py's `one_line_errors` only when a run fails (an opt-in module); any other error is a programming error
+and keeps its traceback."""
+
+import errno
+import os
+import resource
+import sys
+import traceback
+
+import torch
+
+from shared.errors import first_line
+
+# An allocation refused, as torch's CPU allocator, oneDNN and the dynamic loader (a library imported late) say it: under
+# an address-space limit (ulimit -v), where a run may stop at any of them, this is the limit.
+ALLOCATION_FAILED = ("can't allocate memory", "could not create a primitive", "failed to map segment")
+
+
+def explain(error: BaseException) -> str | None:
+    """The line that says what stopped the run and how to fix it, or None: an error for whoever changes the code."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):  # metrics, pictures, ...
+        written = error.filename or "the run's files"  # a failed write() names no file
+        return (f"writing {written} failed ({error.strerror}): free space, then continue with --resume latest (the "
+                "complete checkpoints are kept)")
+    if limit := process_limit(error):
+        return f"this process reached its limit on {limit}: raise it, then run again"
+    if isinstance(error, ModuleNotFoundError) and error.name and "." not in error.name:
+        # a requirement not installed (a GPU image has torch and accelerate, and often neither wandb nor datasets)
+        untracked = ", or train without it: --tracker tensorboard or none" if error.name == "wandb" else ""
+        return (f"No module named {error.name!r} in this Python ({sys.executable}): install the requirements there: "
+                f"pip install -r requirements.txt{untracked}")
+    if isinstance(error, ImportError):  # a package that does not load says why, in its traceback
+        return None
+    if isinstance(error, MemoryError) or "DefaultCPUAllocator: can't allocate memory" in str(error):
+        # a CPU allocation, Python's or torch's (a RuntimeError); the readers of data files name the file themselves
+        return "out of memory: lower --batch_size, or check that --data holds what it should"
+    if isinstance(error, torch.OutOfMemoryError):
+        return f"out of GPU memory ({first_line(error)[:120]}): lower --batch_size"
+    if type(error).__name__ in ("BackendCompilerFailed", "InductorError"):  # --compile: torch's compiler failed
+        cause = getattr(error, "inner_exception", error)  # on a CPU, often no C++ compiler (a slim image's)
+        return (f"--compile failed in torch's compiler ({type(cause).__name__}: {first_line(cause)[:160]}): leave "
+                "out --compile (torch.compile needs a C++ compiler, g++, on a CPU)")
+    if os.environ.get("WORLD_SIZE", "1") != "1" and in_collective(error):
+        return (f"another process of this run stopped ({first_line(error)[:160]}): see its error, or if a node died, "
+                "start every node again with --resume latest")
+    return None
+
+
+def process_limit(error: BaseException) -> str | None:
+    """The limit of this process that `error` says it reached, in words, or None: a limit is named as one, never taken
+    for damaged data (datasets' reader, short of threads under `ulimit -v`, said "could not read a dataset")."""
+    if "can't start new thread" in str(error):
+        return "threads (ulimit -u, a container's pids limit, or the memory for their stacks: ulimit -v)"
+    if isinstance(error, OSError) and error.errno in (errno.EMFILE, errno.ENFILE):
+        return "open files (ulimit -n)"
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit != resource.RLIM_INFINITY and (isinstance(error, MemoryError) or any(
+            failed in str(error) for failed in ALLOCATION_FAILED)):
+        return (f"address space (ulimit -v: {limit / 2**30:.1f} GiB, of which torch's libraries map about 5 GiB; a "
+                "smaller --batch_size needs less)")
+    return None
+
+
+def in_collective(error: BaseException) -> bool:
+    """A collective (barrier, all-reduce) failed because another process stopped first and printed why (or the
+    launcher will): more tracebacks would only bury that line. Raised in torch.distributed itself, or gloo's
+    "Connection reset by peer" when another node died. DDP's own errors (unused parameters, a reduction left
+    unfinished) are programming errors: they keep their traceback and whole message."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return (bool(frames) and f"torch{os.sep}distributed" in frames[-1].filename
+            or isinstance(error, torch.distributed.DistError) or "gloo" in str(error))

@@ -1,0 +1,72 @@
+"""The launch checked as a run starts (`check_launch`, called by tracking.open_run, predict.py and deep_mlp_sweep.py: an
+opt-in module): settings left in the shell or a config these recipes do not follow, which would run, but not as the
+user thinks; then the process group started."""
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import torch
+from accelerate import PartialState
+from accelerate.utils import parse_flag_from_env
+
+from shared.checkpoints import launcher_command
+from shared.errors import RecipeError, check_torchvision
+
+
+def check_launch() -> None:
+    """Start the process group, and stop launches that would run, but not as the user thinks."""
+    check_torchvision()
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):  # what a launcher sets for each process
+        if not os.environ.get(name, "0").isdigit():
+            raise RecipeError(f"the environment sets {name}={os.environ[name]!r}, not a count of processes: unset it "
+                              "(accelerate launch sets it)")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
+        # A value left in the shell: the process group would wait forever for processes that never start.
+        raise RecipeError(f"the environment sets WORLD_SIZE={os.environ['WORLD_SIZE']}, but no launcher started "
+                          "this process (torchrun, which accelerate launch runs, would have): unset WORLD_SIZE, or "
+                          "start it with accelerate launch")
+    # Set by accelerate launch from a config (`accelerate config`'s default config, say) that these recipes do not
+    # follow: each model fits on one device (DDP), and --compile compiles it in place, where accelerate's dynamo would
+    # wrap it (every weight named `_orig_mod.` in model.safetensors and the checkpoints)
+    for name in ("USE_FSDP", "USE_DEEPSPEED", "USE_MEGATRON_LM", "DYNAMO_BACKEND"):
+        if os.environ.get(f"ACCELERATE_{name}", "NO").upper() not in ("NO", "FALSE", "0", ""):
+            raise RecipeError(f"the accelerate config sets ACCELERATE_{name}={os.environ[f'ACCELERATE_{name}']}: these "
+                              "recipes train with DDP and compile with --compile: pass --config_file "
+                              "accelerate_configs/2gpu.yaml or another of accelerate_configs/")
+    per_machine, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
+    if per_machine > 1 and not parse_flag_from_env("ACCELERATE_USE_CPU") and 0 < gpus < per_machine:
+        raise RecipeError(f"the config starts {per_machine} processes on this machine but it has {gpus} GPU(s): "
+                          f"use --num_processes {gpus} or a config that matches the machine")
+    # The Accelerator reuses this state. Like the Accelerator, honour ACCELERATE_USE_CPU (PartialState would not).
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and state.num_processes == 1:
+        # accelerate 1.x starts a MULTI_GPU config's processes even without GPUs; each then trains alone on the CPU,
+        # writing the same files: N duplicate runs, not one DDP run.
+        raise RecipeError(f"{launched} processes were launched but no GPUs were found, so each would train alone "
+                          "(duplicate runs): set ACCELERATE_USE_CPU=true to run them as one group on the CPU, "
+                          "or use accelerate_configs/cpu.yaml")
+    if launched == 1 and "MASTER_ADDR" in os.environ and "--cpu" in (launcher_command() or []):
+        # The launcher --cpu always takes starts one process, and sets MASTER_ADDR for the mpirun it expects
+        print("warning: accelerate launch --cpu starts one process, whatever --num_processes or the config asks: for "
+              "several on the CPU, set ACCELERATE_USE_CPU=true instead (ACCELERATE_USE_CPU=true accelerate launch "
+              "--config_file accelerate_configs/2gpu.yaml ...)", flush=True)
+    source = Path(torch.__file__)
+    if state.is_main_process and source.suffix == ".py" and not Path(importlib.util.cache_from_source(source)).exists():
+        # Python compiles torch's code again in each process that cannot keep its compiled copy (the launcher's too):
+        # on one H200 whose image sets PYTHONDONTWRITEBYTECODE, the README's GPU line took 22-25 s, 13-15 s once kept
+        fixes = []
+        if sys.dont_write_bytecode:
+            fixes.append("unset PYTHONDONTWRITEBYTECODE")
+        if not os.access(source.parent, os.W_OK):  # a read-only image (Apptainer's, say): keep the copies elsewhere
+            fixes.append("export PYTHONPYCACHEPREFIX=~/.cache/pycache")
+        if fixes:
+            print("note: each start compiles torch's Python code again, as Python cannot keep the compiled copy here "
+                  "(the README's GPU line took 22-25 s without it on one H200, 13-15 s with it): to keep it, "
+                  f"{' and '.join(fixes)}", flush=True)
+    if os.environ.get("ACCELERATE_MIXED_PRECISION") == "fp16" and state.device.type == "cpu":
+        # accelerate accepts fp16 on a CPU but does not autocast there: the run would be float32.
+        raise RecipeError("fp16 mixed precision needs a GPU (on a CPU it would silently train in float32): "
+                          "use accelerate_configs/bf16.yaml on a CPU")
