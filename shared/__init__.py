@@ -13,7 +13,8 @@ the function that needs them:
 - checkpoints: full-state checkpoints, the run's progress, model.safetensors, a stop on SIGTERM or Ctrl-C with a
   checkpoint and the command that continues the run
 - errors: one-line errors, a folder's walk, a write that no crash breaks
-- launch: the launch's settings checked before the process group starts (opt-in: imported where a run opens)
+- launch: the launch's settings checked before the process group starts; on a CPU, a line where a GPU was meant or
+  bf16 would be emulated (opt-in: imported where a run opens)
 - failures: a failed run's error in one line, where it is not the recipe's own (a full disk, a process limit,
   memory, a package not installed, another process): opt-in, imported where a run fails
 - bounds: the free memory, what a dataset may take decoded, and datasets' cache that cannot be written (opt-in:

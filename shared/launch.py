@@ -1,6 +1,6 @@
 """The launch checked as a run starts (`check_launch`, called by tracking.open_run, predict.py and deep_mlp_sweep.py: an
 opt-in module): settings left in the shell or a config these recipes do not follow, which would run, but not as the
-user thinks; then the process group started."""
+user thinks; then the process group started, and on a CPU, a line where a GPU was meant or bf16 would be emulated."""
 
 import importlib.util
 import os
@@ -70,3 +70,30 @@ def check_launch() -> None:
         # accelerate accepts fp16 on a CPU but does not autocast there: the run would be float32.
         raise RecipeError("fp16 mixed precision needs a GPU (on a CPU it would silently train in float32): "
                           "use accelerate_configs/bf16.yaml on a CPU")
+    if state.device.type == "cpu" and state.is_main_process:
+        check_cpu()
+
+
+def check_cpu() -> None:
+    """On a CPU, a line where the launch meant a GPU, and one where bf16 would be emulated (on a CPU without its
+    instructions, several times slower: BENCHMARKS.md)."""
+    # What `accelerate launch` sets from a config without use_cpu (1gpu.yaml, bf16.yaml, or none): a GPU was meant
+    if os.environ.get("ACCELERATE_USE_CPU") == "False":
+        why = (f"it sees no GPU (CUDA {torch.version.cuda}: check nvidia-smi and CUDA_VISIBLE_DEVICES)"
+               if torch.version.cuda else "it is built for the CPU only: install the build for your GPU "
+               "(pytorch.org/get-started)")
+        print(f"warning: training on the CPU, as torch {torch.__version__} must: {why}; for the CPU, launch with "
+              "accelerate_configs/cpu.yaml", flush=True)
+    if os.environ.get("ACCELERATE_MIXED_PRECISION") == "bf16" and not cpu_has_bf16():
+        print("warning: this CPU has no bf16 instructions (no avx512_bf16 or amx_bf16 in lscpu), so bf16 is emulated "
+              "here, several times slower than float32: accelerate_configs/cpu.yaml is faster", flush=True)
+
+
+def cpu_has_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether this CPU computes bf16 in hardware: Linux lists avx512_bf16 or amx_bf16 among its x86 flags. Elsewhere
+    (no x86 flags to read: macOS, ARM), it is not said otherwise."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return True
+    return "avx512_bf16" in text or "amx_bf16" in text or "\nflags" not in text

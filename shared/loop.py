@@ -23,9 +23,7 @@
 """
 
 import ctypes
-import os
 import sys
-from pathlib import Path
 
 import torch
 
@@ -134,25 +132,15 @@ def keep_freed_memory() -> bool:
     return all(mallopt(parameter, KEEP_FREED_BYTES) == 1 for parameter in (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD))
 
 
-def cpu_has_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """Whether this CPU computes bf16 in hardware: Linux lists avx512_bf16 or amx_bf16 among its x86 flags. Elsewhere
-    (no x86 flags to read: macOS, ARM), it is not said otherwise."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return True
-    return "avx512_bf16" in text or "amx_bf16" in text or "\nflags" not in text
-
-
 def device_settings(accelerator, cfg) -> None:
-    """What the run's device gains from, set for this process. On a CPU, keep_freed_memory(), and a line where bf16
-    would be emulated (on a CPU without its instructions, several times slower: BENCHMARKS.md). On a GPU, TF32 runs
-    float32 matmuls and convolutions on the tensor cores with a 10-bit mantissa: the ResNet's float32 steps 2.9x
-    faster than with neither in TF32 (one H100; torch's own default is TF32 for convolutions only); --no-tf32 for
-    full float32. --cudnn_benchmark times cuDNN's algorithms for each new shape and keeps the fastest: steps
-    1.26-1.47x faster (the ResNet in bf16 at batch 512), but its 702-step run took 12.2 s with it against 10.2 s
-    without (19.1 s in the first process on a fresh machine). Off by default: by these figures it pays beyond about
-    1,400 steps. BENCHMARKS.md, "GPU speed"."""
+    """What the run's device gains from, set for this process. On a CPU, keep_freed_memory() (shared/launch.py's
+    check_cpu says where a GPU was meant, or bf16 would be emulated). On a GPU, TF32 runs float32 matmuls and
+    convolutions on the tensor cores with a 10-bit mantissa: the ResNet's float32 steps 2.9x faster than with neither
+    in TF32 (one H100; torch's own default is TF32 for convolutions only); --no-tf32 for full float32.
+    --cudnn_benchmark times cuDNN's algorithms for each new shape and keeps the fastest: steps 1.26-1.47x faster (the
+    ResNet in bf16 at batch 512), but its 702-step run took 12.2 s with it against 10.2 s without (19.1 s in the first
+    process on a fresh machine). Off by default: by these figures it pays beyond about 1,400 steps. BENCHMARKS.md,
+    "GPU speed"."""
     device = accelerator.device
     if cfg.compile:
         # model.compile() of a model whose forward is torch's own (an nn.Sequential: cifar_cnn's) compiled nothing on
@@ -160,16 +148,6 @@ def device_settings(accelerator, cfg) -> None:
         # with its top frame wrapped, each model is one graph, on every torch
         torch._dynamo.config.wrap_top_frame = True
     if device.type == "cpu":
-        # What `accelerate launch` sets from a config without use_cpu (1gpu.yaml, bf16.yaml, or none): a GPU was meant
-        if os.environ.get("ACCELERATE_USE_CPU") == "False" and accelerator.is_main_process:
-            why = (f"it sees no GPU (CUDA {torch.version.cuda}: check nvidia-smi and CUDA_VISIBLE_DEVICES)"
-                   if torch.version.cuda else "it is built for the CPU only: install the build for your GPU "
-                   "(pytorch.org/get-started)")
-            print(f"warning: training on the CPU, as torch {torch.__version__} must: {why}; for the CPU, "
-                  "launch with accelerate_configs/cpu.yaml", flush=True)
-        if accelerator.mixed_precision == "bf16" and accelerator.is_main_process and not cpu_has_bf16():
-            print("warning: this CPU has no bf16 instructions (no avx512_bf16 or amx_bf16 in lscpu), so bf16 is "
-                  "emulated here, several times slower than float32: accelerate_configs/cpu.yaml is faster", flush=True)
         keep_freed_memory()
     elif device.type == "cuda":
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark

@@ -10,8 +10,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shared.config import RunConfig
-
 from conftest import hooked, launch, ok, read_json, run_here
 from tiny_data import save_to_disk_dataset
 
@@ -81,27 +79,27 @@ def test_channels_last_inputs_reach_every_convolution_in_training_and_evaluation
     assert all(layout == channels_last for _, layout in seen), seen
 
 
-def test_bf16_on_a_cpu_without_its_instructions_says_so_in_one_line(tmp_path, capsys):
+def test_bf16_on_a_cpu_without_its_instructions_says_so_in_one_line(tmp_path, capsys, monkeypatch):
     """cpu_bf16.yaml ran at 83-87 samples/s against 379-424 for cpu.yaml on an Intel Xeon without avx512_bf16, and said
     nothing; the precision itself is left as asked."""
-    from types import SimpleNamespace
     from unittest import mock
 
-    from shared import loop
+    from shared import launch
 
     for flags, emulated in (("fpu avx2 avx512f", True), ("fpu avx512f avx512_bf16", False), ("fpu amx_bf16", False)):
         (tmp_path / "cpuinfo").write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
-        assert loop.cpu_has_bf16(tmp_path / "cpuinfo") == (not emulated)
-    accelerator = SimpleNamespace(device=torch.device("cpu"), mixed_precision="bf16", is_main_process=True)
-    with mock.patch.object(loop, "cpu_has_bf16", lambda: False):
-        loop.device_settings(accelerator, RunConfig())
-        accelerator.mixed_precision = "no"
-        loop.device_settings(accelerator, RunConfig())
+        assert launch.cpu_has_bf16(tmp_path / "cpuinfo") == (not emulated)
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    with mock.patch.object(launch, "cpu_has_bf16", lambda: False):
+        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # what accelerate launch sets from cpu_bf16.yaml
+        launch.check_cpu()
+        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+        launch.check_cpu()
     assert capsys.readouterr().out.splitlines() == [
         "warning: this CPU has no bf16 instructions (no avx512_bf16 or amx_bf16 in lscpu), so bf16 is emulated here, "
         "several times slower than float32: accelerate_configs/cpu.yaml is faster"]
     (tmp_path / "cpuinfo").write_text("Features\t: fp asimd bf16\n")  # ARM: no x86 flags, nothing said
-    assert loop.cpu_has_bf16(tmp_path / "cpuinfo") and loop.cpu_has_bf16(tmp_path / "missing")
+    assert launch.cpu_has_bf16(tmp_path / "cpuinfo") and launch.cpu_has_bf16(tmp_path / "missing")
 
 
 def test_the_throughput_benchmarks_dynamo_setting_exists_on_this_torch():
