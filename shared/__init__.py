@@ -19,8 +19,9 @@ the function that needs them:
   memory, a package not installed, another process): opt-in, imported where a run fails
 - bounds: the free memory, what a dataset may take decoded, and datasets' cache that cannot be written (opt-in:
   imported where images are decoded, and where datasets failed to load a dataset)
-- dataset_files: IDX files and CIFAR's binary and Python versions, read as published, and the bounds on a dataset
-  file's size and a parquet file's decompressed size (opt-in: imported for local data)
+- dataset_files: IDX files and CIFAR's binary and Python versions, read as published, and a folder of datasets'
+  formats, read once checked (the bounds on a dataset file's size and a parquet file's decompressed size) (opt-in:
+  imported for local data)
 - image_files: a PNG or a JPEG from anywhere, checked before PIL opens it (opt-in: imported where an image file
   is decoded)
 - pickles: a CIFAR pickle or a file for torch.load from anywhere, checked before it is unpickled (opt-in)

@@ -1,9 +1,9 @@
 """Image-classification data as uint8 tensors, a split as one tensor served a whole batch at a time (ImageTensors),
 in the resumable order of EpochOrder. load_image_data runs four stages in order, each in its own file:
 
-1. the source (here; published files and the parquet check in shared/dataset_files.py, imported only for local
-   data): a hub id, a save_to_disk, parquet or imagefolder folder, IDX files or CIFAR's files; its splits, their
-   sizes and the class names;
+1. the source (here the hub; local folders in shared/dataset_files.py, imported only for local data: published
+   files, and datasets' folders checked before datasets reads them): a hub id, a save_to_disk, parquet or
+   imagefolder folder, IDX files or CIFAR's files; its splits, their sizes and the class names;
 2. the bounds (shared/bounds.py, an opt-in module): both splits' images, converted, must fit in the free memory,
    checked before an image is decoded or a published file's pixels are read (their count from the IDX headers or
    CIFAR's sizes);
@@ -148,13 +148,13 @@ def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: b
 def find_source(source: str) -> Source:
     """Published files in a folder, else a dataset: checked as far as can be without decoding an image (a bad first
     image is one line at once)."""
-    path, files, tables = Path(source).expanduser(), None, False
-    if path.exists():  # the published formats (IDX, CIFAR's files) and the checks of datasets' files: an opt-in module
+    path, files, local = Path(source).expanduser(), None, None
+    if path.exists():  # the published formats (IDX, CIFAR's files), and datasets' folders checked: an opt-in module
         from shared import dataset_files
 
         files = dataset_files.find_dataset_files(path)
-        if not files:  # what datasets will read, bounded first
-            tables = dataset_files.check_datasets_folder(path)
+        if not files:  # what datasets will read, bounded first, then read
+            local = dataset_files.open_local(path)
     if files:
         stamps = [(str(file.resolve()), file.stat().st_size, file.stat().st_mtime_ns) for file in files.all_files()]
         readers = inspect.getsource(dataset_files)  # they name the classes kept in the cache too
@@ -162,7 +162,7 @@ def find_source(source: str) -> Source:
                       files=files)
     import datasets
 
-    train, test = pick_splits(open_dataset(source, "parquet" if tables else "imagefolder"), source)
+    train, test = pick_splits(open_hub(source) if local is None else local, source)
     image_column, label_column, classes = find_columns(train, source)
     splits = {name: split.cast_column(image_column, datasets.Image(decode=False))  # decoded here, one at a time
               for name, split in (("train", train), ("test", test))}
@@ -171,39 +171,14 @@ def find_source(source: str) -> Source:
                   columns=(image_column, label_column), classes=classes)
 
 
-def open_dataset(source: str, builder: str) -> datasets.DatasetDict:
-    """The hub's dataset, or a local folder's: save_to_disk's, or the files `builder` (parquet, imagefolder) reads."""
-    path = Path(source).expanduser()
+def open_hub(source: str) -> datasets.DatasetDict:
+    """The hub's dataset (or datasets' local copy of it)."""
     # A local name that is no folder: no hub lookup, no stale cache, and the line before datasets' 0.6 s import.
-    if not path.exists() and (source.startswith((".", "/", "~")) or source.count("/") != 1):
-        raise RecipeError(f"--data {source}: no such folder (looked for {path.resolve()}), and hub ids are owner/name: "
-                          "pass the dataset's folder, a hub id, or --synthetic")
+    if source.startswith((".", "/", "~")) or source.count("/") != 1:
+        raise RecipeError(f"--data {source}: no such folder (looked for {Path(source).expanduser().resolve()}), and "
+                          "hub ids are owner/name: pass the dataset's folder, a hub id, or --synthetic")
     import datasets
 
-    if path.exists():
-        datasets.disable_progress_bars()  # a local folder loads in moments: no bars on stderr
-        try:
-            if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
-                loaded = datasets.load_from_disk(str(path))  # written by save_to_disk
-            else:
-                # By the files' names alone (train/, test.parquet, ...): load_dataset(folder) would also follow a
-                # README.md's `configs`, whose data_files may name files anywhere, on the hub (hf://) too
-                loaded = datasets.load_dataset(builder, data_dir=str(path))
-        except RecipeError:
-            raise
-        except Exception as error:
-            from shared.failures import process_limit  # only a failed read: an opt-in module
-
-            if limit := process_limit(error):
-                raise RecipeError(f"reading {path}, this process reached its limit on {limit}: raise it, then run "
-                                  "again") from None
-            from shared.bounds import check_cache_error  # only a failed read: an opt-in module
-
-            check_cache_error(error, path)
-            raise RecipeError(f"could not read a dataset from {path} ({type(error).__name__}: {first_line(error)}): "
-                              "expected a save_to_disk folder, parquet files, an imagefolder (one subfolder per "
-                              "class) with examples in every split, IDX files or CIFAR's files") from None
-        return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict(train=loaded)
     print(f"Loading {source} from the Hugging Face hub (or its local cache)...", flush=True)
     logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # one line at the end, not a warning per retry
     try:
@@ -211,7 +186,7 @@ def open_dataset(source: str, builder: str) -> datasets.DatasetDict:
     except (ConnectionError, OSError, datasets.exceptions.DatasetNotFoundError) as error:
         from shared.bounds import check_cache_error  # only a failed load: an opt-in module
 
-        check_cache_error(error, path)
+        check_cache_error(error, Path(source))
         raise RecipeError(f"--data {source}: not a local folder, and the Hugging Face hub could not provide it "
                           f"({type(error).__name__}: {first_line(error)}): pass --data PATH of a local copy "
                           "(save_to_disk, parquet, imagefolder, IDX or CIFAR binary), or --synthetic for an offline "

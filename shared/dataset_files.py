@@ -11,8 +11,9 @@
   the operations first (`read_pickled_batch`). A folder holding both versions is read in the binary one.
 Every reader checks the size a file or header claims against MAX_FILE_BYTES and the free memory before it
 allocates. `.read()` returns {"train": (images, labels), "test": ...}, uint8 (N, C, H, W) and int64 (N,), and the
-class names. `check_datasets_folder` checks, in one walk, what datasets' readers will read from a local folder: what its
-parquet files claim once decompressed (`check_parquet_files`), and an imagefolder's files (`check_image_folder`).
+class names. `open_local` reads a folder of datasets' formats (save_to_disk, parquet, imagefolder) after
+`check_datasets_folder` checks, in one walk, what datasets' readers will read from it: what its parquet files claim once
+decompressed (`check_parquet_files`), and an imagefolder's files (`check_image_folder`).
 """
 
 import functools
@@ -74,6 +75,35 @@ def check_regular(file: Path, what: str) -> None:
     if not file.is_file():
         raise RecipeError(f"{str(file)!r} is not a regular file (a FIFO, socket, device or folder): replace it by "
                           f"{what}")
+
+
+def open_local(folder: Path):
+    """A local folder's dataset, as a DatasetDict, once checked (`check_datasets_folder`): save_to_disk's, or the
+    parquet files or imagefolder that datasets' builder of that name reads."""
+    import datasets
+
+    tables = check_datasets_folder(folder)
+    datasets.disable_progress_bars()  # a local folder loads in moments: no bars on stderr
+    try:
+        if (folder / "dataset_dict.json").exists() or (folder / "state.json").exists():
+            loaded = datasets.load_from_disk(str(folder))  # written by save_to_disk
+        else:
+            # By the files' names alone (train/, test.parquet, ...): load_dataset(folder) would also follow a
+            # README.md's `configs`, whose data_files may name files anywhere, on the hub (hf://) too
+            loaded = datasets.load_dataset("parquet" if tables else "imagefolder", data_dir=str(folder))
+    except Exception as error:
+        from shared.failures import process_limit  # only a failed read: an opt-in module
+
+        if limit := process_limit(error):
+            raise RecipeError(f"reading {folder}, this process reached its limit on {limit}: raise it, then run "
+                              "again") from None
+        from shared.bounds import check_cache_error  # only a failed read: an opt-in module
+
+        check_cache_error(error, folder)
+        raise RecipeError(f"could not read a dataset from {folder} ({type(error).__name__}: {first_line(error)}): "
+                          "expected a save_to_disk folder, parquet files, an imagefolder (one subfolder per class) "
+                          "with examples in every split, IDX files or CIFAR's files") from None
+    return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict(train=loaded)
 
 
 def check_datasets_folder(folder: Path) -> bool:

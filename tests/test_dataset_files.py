@@ -391,14 +391,14 @@ def test_an_image_folder_says_which_files_it_leaves_out_and_refuses_an_archive(t
 def test_a_datasets_cache_that_cannot_be_written_is_named_as_the_cause(tmp_path, monkeypatch):
     """A home that is not writable (a container's, say): datasets cannot make its cache, and the line said the folder
     was no dataset ("expected a save_to_disk folder, parquet files, ...") or that the hub could not provide it."""
-    from shared.data import open_dataset
+    from shared.dataset_files import open_local
     from shared.errors import RecipeError
 
     photos = imagefolder_dataset(tmp_path / "photos", sizes={"train": 4, "test": 2})
     (tmp_path / "home").write_text("a file where a folder is expected")
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "home" / ".cache")
     with pytest.raises(RecipeError) as error:
-        open_dataset(str(photos), "imagefolder")
+        open_local(photos)
     assert str(error.value) == (f"datasets could not write its cache ({tmp_path / 'home' / '.cache'}: Not a "
                                 "directory): set HF_HOME (or HF_DATASETS_CACHE) to a writable folder with room")
 
