@@ -46,7 +46,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it
 from shared.checkpoints import list_checkpoints
 from shared.config import parse_config, read_json
-from shared.errors import RecipeError, first_line, one_line_errors, printable, replacing, walk
+from shared.errors import RecipeError, first_line, one_line_errors, printable, replacing
 from shared.images import FORMATS, decode, fit
 
 RECIPES = Path(__file__).resolve().parent  # where a recipe named by its name is looked for
@@ -246,6 +246,8 @@ def find_images(root: Path) -> tuple[list[Path], list[Path]]:
         return [root], []
     if not root.is_dir():
         raise RecipeError(f"--images {root}: no such file or folder")
+    from shared.bounds import walk  # a folder from anywhere, walked whatever its depth: an opt-in module
+
     # Links too: one to a folder is not followed (a loop, or a walk outside --images), but said with the other files
     # skipped; one whose file is gone, with the files that cannot be read.
     files = sorted(Path(entry.path) for entry in walk(root) if not entry.name.startswith("."))

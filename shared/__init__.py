@@ -12,13 +12,14 @@ the function that needs them:
 - tracking: the run folder, wandb, readable run files, the training window
 - checkpoints: full-state checkpoints, the run's progress, model.safetensors, a stop on SIGTERM or Ctrl-C with a
   checkpoint and the command that continues the run
-- errors: one-line errors, a folder's walk, a write that no crash breaks
+- errors: one-line errors, a write that no crash breaks
 - launch: the launch's settings checked before the process group starts; on a CPU, a line where a GPU was meant or
   bf16 would be emulated (opt-in: imported where a run opens)
 - failures: a failed run's error in one line, where it is not the recipe's own (a full disk, a process limit,
   memory, a package not installed, another process): opt-in, imported where a run fails
-- bounds: the free memory, what a dataset may take decoded, and datasets' cache that cannot be written (opt-in:
-  imported where images are decoded, and where datasets failed to load a dataset)
+- bounds: the free memory, what a dataset may take decoded, datasets' cache that cannot be written, and a folder's
+  walk that no depth breaks (opt-in: imported where images are decoded, where datasets failed to load a dataset, and
+  where a folder from anywhere is walked)
 - dataset_files: IDX files and CIFAR's binary and Python versions, read as published, and a folder of datasets'
   formats, read once checked (the bounds on a dataset file's size and a parquet file's decompressed size) (opt-in:
   imported for local data)

@@ -1,12 +1,16 @@
 """What decoded images may take: the memory this process may still allocate (`free_memory`) and a dataset's images,
 decoded and converted, checked against it before a byte is decoded (`check_decoded_size`); and datasets' cache, which
-must be writable (`check_cache_error`). An opt-in module, imported where images are decoded (shared/data.py, on a
-cache miss), where a resize would take more than 256 MiB (shared/images.py), by shared/dataset_files.py for the files
-it reads, and where datasets failed to load a dataset. The limits: docs/troubleshooting.md."""
+must be writable (`check_cache_error`); and a walk of a folder tree from anywhere that no depth breaks (`walk`). An
+opt-in module, imported where images are decoded (shared/data.py, on a cache miss), where a resize would take more
+than 256 MiB (shared/images.py), by shared/dataset_files.py for the files it reads, where datasets failed to load a
+dataset, and where a folder from anywhere is walked (shared/resume.py, predict.py). The limits:
+docs/troubleshooting.md."""
 
 import contextlib
 import math
+import os
 import resource
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -51,3 +55,22 @@ def check_cache_error(error: Exception, data: Path) -> None:
     if made and not Path(made).absolute().is_relative_to(data.absolute()):
         raise RecipeError(f"datasets could not write its cache ({made}: {error.strerror}): set HF_HOME (or "
                           "HF_DATASETS_CACHE) to a writable folder with room") from None
+
+
+def walk(folder: Path, skip: Path | None = None) -> Iterator[os.DirEntry]:
+    """Every entry below `folder` that is not a folder (files, links, FIFOs, ...), links not followed, and nothing below
+    `skip`. Not recursive: rglob and os.walk recurse in Python 3.11, and a tree 1,500 folders deep ended in a
+    RecursionError."""
+    folders = [Path(folder)]
+    while folders:
+        try:
+            entries = os.scandir(folders.pop())
+        except OSError as error:  # a tree deeper than the system's path limit (4,096 bytes), a folder you may not read
+            raise RecipeError(f"cannot list the folders under {folder} ({error.strerror}): move the files nearer the "
+                              "root, or make their folders readable") from None
+        with entries:
+            for entry in entries:
+                if not entry.is_dir(follow_symlinks=False):
+                    yield entry
+                elif Path(entry.path) != skip:
+                    folders.append(Path(entry.path))

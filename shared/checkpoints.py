@@ -12,10 +12,9 @@ with another length.
   (--resume, in shared/resume.py), `initial_weights` (--init_from, in shared/init_from.py, an opt-in module), and
   through `StopOnSignals` a stop on SIGTERM or Ctrl-C with a checkpoint and the command that continues the run
   (written by shared/resume.py);
-- `is_run`, `check_entries`, `new_folder`: a run folder, checked as one from anywhere.
+- `is_run`, `new_folder`: a run folder.
 """
 
-import ctypes
 import itertools
 import json
 import os
@@ -33,13 +32,12 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from shared.config import read_json
-from shared.errors import RecipeError, flush_to_disk, replacing, walk
+from shared.errors import RecipeError, flush_to_disk, replacing
 
 STEP_DIR = re.compile(r"step_(\d+)$")
 STOP_CHECK_S = 1.0  # several processes agree on a stop about this often (seconds of training)
 CHECKPOINT_S = 600  # without --checkpoint_every, a checkpoint about this often: a crash or kill -9 loses at most this
 SECOND_INTERRUPT_S = 1.0  # a SIGINT this long after the first is the user's second Ctrl-C, not torchrun's copy
-PR_SET_PDEATHSIG = 1  # prctl: the signal this process gets when its parent dies (<linux/prctl.h>)
 
 
 def run_id(folder: Path) -> str | None:
@@ -84,7 +82,7 @@ class StopOnSignals:
     def stop_on_signals(self) -> None:
         """From now on SIGTERM (what SLURM and most schedulers send before they kill a job) and SIGINT (Ctrl-C) ask
         the run to stop: `after_step` then saves a checkpoint and returns True. Without this call they kill it. The
-        launcher's death already sends SIGTERM (stop_with_launcher)."""
+        launcher's death already sends SIGTERM (shared/launch.py's stop_with_launcher)."""
         # Python runs a handler only when the main thread returns to the interpreter, which a hung collective never
         # does; the C handler writes each signal's number to this pipe at once, read by a thread of its own.
         read_end, write_end = os.pipe()
@@ -153,20 +151,6 @@ class StopOnSignals:
                                                      device=self.accelerator.device))
         self.next_check, self.last_check = step + int(votes[:, 1].min()), (step, now)
         return bool(votes[:, 0].any()), bool(votes[0, 2])
-
-
-def stop_with_launcher() -> None:
-    """From now on the kernel sends this process SIGTERM when its launcher dies: before the first step it ends the
-    process, after it the stop saves a checkpoint (with several processes, they agree on it as on any stop).
-    `accelerate launch` of one process starts this script and waits: it forwards no signal (accelerate #929), so a
-    SIGTERM to it (Kubernetes stops a container's first process; a user kills the pid they see) would leave this
-    process training on, never saving. torchrun (several processes) forwards a signal, but killed (kill -9, an OOM
-    kill) it leaves its processes training on, orphaned, to the run's end. Asked as the run starts, not before its
-    first step: a launcher killed while the data loaded (minutes, on a large dataset's first decode) left its process
-    to train the whole run, unseen, since the kernel sends nothing for a parent already dead. A script run with
-    `python` has no launcher to lose."""
-    if sys.platform == "linux" and (launcher_command() or "TORCHELASTIC_RUN_ID" in os.environ):
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def launcher_command() -> list[str] | None:
@@ -329,18 +313,6 @@ def new_folder(base: str) -> str:
             continue
         except OSError:
             return base
-
-
-def check_entries(folder: Path) -> None:
-    """Refuse a folder from elsewhere (a colleague's run, a download) that holds a symbolic link or a special file:
-    written through, a link changes a file outside the run; read, a FIFO blocks forever. wandb/ must be a folder, and
-    what is in it is wandb's: it links its logs there, and replaces its links (a rename) instead of writing through."""
-    for entry in walk(folder, skip=Path(folder) / "wandb"):
-        if not entry.is_file(follow_symlinks=False):
-            kind = "a symbolic link" if entry.is_symlink() else "a FIFO, socket or device, not a regular file"
-            raise RecipeError(f"{entry.path!r} is {kind}: nothing in a run folder is written or read through one (it "
-                              "may lead outside the run, or block): replace it by a copy of the file, or delete it "
-                              "(checkpoints on another disk: --checkpoint_dir DIR)")
 
 
 def is_run(folder: Path) -> bool:

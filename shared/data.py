@@ -124,9 +124,8 @@ def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: b
     how = "" if interpolation == "bilinear" else f"-{interpolation}"
     cache = CACHE_DIR / f"{found.key}-{'x'.join(map(str, image_shape))}{how}-{decoder_hash()}.safetensors"
     if not (cached := read_cache(cache)):
-        stored = {}
-        if found.files:  # their arrays as stored and the class names, bounded (2) before any is read
-            stored, found.classes = found.files.read(source, image_shape)
+        if found.files:  # their arrays and the class names, bounded (2) before any is read, converted whole (3)
+            stored, found.classes, seen = found.files.read(source, image_shape, interpolation)
         else:
             from shared.bounds import check_decoded_size  # what a decode may take: an opt-in module
 
@@ -134,7 +133,12 @@ def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: b
             check_decoded_size(source, count, image_shape)  # 2
             if is_main_process():  # many large photos take minutes (a 12-megapixel JPEG: 0.1 s here)
                 print(f"{source}: decoding {count:,} images, once: later runs read them from the cache", flush=True)
-        stored, seen = decode(found, stored, image_shape, interpolation)  # 3
+            stored, seen = decode(found, image_shape, interpolation)  # 3
+        for name, (_, labels) in stored.items():
+            if len(bad := labels[(labels < 0) | (labels >= len(found.classes))]):
+                fix = "download the files again" if found.files else f"fix the '{found.columns[1]}' column or its names"
+                raise RecipeError(f"{found.name} '{name}' has labels outside 0..{len(found.classes) - 1} (e.g. "
+                                  f"{bad[0].item()}) for its {len(found.classes)} classes: {fix}")
         if is_main_process() and (line := images.conversion(image_shape, seen)):
             print(f"{source}: converted the images to this recipe's {'x'.join(map(str, image_shape))} input: {line}",
                   flush=True)
@@ -257,12 +261,11 @@ def find_columns(split: datasets.Dataset, source: str):
     return image_column, label_column, list(names)
 
 
-def decode(found: Source, stored: dict, image_shape, interpolation: str):
-    """Stage 3: every image of both splits in `image_shape` (uint8 (N, C, H, W)) with its label, and what the images
-    were (`seen`: channel counts and sizes). Published files are converted as a whole; a dataset's images one at a
-    time, decoded here, not by datasets (memory for one image at a time, whatever the files hold; never a file
-    fetched because a dataset names its path)."""
-    seen, (image_column, label_column) = {"channels": set(), "sizes": set()}, found.columns
+def decode(found: Source, image_shape, interpolation: str):
+    """Stage 3 for a dataset: every image of both splits in `image_shape` (uint8 (N, C, H, W)) with its label, and what
+    the images were (`seen`: channel counts and sizes). The images one at a time, decoded here, not by datasets (memory
+    for one image at a time, whatever the files hold; never a file fetched because a dataset names its path)."""
+    stored, seen, (image_column, label_column) = {}, {"channels": set(), "sizes": set()}, found.columns
     channels, height, width = image_shape
     for name, split in found.splits.items():
         pixels = torch.empty(len(split), *image_shape, dtype=torch.uint8)
@@ -281,17 +284,6 @@ def decode(found: Source, stored: dict, image_shape, interpolation: str):
                                   "dataset, a label for every image")
             labels[start:start + len(batch[label_column])] = torch.tensor(batch[label_column], dtype=torch.int64)
         stored[name] = (pixels, labels)
-    for name, (pixels, labels) in stored.items():
-        bad = labels[(labels < 0) | (labels >= len(found.classes))]
-        if len(bad):
-            fix = "download the files again" if found.files else f"fix the '{label_column}' column or its names"
-            raise RecipeError(f"{found.name} '{name}' has labels outside 0..{len(found.classes) - 1} (e.g. "
-                              f"{bad[0].item()}) for its {len(found.classes)} classes: {fix}")
-        if found.files:  # the published arrays, all of one size
-            seen["channels"].add(pixels.shape[1])
-            seen["sizes"].add(tuple(pixels.shape[2:]))
-            stored[name] = (images.fit(images.to_channels(pixels, channels), height, width,
-                                       f"{found.name} '{name}'", interpolation).contiguous(), labels)
     return stored, seen
 
 

@@ -30,9 +30,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shared.bounds import check_decoded_size, free_memory
+from shared.bounds import check_decoded_size, free_memory, walk
 from shared.config import MAX_JSON_BYTES, read_json
-from shared.errors import RecipeError, first_line, is_main_process, printable, walk
+from shared.errors import RecipeError, first_line, is_main_process, printable
+from shared.images import fit, to_channels
 from shared.pickles import check_pickle
 
 FASHION_MNIST = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
@@ -293,10 +294,11 @@ class DatasetFiles:
     def all_files(self) -> list[Path]:
         return [file for files in self.files.values() for file in files]
 
-    def read(self, source: str, image_shape: tuple[int, int, int]) -> tuple[dict, list[str]]:
-        """{"train": (images, labels), "test": ...} as stored (uint8 (N, C, H, W), int64 (N,)) and the class names,
-        once bounded: each split's files by their size, and both splits converted to `image_shape` by how many images
-        the files hold (IDX: the headers; CIFAR: at most one per 3,072 bytes)."""
+    def read(self, source: str, image_shape: tuple[int, int, int], interpolation: str) -> tuple[dict, list[str], dict]:
+        """{"train": (images, labels), "test": ...} converted to `image_shape` (uint8 (N, C, H, W), int64 (N,)) with
+        `interpolation`, the class names, and what the images were (`seen`: channel counts and sizes, as data.decode
+        says). Bounded first: each split's files by their size, and both splits converted to `image_shape` by how many
+        images the files hold (IDX: the headers; CIFAR: at most one per 3,072 bytes)."""
         for file in self.all_files():
             check_regular(file, "the downloaded file")
         for split in ("train", "test"):  # its files together, before any is read: they become one array
@@ -306,9 +308,17 @@ class DatasetFiles:
         count = (sum(read_idx(self.files[split][0], count_only=True) for split in IDX_SPLITS) if self.kind == "idx"
                  else sum(file.stat().st_size for split in IDX_SPLITS for file in self.files[split]) // 3072)
         check_decoded_size(source, count, image_shape)
-        if self.kind in CIFAR_PICKLED:
-            return read_pickled_cifar_splits(self.kind, self.files)
-        return read_idx_splits(self.files) if self.kind == "idx" else read_cifar_splits(self.kind, self.files)
+        if self.kind == "idx":
+            splits, classes = read_idx_splits(self.files)
+        elif self.kind in CIFAR_PICKLED:
+            splits, classes = read_pickled_cifar_splits(self.kind, self.files)
+        else:
+            splits, classes = read_cifar_splits(self.kind, self.files)
+        seen = {"channels": {images.shape[1] for images, _ in splits.values()},  # the published arrays: one size
+                "sizes": {tuple(images.shape[2:]) for images, _ in splits.values()}}
+        return {split: (fit(to_channels(pixels, image_shape[0]), *image_shape[1:], f"{source} '{split}'",
+                            interpolation).contiguous(), labels) for split, (pixels, labels) in splits.items()
+                }, classes, seen
 
 
 def find_dataset_files(folder: Path) -> DatasetFiles | None:

@@ -6,9 +6,9 @@ rank 0 alone prints. Other errors the user can fix (a full disk, a process limit
 shared/failures.py, an opt-in module imported only when a run fails. Programming errors keep their traceback: those are
 for whoever changes the code.
 
-Files from anywhere: a walk of a folder tree that no depth breaks, and a write that neither a crash nor a link breaks
-(`replacing`). What a file may claim is checked before anything is allocated, where it is read: the free memory and a
-dataset's decoded size in shared/bounds.py, a dataset file's size and a parquet file's decompressed size in
+Files from anywhere: a write that neither a crash nor a link breaks (`replacing`). What a file may claim is checked
+before anything is allocated, where it is read: the free memory, a dataset's decoded size and a walk of a folder tree
+that no depth breaks in shared/bounds.py, a dataset file's size and a parquet file's decompressed size in
 shared/dataset_files.py (opt-in modules). The limits are listed in docs/troubleshooting.md.
 """
 
@@ -123,25 +123,6 @@ def check_torchvision() -> None:
             raise RecipeError(torchvision_for_this_torch(folder, library)) from None
 
 
-def walk(folder: Path, skip: Path | None = None) -> Iterator[os.DirEntry]:
-    """Every entry below `folder` that is not a folder (files, links, FIFOs, ...), links not followed, and nothing below
-    `skip`. Not recursive: rglob and os.walk recurse in Python 3.11, and a tree 1,500 folders deep ended in a
-    RecursionError."""
-    folders = [Path(folder)]
-    while folders:
-        try:
-            entries = os.scandir(folders.pop())
-        except OSError as error:  # a tree deeper than the system's path limit (4,096 bytes), a folder you may not read
-            raise RecipeError(f"cannot list the folders under {folder} ({error.strerror}): move the files nearer the "
-                              "root, or make their folders readable") from None
-        with entries:
-            for entry in entries:
-                if not entry.is_dir(follow_symlinks=False):
-                    yield entry
-                elif Path(entry.path) != skip:
-                    folders.append(Path(entry.path))
-
-
 @contextlib.contextmanager
 def replacing(path: Path) -> Iterator[Path]:
     """Write `path` under a temporary name beside it (what this yields), renamed over it when complete: a reader, a
@@ -172,7 +153,7 @@ def flush_to_disk(path: Path) -> None:
     (FileSystemWriter's sync_files). Each also gets the mode open() gives a new file: safetensors (0.8) makes its
     files 0600 (safetensors #782), and weights, checkpoints and the decode cache were their owner's alone, unreadable
     to a group that shares them, or to a container's user where root trained."""
-    for file in walk(path) if path.is_dir() else [path]:
+    for file in [file for file in path.rglob("*") if file.is_file()] if path.is_dir() else [path]:  # ours
         os.chmod(file, 0o666 & ~UMASK)
         with open(file, "rb") as f:
             os.fsync(f.fileno())

@@ -1,9 +1,12 @@
 """The launch checked as a run starts (`check_launch`, called by tracking.open_run, predict.py and deep_mlp_sweep.py: an
-opt-in module): settings left in the shell or a config these recipes do not follow, which would run, but not as the
-user thinks; then the process group started, and on a CPU, a line where a GPU was meant or bf16 would be emulated."""
+opt-in module): the process tied to its launcher's life (`stop_with_launcher`); settings left in the shell or a config
+these recipes do not follow, which would run, but not as the user thinks; then the process group started, and on a
+CPU, a line where a GPU was meant or bf16 would be emulated."""
 
+import ctypes
 import importlib.util
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -14,9 +17,13 @@ from accelerate.utils import parse_flag_from_env
 from shared.checkpoints import launcher_command
 from shared.errors import RecipeError, check_torchvision
 
+PR_SET_PDEATHSIG = 1  # prctl: the signal this process gets when its parent dies (<linux/prctl.h>)
+
 
 def check_launch() -> None:
-    """Start the process group, and stop launches that would run, but not as the user thinks."""
+    """Start the process group, and stop launches that would run, but not as the user thinks; before either, ask for
+    a SIGTERM when the launcher dies (stop_with_launcher)."""
+    stop_with_launcher()  # first: the process group below may wait for other processes
     check_torchvision()
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):  # what a launcher sets for each process
         if not os.environ.get(name, "0").isdigit():
@@ -97,3 +104,17 @@ def cpu_has_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     except OSError:
         return True
     return "avx512_bf16" in text or "amx_bf16" in text or "\nflags" not in text
+
+
+def stop_with_launcher() -> None:
+    """From now on the kernel sends this process SIGTERM when its launcher dies: before the first step it ends the
+    process, after it the stop saves a checkpoint (with several processes, they agree on it as on any stop).
+    `accelerate launch` of one process starts this script and waits: it forwards no signal (accelerate #929), so a
+    SIGTERM to it (Kubernetes stops a container's first process; a user kills the pid they see) would leave this
+    process training on, never saving. torchrun (several processes) forwards a signal, but killed (kill -9, an OOM
+    kill) it leaves its processes training on, orphaned, to the run's end. Asked as the run starts, not before its
+    first step: a launcher killed while the data loaded (minutes, on a large dataset's first decode) left its process
+    to train the whole run, unseen, since the kernel sends nothing for a parent already dead. A script run with
+    `python` has no launcher to lose."""
+    if sys.platform == "linux" and (launcher_command() or "TORCHELASTIC_RUN_ID" in os.environ):
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

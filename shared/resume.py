@@ -1,7 +1,9 @@
 """Resuming a run (--resume), in one place: where its checkpoint is, whether it is this run's, what changed since.
-Imported only where a run resumes, is stopped by a signal, is given a --checkpoint_dir or cannot write a checkpoint
-(an opt-in module).
+Imported only where a run resumes or replaces a run, is stopped by a signal, is given a --checkpoint_dir or cannot
+write a checkpoint (an opt-in module).
 
+- `check_run_folder`: a folder that already holds files is a run to resume or replace (open_run), and
+  `check_entries`: it, or a checkpoint from anywhere, holds no link or special file;
 - `recorded_flags`: the flags a resume continues with, those its run's config.json records (Config.parse);
 - `run_of_checkpoint`: the run folder that --resume PATH, a checkpoint folder, continues (open_run);
 - `check_checkpoint_folder`: a --checkpoint_dir holds this run's checkpoints and nothing else (open_run, for a new run
@@ -34,7 +36,8 @@ from accelerate import PartialState
 from accelerate.utils import load as accelerate_load  # torch.load(weights_only=True) + NumPy RNG types
 from accelerate.utils import set_seed
 
-from shared.checkpoints import STEP_DIR, check_entries, is_run, list_checkpoints, new_folder, run_id
+from shared.bounds import walk
+from shared.checkpoints import STEP_DIR, is_run, list_checkpoints, new_folder, run_id
 from shared.config import read_json
 from shared.errors import RecipeError, first_line
 from shared.pictures import read_rows
@@ -398,3 +401,28 @@ def write_failed(checkpoints, what: str, error: Exception) -> None:
     raise RecipeError(f"{what} failed ({reason}; {shutil.disk_usage(checkpoints.run_dir).free / 2**20:.1f} MiB free "
                       f"there): the newest complete checkpoint is {good[-1] if good else 'none'}; free space, then "
                       "continue with --resume latest") from None
+
+
+def check_run_folder(run_dir: Path, cfg, recipe: str) -> None:
+    """A run folder that already holds files (open_run): a run of these recipes that --resume continues or --overwrite
+    replaces, holding no link or special file (`check_entries`); any other is refused, untouched."""
+    if (run_dir / "config.json").exists() and not (cfg.resume or cfg.overwrite):
+        raise RecipeError(f"{run_dir} already holds a run: pass --resume latest to continue it, "
+                          "--overwrite to replace it, or another --output_dir")
+    if not is_run(run_dir):  # a user's own folder: its metrics.jsonl would be appended to
+        raise RecipeError(f"{run_dir} holds files but no run of these recipes (no config.json with a run_id), so "
+                          "nothing is written into it: pass a new or empty --output_dir, or to continue a run, its "
+                          f"own folder (runs/{recipe}-<time>)")
+    check_entries(run_dir)  # from anywhere: checked before a file in it is read or written
+
+
+def check_entries(folder: Path) -> None:
+    """Refuse a folder from elsewhere (a colleague's run, a download) that holds a symbolic link or a special file:
+    written through, a link changes a file outside the run; read, a FIFO blocks forever. wandb/ must be a folder, and
+    what is in it is wandb's: it links its logs there, and replaces its links (a rename) instead of writing through."""
+    for entry in walk(folder, skip=Path(folder) / "wandb"):
+        if not entry.is_file(follow_symlinks=False):
+            kind = "a symbolic link" if entry.is_symlink() else "a FIFO, socket or device, not a regular file"
+            raise RecipeError(f"{entry.path!r} is {kind}: nothing in a run folder is written or read through one (it "
+                              "may lead outside the run, or block): replace it by a copy of the file, or delete it "
+                              "(checkpoints on another disk: --checkpoint_dir DIR)")

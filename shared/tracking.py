@@ -36,12 +36,9 @@ from accelerate.utils import broadcast_object_list
 from tqdm import tqdm
 
 from shared.checkpoints import (
-    check_entries,
-    is_run,
     launcher_command,
     new_folder,
     run_id,
-    stop_with_launcher,
 )
 from shared.errors import RecipeError, first_line, replacing
 from shared.loop import SCHEDULE_RULE
@@ -60,10 +57,10 @@ tqdm.monitor_interval = 0
 def open_run(cfg, recipe: str) -> tuple[Path, list]:
     """Check the launch; return the run folder (--output_dir, the run being resumed, or
     runs/<recipe>-<YYYYmmdd-HHMMSS>) and the trackers for Accelerator(log_with=...)."""
-    stop_with_launcher()  # first: the process group below may wait for other processes
     from shared.launch import check_launch  # the launch's settings, checked: an opt-in module
 
-    check_launch()  # also starts the process group, which the folder's name is broadcast over
+    check_launch()  # also starts the process group, which the folder's name is broadcast over, and ties this
+    # process to its launcher's life (a SIGTERM when the launcher dies: shared/launch.py's stop_with_launcher)
     state = PartialState()
     output_dir = cfg.output_dir
     if cfg.resume and cfg.resume != "latest":  # a checkpoint folder: it continues its own run, or a new one
@@ -77,16 +74,11 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
         broadcast_object_list(name)  # processes start a second apart; they must share one folder
         output_dir = name[0]
     run_dir = Path(output_dir)
-    if run_dir.is_dir():
-        check_entries(run_dir)
-    if (run_dir / "config.json").exists() and not (cfg.resume or cfg.overwrite):
-        raise RecipeError(f"{run_dir} already holds a run: pass --resume latest to continue it, "
-                          "--overwrite to replace it, or another --output_dir")
     filled = run_dir.is_dir() and any(run_dir.iterdir())
-    if filled and not is_run(run_dir):  # a user's own folder: its metrics.jsonl would be appended to
-        raise RecipeError(f"{run_dir} holds files but no run of these recipes (no config.json with a run_id), so "
-                          "nothing is written into it: pass a new or empty --output_dir, or to continue a run, its "
-                          f"own folder (runs/{recipe}-<time>)")
+    if filled:  # a run to resume or replace, checked (only the runs in a folder with files: an opt-in module)
+        from shared.resume import check_run_folder
+
+        check_run_folder(run_dir, cfg, recipe)
     # --checkpoint_dir: this run's checkpoints (resumed), the replaced run's (--overwrite), or nothing. Read where it is
     # written: a node's own folder is refused below.
     mine, its_checkpoints = run_id(run_dir), []

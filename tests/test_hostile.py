@@ -722,7 +722,7 @@ def test_a_cifar_pickle_that_reuses_one_long_text_copies_it_at_most_once(tmp_pat
     tracemalloc.start()
     try:
         with pytest.raises(RecipeError, match="has no 'label_names' list" if names else "data_batch_2: its 'data'"):
-            find_dataset_files(folder).read(str(folder), (3, 32, 32))
+            find_dataset_files(folder).read(str(folder), (3, 32, 32), "bilinear")
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
