@@ -24,7 +24,10 @@ def decode(file: bytes | str | Path, channels: int, where: str):
     Image(mode=...) converts (EXIF orientation, then L or RGB), and its own channel count (1 for grayscale). A damaged
     file, one of another format than FORMATS, one over PIL's pixel limit (read from its header, before decoding),
     16-bit pixels: one line naming `where`."""
-    if not isinstance(file, bytes) and not Path(file).is_file():
+    if not isinstance(file, bytes) and not Path(file).is_file():  # a FIFO would block the read for ever
+        if Path(file).exists():
+            raise RecipeError(f"{where} is not a regular file (a FIFO, socket, device or folder): replace it by the "
+                              "image file")
         raise RecipeError(f"{where}: no such image file on this machine (datasets' paths are read, never fetched)")
     from shared.image_files import check_jpeg, check_png  # checks of files from anywhere: an opt-in module
 

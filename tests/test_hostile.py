@@ -1177,6 +1177,22 @@ def test_a_grayscale_image_is_decoded_once_as_one_channel_for_a_colour_recipe(tm
     assert own == 1 and decoded.shape == (3, 300, 200) and decoded.stride(0) == 0 and torch.equal(decoded, expected)
 
 
+def test_an_image_path_that_is_no_regular_file_is_named_as_such_unread(tmp_path):
+    """A FIFO (or a folder) where an image file was expected was said to be "no such image file on this machine": it
+    is there, but is refused before any read (a FIFO's would block for ever)."""
+    from shared import images
+
+    os.mkfifo(tmp_path / "pipe.png")
+    (tmp_path / "folder.jpg").mkdir()
+    for name in ("pipe.png", "folder.jpg"):
+        with pytest.raises(RecipeError) as error:
+            images.decode(tmp_path / name, 3, name)
+        assert str(error.value) == (f"{name} is not a regular file (a FIFO, socket, device or folder): replace it by "
+                                    "the image file")
+    with pytest.raises(RecipeError, match="^gone.png: no such image file on this machine"):
+        images.decode(tmp_path / "gone.png", 3, "gone.png")
+
+
 ONE_BY_ONE = chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 1, 8, 0, 0, 0, 0))
 
 
