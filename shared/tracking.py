@@ -35,11 +35,7 @@ from accelerate.tracking import GeneralTracker, WandBTracker, on_main_process
 from accelerate.utils import broadcast_object_list
 from tqdm import tqdm
 
-from shared.checkpoints import (
-    launcher_command,
-    new_folder,
-    run_id,
-)
+from shared.checkpoints import launcher_command, new_folder, run_id
 from shared.errors import RecipeError, first_line, replacing
 from shared.loop import SCHEDULE_RULE
 
