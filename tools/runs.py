@@ -52,7 +52,7 @@ def run_folders(folder: Path) -> list[tuple[Path, bool]]:
     """(folder, whether it holds a summary.json) for every folder under `folder` that holds a summary.json, or a run's
     config.json without one (a run still running, or killed): not a checkpoint's copy of it (step_<N>,
     partial_step_<N>). A summary.json that is a link counts as none. Without following links; not recursive
-    (rglob is, in Python 3.11): a tree thousands of folders deep is walked all the same. shared/errors.py's walk,
+    (rglob is, in Python 3.11): a tree thousands of folders deep is walked all the same. shared/bounds.py's walk,
     without importing torch."""
     found, folders = [], [folder]
     while folders:
