@@ -87,10 +87,12 @@ def one_line_errors():
         else:  # a failure the user can act on, said in a line; a programming error keeps its traceback
             try:
                 from shared.failures import explain  # only a run that fails: an opt-in module
-            except (OSError, MemoryError):  # no file or memory left to import it with (ulimit -n, -v): the error itself
-                explain = first_line
-            if (message := explain(error)) is None:
-                raise
+            except (OSError, MemoryError):  # no file or memory left to import it with: a limit, said here
+                message = (f"{first_line(error)}: this process is out of open files or memory (ulimit -n, ulimit -v): "
+                           "raise its limits, then run again")
+            else:
+                if (message := explain(error)) is None:
+                    raise
         line = "error: " + printable(message)  # a file name may hold a newline: the line stays one
         if is_main_process():
             print(line, file=sys.stderr, flush=True)

@@ -864,7 +864,9 @@ def test_a_run_out_of_file_descriptors_still_ends_in_one_line(tmp_path):
                       "    while True:\n"
                       "        held.append(open('/dev/null'))\n")
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 1 and result.stderr == "error: [Errno 24] Too many open files: '/dev/null'\n"
+    assert result.returncode == 1 and result.stderr == (
+        "error: [Errno 24] Too many open files: '/dev/null': this process is out of open files or memory (ulimit -n, "
+        "ulimit -v): raise its limits, then run again\n")
 
 
 @pytest.mark.slow  # a process of its own, whose threads are refused
