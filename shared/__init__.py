@@ -29,8 +29,9 @@ the function that needs them:
 - pictures: curves.png and the confusion matrix, with matplotlib, and metrics.jsonl's rows read back, bounded (opt-in:
   imported where one is drawn or a resume cuts the file back)
 - resume: everything --resume does: the flags it continues with, the checkpoint it names, checked and loaded, what
-  changed since it, the run's files cut back to it or set aside, and a branch from an older one; and the command
-  that continues a run a signal stopped (opt-in)
+  changed since it, the run's files cut back to it or set aside, and a branch from an older one; the command that
+  continues a run a signal stopped; and a folder that already holds files, checked as a run to resume or replace
+  (opt-in)
 - nodes: on several machines, the check that every node sees the run's folders (opt-in)
 - synthetic: the generated stand-in of --synthetic (opt-in)
 - init_from: --init_from's model.safetensors loaded into a new run, and weights from elsewhere checked against the
