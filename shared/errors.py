@@ -1,4 +1,5 @@
-"""One-line errors: the problem, the fix, exit status 1, no traceback; and the bounds on files from anywhere.
+"""One-line errors: the problem, the fix, exit status 1, no traceback; a write that neither a crash nor a link breaks;
+and a torchvision that does not load with this torch, said before anything imports it (`check_torchvision`).
 
 A recipe raises `RecipeError` for anything the user can fix. Every process of a run makes the same checks
 (same flags, data and checkpoint, a training loss reduced over all processes), so all stop together and
