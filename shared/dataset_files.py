@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shared.bounds import check_decoded_size, free_memory, walk
+from shared.bounds import check_cache_error, check_decoded_size, free_memory, walk
 from shared.config import MAX_JSON_BYTES, read_json
 from shared.errors import RecipeError, first_line, is_main_process, printable
 from shared.images import fit, to_channels
@@ -98,8 +98,6 @@ def open_local(folder: Path):
         if limit := process_limit(error):
             raise RecipeError(f"reading {folder}, this process reached its limit on {limit}: raise it, then run "
                               "again") from None
-        from shared.bounds import check_cache_error  # only a failed read: an opt-in module
-
         check_cache_error(error, folder)
         raise RecipeError(f"could not read a dataset from {folder} ({type(error).__name__}: {first_line(error)}): "
                           "expected a save_to_disk folder, parquet files, an imagefolder (one subfolder per class) "

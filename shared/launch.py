@@ -1,13 +1,15 @@
 """The launch checked as a run starts (`check_launch`, called by tracking.open_run, predict.py and deep_mlp_sweep.py: an
 opt-in module): the process tied to its launcher's life (`stop_with_launcher`); settings left in the shell or a config
-these recipes do not follow, which would run, but not as the user thinks; then the process group started, and on a
-CPU, a line where a GPU was meant or bf16 would be emulated."""
+these recipes do not follow, which would run, but not as the user thinks; then the process group started (its
+collectives wait 30 minutes for a slow process, on every backend), and on a CPU, a line where a GPU was meant or bf16
+would be emulated."""
 
 import ctypes
 import importlib.util
 import os
 import signal
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -18,6 +20,10 @@ from shared.checkpoints import launcher_command
 from shared.errors import RecipeError, check_torchvision
 
 PR_SET_PDEATHSIG = 1  # prctl: the signal this process gets when its parent dies (<linux/prctl.h>)
+# How long a collective waits for the other processes before it fails, on every backend: gloo's default, and what
+# transformers' Trainer (ddp_timeout) and Ray Train set for NCCL too, whose own default is 10 minutes. A machine's
+# first decode runs in one process while the others wait in a barrier (docs/troubleshooting.md).
+PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)
 
 
 def check_launch() -> None:
@@ -29,7 +35,8 @@ def check_launch() -> None:
         if not os.environ.get(name, "0").isdigit():
             raise RecipeError(f"the environment sets {name}={os.environ[name]!r}, not a count of processes: unset it "
                               "(accelerate launch sets it)")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
         # A value left in the shell: the process group would wait forever for processes that never start.
         raise RecipeError(f"the environment sets WORLD_SIZE={os.environ['WORLD_SIZE']}, but no launcher started "
                           "this process (torchrun, which accelerate launch runs, would have): unset WORLD_SIZE, or "
@@ -47,8 +54,7 @@ def check_launch() -> None:
         raise RecipeError(f"the config starts {per_machine} processes on this machine but it has {gpus} GPU(s): "
                           f"use --num_processes {gpus} or a config that matches the machine")
     # The Accelerator reuses this state. Like the Accelerator, honour ACCELERATE_USE_CPU (PartialState would not).
-    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"), timeout=PROCESS_GROUP_TIMEOUT)
     if launched > 1 and state.num_processes == 1:
         # accelerate 1.x starts a MULTI_GPU config's processes even without GPUs; each then trains alone on the CPU,
         # writing the same files: N duplicate runs, not one DDP run.

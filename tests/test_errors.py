@@ -225,6 +225,34 @@ def test_more_processes_per_machine_than_gpus(monkeypatch):
         check_launch()
 
 
+@pytest.mark.slow  # a process group of 2 processes
+def test_the_process_group_waits_30_minutes_on_every_backend(tmp_path):
+    """torch's NCCL default is 10 minutes: a machine's first decode that took longer (one process decodes, the others
+    wait in a barrier) ended a multi-GPU run in NCCL's watchdog timeout. check_launch starts the group with gloo's 30
+    minutes on every backend, as transformers' Trainer and Ray Train start theirs. Shown with gloo, whose default is 30
+    minutes too: the group takes check_launch's value, here set to 7 minutes."""
+    from datetime import timedelta
+
+    from shared import launch
+
+    assert launch.PROCESS_GROUP_TIMEOUT == timedelta(minutes=30)
+    script = tmp_path / "group.py"
+    script.write_text("import sys\n"
+                      f"sys.path.insert(0, {str(ROOT)!r})\n"
+                      "from datetime import timedelta\n"
+                      "import torch\n"
+                      "from shared import launch\n"
+                      "launch.PROCESS_GROUP_TIMEOUT = timedelta(minutes=7)\n"
+                      "launch.check_launch()\n"
+                      "group = torch.distributed.distributed_c10d._get_default_group()  # private: this test only\n"
+                      "print(group._get_backend(torch.device('cpu')).options._timeout, flush=True)\n")
+    environment = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             str(script)], capture_output=True, text=True, env=environment, timeout=300)
+    # each process's line (the two may interleave)
+    assert result.returncode == 0 and result.stdout.count("0:07:00") == 2, result.stdout + result.stderr
+
+
 def test_accelerate_launch_cpu_of_several_processes_says_it_starts_one(monkeypatch, capsys):
     """`accelerate launch --cpu --num_processes 2` (or --cpu with 2gpu.yaml) starts one process, unsaid but for "1
     process(es)" in the run's first line: --cpu always takes accelerate's simple launcher, which starts one and sets
