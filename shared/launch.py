@@ -1,8 +1,8 @@
 """The launch checked as a run starts (`check_launch`, called by tracking.open_run, predict.py and deep_mlp_sweep.py: an
 opt-in module): the process tied to its launcher's life (`stop_with_launcher`); settings left in the shell or a config
 these recipes do not follow, which would run, but not as the user thinks; then the process group started (its
-collectives wait 30 minutes for a slow process, on every backend), and on a CPU, a line where a GPU was meant or bf16
-would be emulated."""
+collectives wait 30 minutes for a slow process, on every backend). For a training run on a CPU, `check_cpu`: a line
+where a GPU was meant or bf16 would be emulated."""
 
 import ctypes
 import importlib.util
@@ -83,13 +83,11 @@ def check_launch() -> None:
         # accelerate accepts fp16 on a CPU but does not autocast there: the run would be float32.
         raise RecipeError("fp16 mixed precision needs a GPU (on a CPU it would silently train in float32): "
                           "use accelerate_configs/bf16.yaml on a CPU")
-    if state.device.type == "cpu" and state.is_main_process:
-        check_cpu()
 
 
 def check_cpu() -> None:
-    """On a CPU, a line where the launch meant a GPU, and one where bf16 would be emulated (on a CPU without its
-    instructions, several times slower: BENCHMARKS.md)."""
+    """For a training run on a CPU (tracking.open_run), a line where the launch meant a GPU, and one where bf16 would
+    be emulated (on a CPU without its instructions, several times slower: BENCHMARKS.md)."""
     # What `accelerate launch` sets from a config without use_cpu (1gpu.yaml, bf16.yaml, or none): a GPU was meant
     if os.environ.get("ACCELERATE_USE_CPU") == "False":
         why = (f"it sees no GPU (CUDA {torch.version.cuda}: check nvidia-smi and CUDA_VISIBLE_DEVICES)"

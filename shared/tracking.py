@@ -53,11 +53,13 @@ tqdm.monitor_interval = 0
 def open_run(cfg, recipe: str) -> tuple[Path, list]:
     """Check the launch; return the run folder (--output_dir, the run being resumed, or
     runs/<recipe>-<YYYYmmdd-HHMMSS>) and the trackers for Accelerator(log_with=...)."""
-    from shared.launch import check_launch  # the launch's settings, checked: an opt-in module
+    from shared.launch import check_cpu, check_launch  # the launch's settings, checked: an opt-in module
 
     check_launch()  # also starts the process group, which the folder's name is broadcast over, and ties this
     # process to its launcher's life (a SIGTERM when the launcher dies: shared/launch.py's stop_with_launcher)
     state = PartialState()
+    if state.device.type == "cpu" and state.is_main_process:  # training where a GPU was meant, or bf16 emulated
+        check_cpu()
     output_dir = cfg.output_dir
     if cfg.resume and cfg.resume != "latest":  # a checkpoint folder: it continues its own run, or a new one
         from shared.resume import run_of_checkpoint  # only the runs that resume: an opt-in module

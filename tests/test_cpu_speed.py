@@ -102,6 +102,20 @@ def test_bf16_on_a_cpu_without_its_instructions_says_so_in_one_line(tmp_path, ca
     assert launch.cpu_has_bf16(tmp_path / "cpuinfo") and launch.cpu_has_bf16(tmp_path / "missing")
 
 
+def test_the_cpu_lines_are_said_by_training_runs_not_by_every_launch(capsys, monkeypatch):
+    """check_launch (predict.py and the sweep call it too) says nothing of the CPU: "training on the CPU" is a line of
+    the training recipes (tracking.open_run), as it was when loop.device_settings said it."""
+    from shared import launch
+
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "False")  # what accelerate launch sets for 1gpu.yaml
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    monkeypatch.setattr(launch, "cpu_has_bf16", lambda: False)
+    launch.check_launch()
+    assert "warning" not in capsys.readouterr().out
+    launch.check_cpu()
+    assert capsys.readouterr().out.count("warning: ") == 2
+
+
 def test_the_throughput_benchmarks_dynamo_setting_exists_on_this_torch():
     """benchmarks/throughput.py raises torch._dynamo.config.recompile_limit (private: no public setting; docs/tests.md)
     when imported. A torch that renamed it fails here: the quick tier runs on the floors and on the pins."""
