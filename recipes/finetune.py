@@ -25,7 +25,6 @@ import sys
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlparse
 
 import torch
 import torch.nn.functional as F
@@ -40,13 +39,11 @@ from shared import augment, loop, tracking  # augmentation; lr, EMA, CUDA graph,
 from shared.checkpoints import Checkpoints, Progress
 from shared.config import RunConfig
 from shared.data import EpochOrder, load_image_data
-from shared.errors import RecipeError, check_torchvision, one_line_errors
+from shared.errors import RecipeError, one_line_errors
 
-with one_line_errors():
-    check_torchvision()  # one built for another torch would end the import below in a traceback
-import torchvision
-from torchvision.ops import roi_align
-from torchvision.transforms.v2.functional import center_crop
+with one_line_errors():  # a torchvision built for another torch: one line with the command that fixes it
+    import torchvision
+    from torchvision.transforms.v2.functional import center_crop
 
 RECIPE = "finetune"
 # Every torchvision classification builder but two, whose training outputs include auxiliary classifiers' (a tuple)
@@ -146,24 +143,10 @@ def preprocess(images: torch.Tensor, training: bool, cfg: Config) -> torch.Tenso
     (resize, then centre crop)."""
     transforms, (_, size, _) = chosen_weights(cfg.model, cfg.weights).transforms(), input_sizes(cfg)
     if training:
-        images = augment.random_flip(random_resized_crop(images, size))
+        images = augment.random_flip(augment.random_resized_crop(images, size))
     else:
         images = center_crop(images, [size, size])
     return augment.normalize(images, tuple(transforms.mean), tuple(transforms.std))
-
-
-def random_resized_crop(images: torch.Tensor, size: int, scale=(0.25, 1.0), ratio=(3 / 4, 4 / 3)) -> torch.Tensor:
-    """Each image: a random box of `scale` of its area and an aspect ratio in `ratio` (log-uniform), resized to `size`
-    x `size` with bilinear sampling, one roi_align call for the whole batch. Floats out (0-255)."""
-    n, _, h, w = images.shape
-    area_draw, aspect_draw, left_draw, top_draw = torch.rand(4, n, device=images.device)
-    area = (scale[0] + (scale[1] - scale[0]) * area_draw) * h * w
-    aspect = torch.exp(math.log(ratio[0]) + (math.log(ratio[1]) - math.log(ratio[0])) * aspect_draw)
-    box_w, box_h = (area * aspect).sqrt().clamp(max=w), (area / aspect).sqrt().clamp(max=h)
-    left, top = left_draw * (w - box_w), top_draw * (h - box_h)
-    boxes = torch.stack([torch.arange(n, device=images.device, dtype=torch.float), left, top, left + box_w,
-                         top + box_h], dim=1)
-    return roi_align(images.float(), boxes, output_size=(size, size), sampling_ratio=2, aligned=True)
 
 
 # ----------------------------------------------------------------------------- model
@@ -182,47 +165,25 @@ def make_model(num_classes: int, cfg: Config) -> nn.Module:
 
 
 def pretrained_state(cfg: Config):
-    """--weights: torchvision's file for them, in its cache (downloaded there if missing), read from that exact file
-    with weights_only=True (tensors only: a file that would run code is refused): (the file, its tensors by name), or
-    None with --weights none. Not through torch.hub's loader: a zip of one entry is its legacy format, extracted
-    beside the file under the name inside it, which could overwrite another cached file or make folders. Read before
-    the images are decoded: a missing or damaged file is said at once, not after the decode."""
+    """--weights: (torchvision's file for them, its tensors by name), or None with --weights none. The file is
+    torchvision's cache's (downloaded there if missing), checked and read as a file from anywhere (shared/init_from.py).
+    Read before the images are decoded: a missing or damaged file is said at once, not after the decode."""
     if cfg.weights == "none":
         return None
-    weights = chosen_weights(cfg.model, cfg.weights)
-    file = Path(torch.hub.get_dir()) / "checkpoints" / Path(urlparse(weights.url).path).name
-    try:
-        if not file.exists():
-            file.parent.mkdir(parents=True, exist_ok=True)
-            torch.hub.download_url_to_file(weights.url, str(file), progress=False)
-        from shared.pickles import check_archive  # files from anywhere, checked: an opt-in module
+    from shared.init_from import torchvision_weights  # a file from the internet, checked: an opt-in module
 
-        check_archive(file)  # from anywhere: a regular file, bounded by its size, its pickles checked
-        state = torch.load(file, map_location="cpu", weights_only=True)
-    except RecipeError:
-        raise
-    except Exception as error:
-        where = "cannot be read" if file.is_file() else f"is not there and could not be downloaded from {weights.url}"
-        raise RecipeError(f"--weights {weights}: {file} {where} ({type(error).__name__}): download it where the "
-                          "internet is reachable and copy it there (or set TORCH_HOME), or pass --weights none"
-                          ) from None
-    # a state dict's names and tensors, whatever else the file holds
-    return file, {k: v for k, v in state.items() if isinstance(k, str) and isinstance(v, torch.Tensor)
-                  } if isinstance(state, dict) else {}
+    return torchvision_weights(chosen_weights(cfg.model, cfg.weights))
 
 
 def load_pretrained(model: nn.Module, pretrained, cfg: Config) -> None:
-    """pretrained_state's tensors into every layer but the new classifier."""
+    """pretrained_state's tensors into every layer but the new classifier, refused in one line where they do not fit
+    (shared/init_from.py)."""
     if pretrained is None:
         return
-    from shared.init_from import mismatch  # weights from anywhere, checked: an opt-in module
+    from shared.init_from import load_all_but  # weights from anywhere, checked: an opt-in module
 
-    file, state = pretrained
-    head = classifier_name(model) + "."  # new, for your classes
-    if wrong := mismatch(model.state_dict(), {k: tuple(v.shape) for k, v in state.items()}, skip=head):
-        raise RecipeError(f"--weights: {file} holds another model's weights ({wrong}): delete it to download "
-                          f"{cfg.model}'s again")
-    model.load_state_dict({k: v for k, v in state.items() if not k.startswith(head)}, strict=False)
+    fix = f"delete it to download {cfg.model}'s again"
+    load_all_but(model, *pretrained, head=classifier_name(model) + ".", fix=fix)
 
 
 def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:

@@ -4,6 +4,7 @@ pixels before `normalize` makes them floats: a quarter of float32's bytes, and h
 128 on a 2-core CPU (benchmarks/BENCHMARKS.md, "On a CPU")."""
 
 import functools
+import math
 
 import torch
 
@@ -45,3 +46,20 @@ def random_crop(images: torch.Tensor, padding: int, fill: tuple[int, ...] = (0,)
 def random_flip(images: torch.Tensor) -> torch.Tensor:
     """Mirror a random half of the images left to right."""
     return torch.where(torch.rand(len(images), 1, 1, 1, device=images.device) < 0.5, images.flip(3), images)
+
+
+def random_resized_crop(images: torch.Tensor, size: int, scale=(0.25, 1.0), ratio=(3 / 4, 4 / 3)) -> torch.Tensor:
+    """Each image: a random box of `scale` of its area and an aspect ratio in `ratio` (log-uniform), resized to `size`
+    x `size` with bilinear sampling, one roi_align call for the whole batch. Floats out (0-255)."""
+    from torchvision.ops import roi_align  # here: torchvision's import (about 2 s) is paid by the runs that crop so
+
+    n, _, h, w = images.shape
+    area_draw, aspect_draw, left_draw, top_draw = torch.rand(4, n, device=images.device)
+    area = (scale[0] + (scale[1] - scale[0]) * area_draw) * h * w
+    low, high = math.log(ratio[0]), math.log(ratio[1])
+    aspect = torch.exp(low + (high - low) * aspect_draw)
+    box_w, box_h = (area * aspect).sqrt().clamp(max=w), (area / aspect).sqrt().clamp(max=h)
+    left, top = left_draw * (w - box_w), top_draw * (h - box_h)
+    boxes = torch.stack([torch.arange(n, device=images.device, dtype=torch.float), left, top, left + box_w,
+                         top + box_h], dim=1)
+    return roi_align(images.float(), boxes, output_size=(size, size), sampling_ratio=2, aligned=True)

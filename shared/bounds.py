@@ -1,9 +1,11 @@
-"""What decoded images may take: the memory this process may still allocate (`free_memory`) and a dataset's images,
-decoded and converted, checked against it before a byte is decoded (`check_decoded_size`); and datasets' cache, which
-must be writable (`check_cache_error`); and a walk of a folder tree from anywhere that no depth breaks (`walk`). An
-opt-in module, imported where images are decoded (shared/data.py, on a cache miss), where a resize would take more
-than 256 MiB (shared/images.py), by shared/dataset_files.py for the files it reads, where datasets failed to load a
-dataset, and where a folder from anywhere is walked (shared/resume.py, predict.py). The limits:
+"""Data from anywhere, checked where it is read, and what reading it may take: the memory this process may still
+allocate (`free_memory`) and a dataset's images, decoded and converted, checked against it before a byte is decoded
+(`check_decoded_size`); a dataset's classes and labels (`check_class_count`, `check_labels`); datasets' cache and the
+decode cache, which must be writable (`check_cache_error`, `cache_write_failed`), and a hub that could not provide a
+dataset (`hub_failed`); and a walk of a folder tree from anywhere that no depth breaks (`walk`). An opt-in module,
+imported where images are decoded or their labels checked (shared/data.py), where a resize would take more than 256
+MiB (shared/images.py), by shared/dataset_files.py for the files it reads, where datasets failed to load or the cache
+to be written, and where a folder from anywhere is walked (shared/resume.py, predict.py). The limits:
 docs/troubleshooting.md."""
 
 import contextlib
@@ -15,7 +17,9 @@ from pathlib import Path
 
 import psutil
 
-from shared.errors import RecipeError
+from shared.errors import RecipeError, first_line
+
+MAX_CLASSES = 100_000  # a label column's classes: ImageNet-21k's 21,841 fit, a label of 2^40 does not
 
 
 def free_memory(cgroups: Path = Path("/sys/fs/cgroup")) -> float:
@@ -55,6 +59,51 @@ def check_cache_error(error: Exception, data: Path) -> None:
     if made and not Path(made).absolute().is_relative_to(data.absolute()):
         raise RecipeError(f"datasets could not write its cache ({made}: {error.strerror}): set HF_HOME (or "
                           "HF_DATASETS_CACHE) to a writable folder with room") from None
+
+
+def check_resize(need: int, where: str, size: tuple[int, int], resized: tuple[int, int]) -> None:
+    """Images of `size` (w, h) resized to `resized` before the centre crop: `need` bytes, within the free memory."""
+    if need > free_memory():
+        raise RecipeError(f"{where}: images of {size[0]}x{size[1]} pixels, resized to {resized[0]}x{resized[1]} before "
+                          f"the centre crop, take {need / 2**30:.1f} GiB, more than the free memory: crop them nearer "
+                          "to a square first")
+
+
+def hub_failed(error: Exception, source: str) -> RecipeError:
+    """What stopped datasets' load of --data `source`: its cache (check_cache_error), else the hub."""
+    check_cache_error(error, Path(source))
+    return RecipeError(f"--data {source}: not a local folder, and the Hugging Face hub could not provide it "
+                       f"({type(error).__name__}: {first_line(error)}): pass --data PATH of a local copy "
+                       "(save_to_disk, parquet, imagefolder, IDX or CIFAR binary), or --synthetic for an offline run")
+
+
+def cache_write_failed(error: Exception, path: Path) -> RecipeError:
+    """The decode cache `path` could not be written (HF_HOME a file, a full disk)."""
+    reason = error.strerror if isinstance(error, OSError) else first_line(error)[:100]
+    return RecipeError(f"cannot write the decoded images to {path.parent} ({reason}): set HF_HOME (or "
+                       "HF_DATASETS_CACHE) to a writable folder with room")
+
+
+def check_class_count(count: int, labels: set, source: str, column: str) -> None:
+    """A dataset's `count` classes, from its label `column` (`labels`: the training split's), checked before a name is
+    made for each: integer labels number them from 0, and one label of 2^40 asked for a 4 GB list."""
+    if count < 1:
+        raise RecipeError(f"{source}: its '{column}' column holds no label of 0 or more (e.g. "
+                          f"{min(labels, default='none')}): number the classes from 0")
+    if count > MAX_CLASSES:
+        raise RecipeError(f"{source}: its '{column}' column makes {count:,} classes, over the {MAX_CLASSES:,} a "
+                          "recipe trains: fix the labels (they number the classes from 0)")
+
+
+def check_labels(found, stored: dict) -> None:
+    """Each split's labels (`stored`: split -> (images, labels)), each one of the classes `found` (shared/data.py's
+    Source) names."""
+    classes = found.classes
+    fix = "download the files again" if found.files else f"fix the '{found.columns[1]}' column or its names"
+    for split, (_, labels) in stored.items():
+        if len(bad := labels[(labels < 0) | (labels >= len(classes))]):
+            raise RecipeError(f"{found.name} '{split}' has labels outside 0..{len(classes) - 1} (e.g. "
+                              f"{bad[0].item()}) for its {len(classes)} classes: {fix}")
 
 
 def walk(folder: Path, skip: Path | None = None) -> Iterator[os.DirEntry]:

@@ -12,7 +12,7 @@ with another length.
   (--resume, in shared/resume.py), `initial_weights` (--init_from, in shared/init_from.py, an opt-in module), and
   through `StopOnSignals` a stop on SIGTERM or Ctrl-C with a checkpoint and the command that continues the run
   (written by shared/resume.py);
-- `is_run`, `new_folder`: a run folder.
+- `new_folder`: a run folder.
 """
 
 import itertools
@@ -314,8 +314,3 @@ def new_folder(base: str) -> str:
         except OSError:
             return base
 
-
-def is_run(folder: Path) -> bool:
-    """Whether `folder` holds a run of these recipes: its config.json, with the run id every run records."""
-    config = read_json(Path(folder) / "config.json")
-    return isinstance(config, dict) and isinstance(config.get("run_id"), str) and "recipe" in config

@@ -41,7 +41,6 @@ if TYPE_CHECKING:  # for the annotations only
 
     from shared.dataset_files import DatasetFiles
 
-MAX_CLASSES = 100_000  # a label column's classes: ImageNet-21k's 21,841 fit, a label of 2^40 does not
 # Beside datasets' own cache (its config.HF_DATASETS_CACHE, found as datasets finds it: datasets is imported only
 # where a dataset needs it, not for IDX or CIFAR files and --synthetic; it is 0.6 s of a start).
 CACHE_DIR = Path(os.environ.get("HF_DATASETS_CACHE", Path(HF_HOME) / "datasets")) / "decoded"
@@ -134,11 +133,9 @@ def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: b
             if is_main_process():  # many large photos take minutes (a 12-megapixel JPEG: 0.1 s here)
                 print(f"{source}: decoding {count:,} images, once: later runs read them from the cache", flush=True)
             stored, seen = decode(found, image_shape, interpolation)  # 3
-        for name, (_, labels) in stored.items():
-            if len(bad := labels[(labels < 0) | (labels >= len(found.classes))]):
-                fix = "download the files again" if found.files else f"fix the '{found.columns[1]}' column or its names"
-                raise RecipeError(f"{found.name} '{name}' has labels outside 0..{len(found.classes) - 1} (e.g. "
-                                  f"{bad[0].item()}) for its {len(found.classes)} classes: {fix}")
+        from shared.bounds import check_labels  # data from anywhere, checked: an opt-in module
+
+        check_labels(found, stored)
         if is_main_process() and (line := images.conversion(image_shape, seen)):
             print(f"{source}: converted the images to this recipe's {'x'.join(map(str, image_shape))} input: {line}",
                   flush=True)
@@ -188,13 +185,9 @@ def open_hub(source: str) -> datasets.DatasetDict:
     try:
         return datasets.load_dataset(source)
     except (ConnectionError, OSError, datasets.exceptions.DatasetNotFoundError) as error:
-        from shared.bounds import check_cache_error  # only a failed load: an opt-in module
+        from shared.bounds import hub_failed  # only a failed load: an opt-in module
 
-        check_cache_error(error, Path(source))
-        raise RecipeError(f"--data {source}: not a local folder, and the Hugging Face hub could not provide it "
-                          f"({type(error).__name__}: {first_line(error)}): pass --data PATH of a local copy "
-                          "(save_to_disk, parquet, imagefolder, IDX or CIFAR binary), or --synthetic for an offline "
-                          "run") from None
+        raise hub_failed(error, source) from None
 
 
 def pick_splits(splits: datasets.DatasetDict, source: str):
@@ -243,16 +236,11 @@ def find_columns(split: datasets.Dataset, source: str):
     # The training split's labels (a missing one is named with its image when the split is decoded). Not datasets'
     # unique(): of a held-out split, it writes the split's indices into the --data folder.
     labels = set(split.with_format("arrow")[label_column].unique().to_pylist()) - {None}
-    if isinstance(feature, datasets.ClassLabel):
-        count = feature.num_classes
-    else:  # integers: classes 0 to the largest
-        count = max(labels, default=0) + 1
-        if count < 1:
-            raise RecipeError(f"{source}: its '{label_column}' column holds no label of 0 or more (e.g. "
-                              f"{min(labels)}): number the classes from 0")
-    if count > MAX_CLASSES:  # before a name is made for each: one label of 2^40 asked for a 4 GB list
-        raise RecipeError(f"{source}: its '{label_column}' column makes {count:,} classes, over the {MAX_CLASSES:,} a "
-                          "recipe trains: fix the labels (they number the classes from 0)")
+    # integers: classes 0 to the largest
+    count = feature.num_classes if isinstance(feature, datasets.ClassLabel) else max(labels, default=0) + 1
+    from shared.bounds import check_class_count  # data from anywhere, checked: an opt-in module
+
+    check_class_count(count, labels, source, label_column)  # before a name is made for each class
     names = feature.names if isinstance(feature, datasets.ClassLabel) else [str(i) for i in range(count)]
     # An imagefolder's classes are the folders of every split: train/cat beside test/Cat makes a class never trained
     if is_main_process() and (untrained := [name for i, name in enumerate(names) if i not in labels]):
@@ -323,6 +311,6 @@ def write_cache(path: Path, splits: dict, classes: list[str], source: str) -> No
         with replacing(path) as partial:
             save_file(tensors, partial, metadata={"source": source, "classes": json.dumps(classes)})
     except (OSError, SafetensorError) as error:  # HF_HOME a file, a full disk
-        reason = error.strerror if isinstance(error, OSError) else first_line(error)[:100]
-        raise RecipeError(f"cannot write the decoded images to {path.parent} ({reason}): set HF_HOME (or "
-                          "HF_DATASETS_CACHE) to a writable folder with room") from None
+        from shared.bounds import cache_write_failed  # only a failed write: an opt-in module
+
+        raise cache_write_failed(error, path) from None

@@ -1,11 +1,11 @@
-"""One-line errors: the problem, the fix, exit status 1, no traceback; a write that neither a crash nor a link breaks;
-and a torchvision that does not load with this torch, said before anything imports it (`check_torchvision`).
+"""One-line errors: the problem, the fix, exit status 1, no traceback; and a write that neither a crash nor a link
+breaks.
 
-A recipe raises `RecipeError` for anything the user can fix. Every process of a run makes the same checks
-(same flags, data and checkpoint, a training loss reduced over all processes), so all stop together and
-rank 0 alone prints. Other errors the user can fix (a full disk, a process limit, memory) are put in a line by
-shared/failures.py, an opt-in module imported only when a run fails. Programming errors keep their traceback: those are
-for whoever changes the code.
+A recipe raises `RecipeError` for anything the user can fix. Every process of a run makes the same checks (same
+flags, data and checkpoint, a training loss reduced over all processes), so all stop together and rank 0 alone prints.
+Other errors the user can fix (a full disk, a process limit, memory, a torchvision built for another torch) are put in
+a line by shared/failures.py, an opt-in module imported only when a run fails. Programming errors keep their
+traceback: those are for whoever changes the code.
 
 Files from anywhere: a write that neither a crash nor a link breaks (`replacing`). What a file may claim is checked
 before anything is allocated, where it is read: the free memory, a dataset's decoded size and a walk of a folder tree
@@ -15,7 +15,6 @@ shared/dataset_files.py (opt-in modules). The limits are listed in docs/troubles
 
 import contextlib
 import glob
-import importlib.util
 import json
 import os
 import sys
@@ -105,25 +104,6 @@ def one_line_errors():
             with contextlib.suppress(OSError), replacing(Path(os.environ["TORCHELASTIC_ERROR_FILE"])) as partial:
                 partial.write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
         sys.exit(1)
-
-
-def check_torchvision() -> None:
-    """A torchvision built for another torch (another release, or a CUDA build beside a CPU one) is one line, before
-    anything imports it: its compiled operators do not load, and `import torchvision` ends in a traceback ("operator
-    torchvision::nms does not exist"). Loaded here as torchvision's extension.py loads them, through torch."""
-    spec = importlib.util.find_spec("torchvision")
-    if spec is None or spec.origin is None:
-        return  # not installed: the import that needs it says so
-    folder = Path(spec.origin).parent
-    for library in sorted(folder.glob("_C*")):  # _C.so; _C_stable.so in the newer releases
-        if library.suffix not in (".so", ".pyd", ".dylib"):
-            continue
-        try:
-            torch.ops.load_library(library)
-        except OSError:
-            from shared.reinstall import torchvision_for_this_torch  # only a broken install: an opt-in module
-
-            raise RecipeError(torchvision_for_this_torch(folder, library)) from None
 
 
 @contextlib.contextmanager

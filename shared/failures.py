@@ -1,7 +1,7 @@
 """Why a run failed, in one line, where the error is not a RecipeError but still the user's to fix: a full disk, a
-limit of the process, a requirement not installed, memory, torch's compiler, another process of the run. Called by
-shared/errors.py's `one_line_errors` only when a run fails (an opt-in module); any other error is a programming error
-and keeps its traceback."""
+limit of the process, a requirement not installed, a torchvision built for another torch, memory, torch's compiler,
+another process of the run. Called by shared/errors.py's `one_line_errors` only when a run fails (an opt-in module);
+any other error is a programming error and keeps its traceback."""
 
 import errno
 import os
@@ -31,6 +31,11 @@ def explain(error: BaseException) -> str | None:
         untracked = ", or train without it: --tracker tensorboard or none" if error.name == "wandb" else ""
         return (f"No module named {error.name!r} in this Python ({sys.executable}): install the requirements there: "
                 f"pip install -r requirements.txt{untracked}")
+    if any(f"torchvision{os.sep}" in frame.filename for frame in traceback.extract_tb(error.__traceback__)):
+        from shared.reinstall import torchvision_mismatch  # finetune.py's import of it failed: is it this torch's?
+
+        if line := torchvision_mismatch():
+            return line
     if isinstance(error, ImportError):  # a package that does not load says why, in its traceback
         return None
     if isinstance(error, MemoryError) or "DefaultCPUAllocator: can't allocate memory" in str(error):

@@ -1,5 +1,5 @@
-"""An image file from anywhere, checked before PIL opens it (a PNG as its specification reads it, a JPEG's count of
-scans): an opt-in module, imported by shared/images.py's decode for the runs that decode image files."""
+"""An image file from anywhere, checked before PIL opens it (a regular file, a PNG as its specification reads it, a
+JPEG's count of scans): an opt-in module, imported by shared/images.py's decode for the runs that decode image files."""
 
 import io
 import struct
@@ -8,11 +8,22 @@ from pathlib import Path
 
 from PIL import Image
 
+from shared.errors import RecipeError
+
 MAX_PNG_CHUNKS = 100_000  # libpng writes its pixels in chunks of 8 KiB: 800 MB; real files have a few dozen others
 # A progressive JPEG is decoded scan by scan, each over the whole image: 10,000 scans of a few bytes each (164 KB) took
 # 13.6 s to decode at 2,000 x 2,000 pixels, 1,000 took 22 s at 8,000 x 8,000 (PIL 13). libjpeg writes 1 scan, or 10 when
 # progressive (6 in grayscale). NVIDIA's nvImageCodec refuses more than 256 (NVIMGCODEC_MAX_JPEG_SCANS), for this.
 MAX_JPEG_SCANS = 256
+
+
+def check_file(file: bytes | str | Path, where: str) -> None:
+    """A path to read must be a regular file on this machine: a FIFO would block the read for ever (bytes pass)."""
+    if not isinstance(file, bytes) and not Path(file).is_file():
+        if Path(file).exists():
+            raise RecipeError(f"{where} is not a regular file (a FIFO, socket, device or folder): replace it by the "
+                              "image file")
+        raise RecipeError(f"{where}: no such image file on this machine (datasets' paths are read, never fetched)")
 
 
 def check_png(file: bytes | str | Path) -> None:

@@ -24,13 +24,9 @@ def decode(file: bytes | str | Path, channels: int, where: str):
     Image(mode=...) converts (EXIF orientation, then L or RGB), and its own channel count (1 for grayscale). A damaged
     file, one of another format than FORMATS, one over PIL's pixel limit (read from its header, before decoding),
     16-bit pixels: one line naming `where`."""
-    if not isinstance(file, bytes) and not Path(file).is_file():  # a FIFO would block the read for ever
-        if Path(file).exists():
-            raise RecipeError(f"{where} is not a regular file (a FIFO, socket, device or folder): replace it by the "
-                              "image file")
-        raise RecipeError(f"{where}: no such image file on this machine (datasets' paths are read, never fetched)")
-    from shared.image_files import check_jpeg, check_png  # checks of files from anywhere: an opt-in module
+    from shared.image_files import check_file, check_jpeg, check_png  # checks of files from anywhere: an opt-in module
 
+    check_file(file, where)
     try:
         check_png(file)  # before PIL reads a chunk
         check_jpeg(file)
@@ -99,12 +95,9 @@ def fit(image: torch.Tensor, height: int, width: int, where: str = "images", int
     new_h, new_w = (int(size * h / w), size) if w <= h else (size, int(size * w / h))
     need = image.numel() // (h * w) * new_h * new_w  # the resized images before the crop: a 1 x 10^8 image, 10 GB
     if need > 2**28:
-        from shared.bounds import free_memory  # the memory a large resize needs: an opt-in module
+        from shared.bounds import check_resize  # the memory a large resize needs: an opt-in module
 
-        if need > free_memory():
-            raise RecipeError(f"{where}: images of {w}x{h} pixels, resized to {new_w}x{new_h} before the centre "
-                              f"crop, take {need / 2**30:.1f} GiB, more than the free memory: crop them nearer to a "
-                              "square first")
+        check_resize(need, where, (w, h), (new_w, new_h))
     from torchvision.transforms import InterpolationMode  # here: 2 s of a start, paid only by a decode that resizes
     from torchvision.transforms.v2 import functional
 

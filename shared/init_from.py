@@ -1,12 +1,14 @@
 """--init_from: a new run started from a model.safetensors; and what every reader of weights from elsewhere uses:
 `mismatch` (weights of another model, in words) and `plain_name` (a key without the prefixes DDP and torch.compile
-add). An opt-in module, imported by shared/checkpoints.py's `Checkpoints.initial_weights` for the runs that pass
---init_from, by finetune.py where it checks its pretrained file, and by predict.py where it loads weights."""
+add); and finetune.py's pretrained file, torchvision's (`torchvision_weights`). An opt-in module, imported by
+shared/checkpoints.py's `Checkpoints.initial_weights` for the runs that pass --init_from, by finetune.py where it reads
+and checks its pretrained file, and by predict.py where it loads weights."""
 
 import hashlib
 import json
 import re
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 from accelerate import PartialState
@@ -14,6 +16,7 @@ from safetensors import safe_open
 
 from shared.checkpoints import list_checkpoints
 from shared.errors import RecipeError, first_line
+from shared.pickles import check_archive
 
 
 def initial_weights(model, cfg, classes: list[str]) -> str | None:
@@ -72,6 +75,39 @@ def initial_weights(model, cfg, classes: list[str]) -> str | None:
     PartialState().print(f"--init_from {path}: {len(loaded)} of {len(expected)} tensors loaded; new: "
                          f"{', '.join(new) if new else 'none'}{why}")
     return digest.hexdigest()
+
+
+def torchvision_weights(weights) -> tuple[Path, dict]:
+    """torchvision's file for `weights` (a WeightsEnum), in its cache (downloaded there if missing), read from that
+    exact file with weights_only=True (tensors only: a file that would run code is refused): (the file, its tensors
+    by name). Not through torch.hub's loader: a zip of one entry is its legacy format, extracted beside the file under
+    the name inside it, which could overwrite another cached file or make folders."""
+    file = Path(torch.hub.get_dir()) / "checkpoints" / Path(urlparse(weights.url).path).name
+    try:
+        if not file.exists():
+            file.parent.mkdir(parents=True, exist_ok=True)
+            torch.hub.download_url_to_file(weights.url, str(file), progress=False)
+        check_archive(file)  # from anywhere: a regular file, bounded by its size, its pickles checked
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except RecipeError:
+        raise
+    except Exception as error:
+        where = "cannot be read" if file.is_file() else f"is not there and could not be downloaded from {weights.url}"
+        raise RecipeError(f"--weights {weights}: {file} {where} ({type(error).__name__}): download it where the "
+                          "internet is reachable and copy it there (or set TORCH_HOME), or pass --weights none"
+                          ) from None
+    # a state dict's names and tensors, whatever else the file holds
+    return file, {k: v for k, v in state.items() if isinstance(k, str) and isinstance(v, torch.Tensor)
+                  } if isinstance(state, dict) else {}
+
+
+def load_all_but(model, file: Path, state: dict, head: str, fix: str) -> None:
+    """`state`, the tensors of weights `file`, into every layer of `model` but its new classifier (the tensors whose
+    names start with `head`): strict=False leaves that one as it was made. Weights of another model are one line
+    ending in `fix`, not torch's size-mismatch traceback."""
+    if wrong := mismatch(model.state_dict(), {k: tuple(v.shape) for k, v in state.items()}, skip=head):
+        raise RecipeError(f"--weights: {file} holds another model's weights ({wrong}): {fix}")
+    model.load_state_dict({k: v for k, v in state.items() if not k.startswith(head)}, strict=False)
 
 
 def mismatch(expected: dict, shapes: dict, skip: str = "\0") -> str:

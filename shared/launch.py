@@ -17,7 +17,8 @@ from accelerate import PartialState
 from accelerate.utils import parse_flag_from_env
 
 from shared.checkpoints import launcher_command
-from shared.errors import RecipeError, check_torchvision
+from shared.errors import RecipeError
+from shared.reinstall import torchvision_mismatch
 
 PR_SET_PDEATHSIG = 1  # prctl: the signal this process gets when its parent dies (<linux/prctl.h>)
 # How long a collective waits for the other processes before it fails, on every backend: gloo's default, and what
@@ -30,7 +31,8 @@ def check_launch() -> None:
     """Start the process group, and stop launches that would run, but not as the user thinks; before either, ask for
     a SIGTERM when the launcher dies (stop_with_launcher)."""
     stop_with_launcher()  # first: the process group below may wait for other processes
-    check_torchvision()
+    if line := torchvision_mismatch():  # said before anything imports torchvision
+        raise RecipeError(line)
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):  # what a launcher sets for each process
         if not os.environ.get(name, "0").isdigit():
             raise RecipeError(f"the environment sets {name}={os.environ[name]!r}, not a count of processes: unset it "

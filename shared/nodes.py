@@ -10,9 +10,15 @@ from accelerate.utils import broadcast_object_list, gather_object
 from shared.errors import RecipeError
 
 
-def check_shared(folder: Path, flag: str) -> None:
-    """Refuse a run or checkpoint folder the nodes do not share (a file the main process writes must be seen by all),
-    since only the main process writes the run's files and completes its checkpoints."""
+def check_shared(run_dir: Path, checkpoint_dir: str | None) -> None:
+    """Refuse a run folder, or a --checkpoint_dir, that the nodes do not share (a file the main process writes must be
+    seen by all), since only the main process writes the run's files and completes its checkpoints."""
+    check_folder(run_dir, "--output_dir")
+    if checkpoint_dir:
+        check_folder(Path(checkpoint_dir), "--checkpoint_dir")
+
+
+def check_folder(folder: Path, flag: str) -> None:
     state = PartialState()
     token, check = [uuid.uuid4().hex], folder / ".shared_check"
     broadcast_object_list(token)

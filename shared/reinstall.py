@@ -1,10 +1,32 @@
-"""The command that installs the torchvision built for this torch, in the line errors.check_torchvision gives when the
-installed torchvision's compiled operators do not load (an opt-in module: only a broken install needs it)."""
+"""A torchvision built for another torch (another release, or a CUDA build beside a CPU one): its compiled operators
+do not load, and `import torchvision` ends in a traceback ("operator torchvision::nms does not exist"). Said in one
+line with the pip command that installs the torchvision built for this torch: by shared/launch.py's check_launch
+before anything imports it, and by shared/failures.py where an import of it failed (an opt-in module: only a broken
+install needs it)."""
 
+import importlib.util
 import re
 from pathlib import Path
 
 import torch
+
+
+def torchvision_mismatch() -> str | None:
+    """The line that says what is installed and the command that fixes it, or None: torchvision's compiled operators
+    load with this torch (or it is not installed: the import that needs it says so). Loaded as torchvision's
+    extension.py loads them, through torch."""
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or spec.origin is None:
+        return None
+    folder = Path(spec.origin).parent
+    for library in sorted(folder.glob("_C*")):  # _C.so; _C_stable.so in the newer releases
+        if library.suffix not in (".so", ".pyd", ".dylib"):
+            continue
+        try:
+            torch.ops.load_library(library)
+        except OSError:
+            return torchvision_for_this_torch(folder, library)
+    return None
 
 
 def torchvision_for_this_torch(folder: Path, library: Path) -> str:

@@ -37,7 +37,7 @@ from accelerate.utils import load as accelerate_load  # torch.load(weights_only=
 from accelerate.utils import set_seed
 
 from shared.bounds import walk
-from shared.checkpoints import STEP_DIR, is_run, list_checkpoints, new_folder, run_id
+from shared.checkpoints import STEP_DIR, list_checkpoints, new_folder, run_id
 from shared.config import read_json
 from shared.errors import RecipeError, first_line
 from shared.pictures import read_rows
@@ -60,6 +60,12 @@ MOST = {"max_eval_acc": 1, "pieces": 10**6, "train_s": 10**9, "wall_s": 10**9}  
 RESUME_ENVIRONMENT = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "HF_HOME", "HF_DATASETS_CACHE", "HF_HUB_OFFLINE",
                       "TORCH_HOME", "WANDB_MODE", "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_DIR")
 SECRET = re.compile(r"KEY|TOKEN|SECRET|PASS|AUTH|CREDENTIAL|COOKIE", re.IGNORECASE)  # in a variable's name
+
+
+def is_run(folder: Path) -> bool:
+    """Whether `folder` holds a run of these recipes: its config.json, with the run id every run records."""
+    config = read_json(Path(folder) / "config.json")
+    return isinstance(config, dict) and isinstance(config.get("run_id"), str) and "recipe" in config
 
 
 def recorded_flags(cfg, argv: list[str]):

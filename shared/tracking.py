@@ -100,9 +100,7 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
     if state.num_processes != int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes)):  # several machines
         from shared.nodes import check_shared  # only the runs of several nodes: an opt-in module
 
-        check_shared(run_dir, "--output_dir")
-        if cfg.checkpoint_dir:
-            check_shared(Path(cfg.checkpoint_dir), "--checkpoint_dir")
+        check_shared(run_dir, cfg.checkpoint_dir)
     # A resumed run keeps its run id (from config.json), so it continues the same wandb run.
     run = mine if cfg.resume else None  # a folder that is not a run was refused above
     run, labels = run or uuid.uuid4().hex[:8], {"synthetic": True} if cfg.synthetic else {}

@@ -10,7 +10,6 @@ import hashlib
 import importlib
 import importlib.util
 import os
-import re
 import resource
 import shutil
 import subprocess
@@ -100,18 +99,26 @@ def fake_torchvision(folder: Path, version: str = "0.28.0+cu130") -> Path:
 
 
 def test_a_torchvision_built_for_another_torch_is_one_line_naming_the_pair(tmp_path, monkeypatch):
-    from shared.errors import check_torchvision
+    """Said up front by check_launch (torchvision_mismatch), and where an import of it failed (finetune.py's, at its
+    start) by failures.explain: only for an error raised inside torchvision, and only where its operators do not
+    load."""
+    from shared.failures import explain
+    from shared.reinstall import torchvision_mismatch
 
-    check_torchvision()  # the pair installed here: its operators load
+    assert torchvision_mismatch() is None  # the pair installed here: its operators load
     package = fake_torchvision(tmp_path)
     monkeypatch.setitem(sys.modules, "torchvision", type(sys)("torchvision"))  # what find_spec reads first
     sys.modules["torchvision"].__spec__ = importlib.util.spec_from_file_location("torchvision", package / "__init__.py")
     monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
-    with pytest.raises(RecipeError, match=re.escape(
-            "torchvision 0.28.0+cu130 was not built for torch 2.13.0+cpu: its compiled operators (_C.so) do not load; "
+    line = ("torchvision 0.28.0+cu130 was not built for torch 2.13.0+cpu: its compiled operators (_C.so) do not load; "
             "install the torchvision built for it: pip uninstall -y torchvision && pip install torch==2.13.0 "
-            "torchvision --index-url https://download.pytorch.org/whl/cpu")):
-        check_torchvision()
+            "torchvision --index-url https://download.pytorch.org/whl/cpu")
+    assert torchvision_mismatch() == line
+    init = package / "__init__.py"
+    with pytest.raises(RuntimeError) as failed:  # as `import torchvision` fails: inside the package
+        exec(compile(init.read_text(), str(init), "exec"), {})
+    assert explain(failed.value) == line
+    assert explain(RuntimeError("operator torchvision::nms does not exist")) is None  # raised elsewhere: code's
 
 
 @pytest.mark.slow  # launched: the import it stops fails in the process
@@ -935,3 +942,16 @@ def test_a_decode_cache_left_half_written_by_a_kill_9_is_removed_by_the_next_wri
     assert not left["killed"].exists()
     assert all(left[name].exists() for name in ("running", "recent", "not a pid"))
     assert data.read_cache(cache)[0].labels.tolist() == [0, 1]
+
+
+def test_a_decode_cache_that_cannot_be_written_is_one_line_naming_its_folder(tmp_path):
+    """HF_HOME a file (or a full disk): the decoded images cannot be kept, said with the folder and the setting."""
+    from shared import data
+
+    (tmp_path / "home").write_text("a file where a folder is expected")
+    cache = tmp_path / "home" / "decoded" / "set-abc.safetensors"
+    splits = {split: (torch.zeros(2, 1, 4, 4, dtype=torch.uint8), torch.tensor([0, 1])) for split in ("train", "test")}
+    with pytest.raises(RecipeError) as error:
+        data.write_cache(cache, splits, ["a", "b"], "a source")
+    assert str(error.value) == (f"cannot write the decoded images to {cache.parent} (Not a directory): set HF_HOME (or "
+                                "HF_DATASETS_CACHE) to a writable folder with room")
