@@ -123,6 +123,8 @@ def check_datasets_folder(folder: Path) -> bool:
             linked.append(entry.path)
         elif Path(entry.name).suffix.lower() not in known and entry.name not in known:
             others.append(Path(entry.path))
+        elif not saved and not entry.is_file():  # a FIFO or a broken link named as an image: datasets leaves it out
+            check_regular(Path(entry.path), "the image file")
     check_parquet_files(sorted(parquet))
     tables = [file for file in parquet if file.name != "metadata.parquet"]  # that one: an imagefolder's labels
     if not saved and not tables:
@@ -192,9 +194,9 @@ def read_size(file: Path, meta, limit: int) -> int:
 def check_image_folder(folder: Path, linked: list[str], others: list[Path]) -> None:
     """What datasets' imagefolder would make of a folder's files, said first (its links to folders, and its files of
     no image format datasets reads, sorted): a file of no image format (an iPhone's .heic, notes.txt) it leaves out,
-    unsaid, and a link to a folder too (its images gone, or "doesn't contain any data files"); an archive (.zip) it
-    reads as a folder of its own, at another depth than the class folders, which drops every label ("no label
-    column")."""
+    unsaid (a FIFO named as an image too: refused by check_datasets_folder), and a link to a folder too (its images
+    gone, or "doesn't contain any data files"); an archive (.zip) it reads as a folder of its own, at another depth
+    than the class folders, which drops every label ("no label column")."""
     if linked:
         raise RecipeError(f"{min(linked)} is a link to a folder, which datasets does not follow: copy the folder "
                           "there, or move the images into --data")

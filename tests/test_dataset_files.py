@@ -388,6 +388,21 @@ def test_an_image_folder_says_which_files_it_leaves_out_and_refuses_an_archive(t
                                 "follow: copy the folder there, or move the images into --data")
 
 
+@pytest.mark.parametrize("kind", ["a FIFO", "a broken link"])
+def test_an_image_folder_entry_named_as_an_image_that_is_no_regular_file_is_one_line(tmp_path, kind):
+    """datasets' imagefolder left out a FIFO (or a link to nothing) named x.png, unsaid: 8 training images of 9."""
+    from shared.data import find_source
+    from shared.errors import RecipeError
+
+    photos = imagefolder_dataset(tmp_path / "photos", sizes={"train": 8, "test": 4})
+    entry = photos / "train" / "class_0" / "x.png"
+    os.mkfifo(entry) if kind == "a FIFO" else entry.symlink_to(tmp_path / "nothing.png")
+    with pytest.raises(RecipeError) as error:
+        find_source(str(photos))
+    assert str(error.value) == (f"{str(entry)!r} is not a regular file (a FIFO, socket, device or folder): replace it "
+                                "by the image file")
+
+
 def test_a_datasets_cache_that_cannot_be_written_is_named_as_the_cause(tmp_path, monkeypatch):
     """A home that is not writable (a container's, say): datasets cannot make its cache, and the line said the folder
     was no dataset ("expected a save_to_disk folder, parquet files, ...") or that the hub could not provide it."""
