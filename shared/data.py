@@ -236,7 +236,7 @@ def find_columns(split: datasets.Dataset, source: str):
     # The training split's labels (a missing one is named with its image when the split is decoded). Not datasets'
     # unique(): of a held-out split, it writes the split's indices into the --data folder.
     labels = set(split.with_format("arrow")[label_column].unique().to_pylist()) - {None}
-    # integers: classes 0 to the largest
+    # a ClassLabel names its classes; integers number them, 0 to the largest
     count = feature.num_classes if isinstance(feature, datasets.ClassLabel) else max(labels, default=0) + 1
     from shared.bounds import check_class_count  # data from anywhere, checked: an opt-in module
 
