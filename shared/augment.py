@@ -51,7 +51,7 @@ def random_flip(images: torch.Tensor) -> torch.Tensor:
 def random_resized_crop(images: torch.Tensor, size: int, scale=(0.25, 1.0), ratio=(3 / 4, 4 / 3)) -> torch.Tensor:
     """Each image: a random box of `scale` of its area and an aspect ratio in `ratio` (log-uniform), resized to `size`
     x `size` with bilinear sampling, one roi_align call for the whole batch. Floats out (0-255)."""
-    from torchvision.ops import roi_align  # here: torchvision's import (about 2 s) is paid by the runs that crop so
+    from torchvision.ops import roi_align  # here: only the runs that use this crop pay torchvision's import (2 s)
 
     n, _, h, w = images.shape
     area_draw, aspect_draw, left_draw, top_draw = torch.rand(4, n, device=images.device)

@@ -1,8 +1,9 @@
 """--init_from: a new run started from a model.safetensors; and what every reader of weights from elsewhere uses:
 `mismatch` (weights of another model, in words) and `plain_name` (a key without the prefixes DDP and torch.compile
-add); and finetune.py's pretrained file, torchvision's (`torchvision_weights`). An opt-in module, imported by
-shared/checkpoints.py's `Checkpoints.initial_weights` for the runs that pass --init_from, by finetune.py where it reads
-and checks its pretrained file, and by predict.py where it loads weights."""
+add); and finetune.py's pretrained file, torchvision's, read (`torchvision_weights`) and loaded but its classifier
+(`load_all_but`). An opt-in module, imported by shared/checkpoints.py's `Checkpoints.initial_weights` for the runs
+that pass --init_from, by finetune.py where it reads and checks its pretrained file, and by predict.py where it loads
+weights."""
 
 import hashlib
 import json

@@ -1,8 +1,8 @@
 """A torchvision built for another torch (another release, or a CUDA build beside a CPU one): its compiled operators
 do not load, and `import torchvision` ends in a traceback ("operator torchvision::nms does not exist"). Said in one
 line with the pip command that installs the torchvision built for this torch: by shared/launch.py's check_launch
-before anything imports it, and by shared/failures.py where an import of it failed (an opt-in module: only a broken
-install needs it)."""
+before anything imports it, and by shared/failures.py where an import of it failed. An opt-in module, imported by
+those two."""
 
 import importlib.util
 import re
