@@ -113,7 +113,7 @@ def check_datasets_folder(folder: Path) -> bool:
 
     saved = check_saved_dataset(folder)
     known = (*ImageFolder.EXTENSIONS, *ImageFolder.METADATA_FILENAMES)
-    parquet, linked, others = [], [], []
+    parquet, linked, others, irregular = [], [], [], []
     for entry in walk(folder):
         if entry.name.endswith(".parquet"):
             parquet.append(Path(entry.path))
@@ -123,12 +123,12 @@ def check_datasets_folder(folder: Path) -> bool:
             linked.append(entry.path)
         elif Path(entry.name).suffix.lower() not in known and entry.name not in known:
             others.append(Path(entry.path))
-        elif not saved and not entry.is_file():  # a FIFO or a broken link named as an image: datasets leaves it out
-            check_regular(Path(entry.path), "the image file")
+        elif not entry.is_file():  # a FIFO or a broken link named as an image
+            irregular.append(Path(entry.path))
     check_parquet_files(sorted(parquet))
     tables = [file for file in parquet if file.name != "metadata.parquet"]  # that one: an imagefolder's labels
     if not saved and not tables:
-        check_image_folder(folder, linked, sorted(others))
+        check_image_folder(folder, linked, sorted(others), sorted(irregular))
     return bool(tables)
 
 
@@ -191,15 +191,17 @@ def read_size(file: Path, meta, limit: int) -> int:
     return total
 
 
-def check_image_folder(folder: Path, linked: list[str], others: list[Path]) -> None:
-    """What datasets' imagefolder would make of a folder's files, said first (its links to folders, and its files of
-    no image format datasets reads, sorted): a file of no image format (an iPhone's .heic, notes.txt) it leaves out,
-    unsaid (a FIFO named as an image too: refused by check_datasets_folder), and a link to a folder too (its images
-    gone, or "doesn't contain any data files"); an archive (.zip) it reads as a folder of its own, at another depth
-    than the class folders, which drops every label ("no label column")."""
+def check_image_folder(folder: Path, linked: list[str], others: list[Path], irregular: list[Path]) -> None:
+    """What datasets' imagefolder would make of a folder's files, said first (its links to folders, its files of no
+    image format datasets reads, and those named as images that are no regular file, each sorted): a file of no image
+    format (an iPhone's .heic, notes.txt) it leaves out, unsaid, and so a FIFO or a broken link named as an image, and
+    a link to a folder (its images gone, or "doesn't contain any data files"); an archive (.zip) it reads as a folder
+    of its own, at another depth than the class folders, which drops every label ("no label column")."""
     if linked:
         raise RecipeError(f"{min(linked)} is a link to a folder, which datasets does not follow: copy the folder "
                           "there, or move the images into --data")
+    if irregular:
+        check_regular(irregular[0], "the image file")
     if archives := [file for file in others if file.suffix.lower() == ".zip"]:
         raise RecipeError(f"{archives[0]} is an archive among the images, which datasets would read as a folder of "
                           "its own: unpack it, or move it out of --data")

@@ -26,6 +26,7 @@ from tiny_data import (
     cifar_python_folder,
     idx_folder,
     imagefolder_dataset,
+    parquet_dataset,
     random_splits,
     save_to_disk_dataset,
     write_idx,
@@ -401,6 +402,10 @@ def test_an_image_folder_entry_named_as_an_image_that_is_no_regular_file_is_one_
         find_source(str(photos))
     assert str(error.value) == (f"{str(entry)!r} is not a regular file (a FIFO, socket, device or folder): replace it "
                                 "by the image file")
+    # Beside parquet tables, which are what datasets reads there, it is no image of the dataset: left alone
+    data = parquet_dataset(tmp_path / "tables", sizes={"train": 8, "test": 4})
+    os.mkfifo(data / "x.png") if kind == "a FIFO" else (data / "x.png").symlink_to(tmp_path / "nothing.png")
+    assert len(find_source(str(data)).splits["train"]) == 8
 
 
 def test_a_datasets_cache_that_cannot_be_written_is_named_as_the_cause(tmp_path, monkeypatch):
