@@ -47,8 +47,7 @@ with one_line_errors():  # a torchvision built for another torch: one line with 
 
 RECIPE = "finetune"
 # Every torchvision classification builder but two, whose training outputs include auxiliary classifiers' (a tuple)
-MODELS = [name for name in torchvision.models.list_models(module=torchvision.models)
-          if name not in ("googlenet", "inception_v3")]
+MODELS = torchvision.models.list_models(module=torchvision.models, exclude=["googlenet", "inception_v3"])
 
 
 @dataclass
@@ -90,20 +89,11 @@ class Config(RunConfig):
         if self.backbone_lr_scale is None:
             self.backbone_lr_scale = 0.1 if pretrained else 1.0
         if not 0 < self.backbone_lr_scale <= 1:
-            raise ValueError(f"--backbone_lr_scale, a fraction of --lr, must be in (0, 1], got "
-                             f"{self.backbone_lr_scale}")
-        # The smallest input the architecture takes (its weights' min_size: 63 px for alexnet). MaxViT's partitions
-        # fit one input size, and so do a pretrained ViT's position embeddings: the weights' own. A ViT's input is a
-        # whole number of its patches (vit_b_16: of 16 px).
-        smallest = max(32, chosen_weights(self.model, self.weights).meta["min_size"][0])
-        one_size = self.model.startswith("maxvit") or self.model.startswith("vit_") and self.weights != "none"
-        if self.image_size is not None and (self.image_size < smallest or one_size and self.image_size != smallest):
-            raise ValueError(f"--image_size must be {'' if one_size else 'at least '}{smallest} for {self.model} "
-                             f"({self.weights} weights), got {self.image_size}")
-        patch = int(self.model.rsplit("_", 1)[1]) if self.model.startswith("vit_") else 1
-        if self.image_size is not None and self.image_size % patch:
-            raise ValueError(f"--image_size must be a multiple of {self.model}'s {patch}-px patches, got "
-                             f"{self.image_size}")
+            raise ValueError(f"--backbone_lr_scale is a fraction of --lr: in (0, 1], got {self.backbone_lr_scale}")
+        if self.image_size is not None:  # what the architecture and its weights take: an opt-in module
+            from shared.bounds import check_image_size
+
+            check_image_size(self.image_size, self.model, self.weights, chosen_weights(self.model, self.weights))
 
 
 # ----------------------------------------------------------------------------- data
@@ -182,8 +172,8 @@ def load_pretrained(model: nn.Module, pretrained, cfg: Config) -> None:
         return
     from shared.init_from import load_all_but  # weights from anywhere, checked: an opt-in module
 
-    fix = f"delete it to download {cfg.model}'s again"
-    load_all_but(model, *pretrained, head=classifier_name(model) + ".", fix=fix)
+    load_all_but(model, *pretrained, head=classifier_name(model) + ".",
+                 fix=f"delete it to download {cfg.model}'s again")
 
 
 def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
@@ -191,14 +181,13 @@ def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
     # the new classifier all of it, the pretrained layers --backbone_lr_scale of it. A frozen layer has no gradient,
     # so SGD keeps no momentum for it: the pretrained layers' momentum starts from their first gradient, at the first
     # step after the freeze, as a whole network's does at a run's first step.
-    head = classifier_name(model)
-    groups = []
-    for backbone in (True, False):
-        params = [(n, p) for n, p in model.named_parameters() if n.startswith(f"{head}.") != backbone]
-        for decay in (True, False):
-            groups.append({"params": [p for _, p in params if (p.ndim > 1) == decay], "backbone": backbone,
-                           "weight_decay": cfg.weight_decay if decay else 0})
-    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=True, fused=True)
+    head = classifier_name(model) + "."
+    groups = defaultdict(list)  # (backbone, decay): parameters
+    for name, param in model.named_parameters():
+        groups[not name.startswith(head), param.ndim > 1].append(param)
+    return torch.optim.SGD([{"params": params, "backbone": backbone, "weight_decay": cfg.weight_decay if decay else 0}
+                            for (backbone, decay), params in groups.items()],
+                           lr=cfg.lr, momentum=cfg.momentum, nesterov=True, fused=True)
 
 
 LABEL_SMOOTHING = 0.1  # the targets 0.9 for the class and 0.1 spread over all: less overconfidence on small sets
@@ -280,8 +269,7 @@ def train(cfg: Config) -> None:
     if cfg.compile:
         model.compile()  # in place: state_dict keys stay free of `_orig_mod.`
     optimizer = make_optimizer(model, cfg)
-    backbone = [p for group in optimizer.param_groups if group["backbone"] for p in group["params"]]
-    head = [p for group in optimizer.param_groups if not group["backbone"] for p in group["params"]]
+    classifier = model.get_submodule(classifier_name(model))  # the new layer, trained from the first step
     model, optimizer, train_loader, test_loader = accelerator.prepare(model, optimizer, train_loader, test_loader)
 
     # After prepare, len(train_loader) counts this process's batches: its share of an epoch.
@@ -327,7 +315,9 @@ def train(cfg: Config) -> None:
     checkpoints.check_resume_and_branch(config, progress)
     accelerator.init_trackers(RECIPE, config=config)
 
-    def train_step(images, labels):  # one batch (shared/loop.py: never a CUDA graph here, see below)
+    # One batch, eager: never a CUDA graph (shared/loop.py), as unfreezing changes what the step computes, which a
+    # graph captured while frozen would not follow.
+    def train_step(images, labels):
         # DDP syncs gradients only on the last batch of each accumulation, and never while frozen (no_sync): it
         # would wait for the gradients of every layer it wrapped. The classifier's alone are averaged below.
         with accelerator.accumulate(model), accelerator.no_sync(model) if frozen else contextlib.nullcontext():
@@ -338,7 +328,7 @@ def train(cfg: Config) -> None:
             loss = loss_fn(logits, labels)
             accelerator.backward(loss)  # scaled by 1/grad_accum, so accumulated gradients are a mean
             if frozen and accelerator.sync_gradients:  # the mean over the processes, as DDP's
-                for param in head:
+                for param in classifier.parameters():
                     param.grad = accelerator.reduce(param.grad, "mean")
             grad_norm = None
             if accelerator.sync_gradients:  # the gradient is complete: accumulated, averaged over processes
@@ -348,9 +338,6 @@ def train(cfg: Config) -> None:
             optimizer.zero_grad()
         return loss.detach(), logits.detach(), grad_norm
 
-    # Eager, never a CUDA graph (shared/loop.py): unfreezing changes what the step computes, which a graph captured
-    # while frozen would not follow.
-    step = train_step
     progress.pieces += 1  # this launch is one more piece of the run (saved with each checkpoint, in the summary)
     window = tracking.TrainWindow(accelerator, progress)  # train_* points, and the run's time across its pieces
     show_bar = accelerator.is_local_main_process and sys.stderr.isatty()
@@ -359,8 +346,8 @@ def train(cfg: Config) -> None:
         # Frozen: the new classifier alone. The pretrained layers need no gradient, so autograd records no backward
         # through them (a frozen step is their forward and the classifier's backward); BatchNorm's statistics stay.
         frozen = progress.epoch < cfg.freeze_epochs
-        for param in backbone:
-            param.requires_grad_(not frozen)
+        model.requires_grad_(not frozen)
+        classifier.requires_grad_(True)
         for module in model.modules() if frozen else []:
             if isinstance(module, nn.BatchNorm2d):  # what every torchvision classifier normalizes with
                 module.eval()
@@ -374,7 +361,7 @@ def train(cfg: Config) -> None:
             lr = loop.one_cycle_lr(progress.step, total_steps, cfg.lr)  # a function of the step, no state
             for group in optimizer.param_groups:  # the pretrained layers: a share of it
                 group["lr"] = lr * cfg.backbone_lr_scale if group["backbone"] else lr
-            loss, logits, grad_norm = step(images, labels)
+            loss, logits, grad_norm = train_step(images, labels)
             progress.samples_into_epoch += len(labels) * accelerator.num_processes
             window.add(loss, metric_sums(logits, labels), len(labels), grad_norm)  # summed on the device: no sync
             if not accelerator.sync_gradients:

@@ -2,10 +2,11 @@
 allocate (`free_memory`) and a dataset's images, decoded and converted, checked against it before a byte is decoded
 (`check_decoded_size`); a dataset's classes and labels (`check_class_count`, `check_labels`); datasets' cache and the
 decode cache, which must be writable (`check_cache_error`, `cache_write_failed`), and a hub that could not provide a
-dataset (`hub_failed`); and a walk of a folder tree from anywhere that no depth breaks (`walk`). An opt-in module,
-imported where images are decoded or their labels checked (shared/data.py), where a resize would take more than 256
-MiB (shared/images.py), by shared/dataset_files.py for the files it reads, where datasets failed to load or the cache
-to be written, and where a folder from anywhere is walked (shared/resume.py, predict.py). The limits:
+dataset (`hub_failed`); a walk of a folder tree from anywhere that no depth breaks (`walk`); and the input size
+finetune.py's model takes (`check_image_size`). An opt-in module, imported where images are decoded or their labels
+checked (shared/data.py), where a resize would take more than 256 MiB (shared/images.py), by shared/dataset_files.py
+for the files it reads, where datasets failed to load or the cache to be written, where a folder from anywhere is
+walked (shared/resume.py, predict.py), and where finetune.py is given --image_size. The limits:
 docs/troubleshooting.md."""
 
 import contextlib
@@ -104,6 +105,21 @@ def check_labels(found, stored: dict) -> None:
         if len(bad := labels[(labels < 0) | (labels >= len(classes))]):
             raise RecipeError(f"{found.name} '{split}' has labels outside 0..{len(classes) - 1} (e.g. "
                               f"{bad[0].item()}) for its {len(classes)} classes: {fix}")
+
+
+def check_image_size(size: int, model: str, weights: str, chosen) -> None:
+    """finetune.py's --image_size `size`, for torchvision's `model` with its `weights` (a name, or none; `chosen`: the
+    WeightsEnum, with none the architecture's DEFAULT): at least the smallest input the architecture takes (its
+    weights' min_size: 63 px for alexnet), and 32. MaxViT's partitions fit one input size, and so do a pretrained
+    ViT's position embeddings: the weights' own. A ViT's input is a whole number of its patches (vit_b_16: of 16 px)."""
+    smallest = max(32, chosen.meta["min_size"][0])
+    one_size = model.startswith("maxvit") or model.startswith("vit_") and weights != "none"
+    if size < smallest or one_size and size != smallest:
+        raise ValueError(f"--image_size must be {'' if one_size else 'at least '}{smallest} for {model} ({weights} "
+                         f"weights), got {size}")
+    patch = int(model.rsplit("_", 1)[1]) if model.startswith("vit_") else 1
+    if size % patch:
+        raise ValueError(f"--image_size must be a multiple of {model}'s {patch}-px patches, got {size}")
 
 
 def walk(folder: Path, skip: Path | None = None) -> Iterator[os.DirEntry]:

@@ -145,6 +145,10 @@ def test_without_pretrained_weights_nothing_is_frozen(capsys):
         with pytest.raises(SystemExit):
             finetune.Config.parse(["--weights", "none", *flag])
         assert "--weights none has none (every layer starts random)" in capsys.readouterr().err
+    for scale in ("0", "1.5"):  # a share of --lr, not a rate
+        with pytest.raises(SystemExit):
+            finetune.Config.parse(["--backbone_lr_scale", scale])
+        assert f"--backbone_lr_scale is a fraction of --lr: in (0, 1], got {float(scale)}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags, refused", [

@@ -107,36 +107,36 @@ INTENDED = {
     + # The pretrained file first: missing or damaged, it is said before the images' decode (10 s and more)
     + pretrained = None if cfg.resume or cfg.init_from else pretrained_state(cfg)  # else the weights are there
     + load_pretrained(model, pretrained, cfg)
-    + backbone = [p for group in optimizer.param_groups if group["backbone"] for p in group["params"]]
-    + head = [p for group in optimizer.param_groups if not group["backbone"] for p in group["params"]]
+    + classifier = model.get_submodule(classifier_name(model))  # the new layer, trained from the first step
     - def train_step(images, labels):  # one batch; on one GPU, a CUDA graph of it is replayed (shared/loop.py)
     - with accelerator.accumulate(model):  # DDP syncs gradients only on the last batch of each accumulation
     - inputs = preprocess(images, cfg.augment)
     - if cfg.channels_last:  # after preprocessing: the crop's gather returns a plain NCHW tensor
-    + def train_step(images, labels):  # one batch (shared/loop.py: never a CUDA graph here, see below)
+    + # One batch, eager: never a CUDA graph (shared/loop.py), as unfreezing changes what the step computes, which a
+    + # graph captured while frozen would not follow.
+    + def train_step(images, labels):
     + # DDP syncs gradients only on the last batch of each accumulation, and never while frozen (no_sync): it
     + # would wait for the gradients of every layer it wrapped. The classifier's alone are averaged below.
     + with accelerator.accumulate(model), accelerator.no_sync(model) if frozen else contextlib.nullcontext():
     + inputs = preprocess(images, cfg.augment, cfg)
     + if cfg.channels_last:  # after preprocessing: the crop returns a plain NCHW tensor
     + if frozen and accelerator.sync_gradients:  # the mean over the processes, as DDP's
-    + for param in head:
+    + for param in classifier.parameters():
     + param.grad = accelerator.reduce(param.grad, "mean")
     - step = loop.CapturedStep(train_step, optimizer, loop.graph_setting(accelerator, cfg))
-    + # Eager, never a CUDA graph (shared/loop.py): unfreezing changes what the step computes, which a graph captured
-    + # while frozen would not follow.
-    + step = train_step
     + # Frozen: the new classifier alone. The pretrained layers need no gradient, so autograd records no backward
     + # through them (a frozen step is their forward and the classifier's backward); BatchNorm's statistics stay.
     + frozen = progress.epoch < cfg.freeze_epochs
-    + for param in backbone:
-    + param.requires_grad_(not frozen)
+    + model.requires_grad_(not frozen)
+    + classifier.requires_grad_(True)
     + for module in model.modules() if frozen else []:
     + if isinstance(module, nn.BatchNorm2d):  # what every torchvision classifier normalizes with
     + module.eval()
     - step.set_lr(lr)
+    - loss, logits, grad_norm = step(images, labels)
     + for group in optimizer.param_groups:  # the pretrained layers: a share of it
     + group["lr"] = lr * cfg.backbone_lr_scale if group["backbone"] else lr
+    + loss, logits, grad_norm = train_step(images, labels)
 """,
     ("resnet18_fmnist", "train"): """
     + peak_lr = scaled_lr(cfg, global_batch_size)
