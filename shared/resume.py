@@ -249,8 +249,13 @@ def load(checkpoints, progress) -> Path:
             detail = next((line for line in lines if line.startswith(("size mismatch", "Missing key",
                                                                        "Unexpected key"))), None)
             fix = "resume with the recipe and flags that wrote it, or from another checkpoint" if detail else other
+            # The flags given with --resume that differ from the checkpoint's (a --model, a --width): the cause
+            before = read_json(checkpoint / "config.json")
+            flags = [f"{key} {before[key]!r} -> {value!r}" for key, value in vars(checkpoints.cfg).items()
+                     if isinstance(before, dict) and key in before and key not in NOT_SETTINGS and before[key] != value]
+            changed = f"; changed since it: {', '.join(flags)}" if detail and flags else ""
             raise RecipeError(f"--resume {checkpoint} cannot be loaded into this run ({type(error).__name__}: "
-                              f"{(detail or first_line(error))[:200]}): {fix}") from None
+                              f"{(detail or first_line(error))[:200].rstrip('.')}{changed}): {fix}") from None
     # Checkpoints fall between optimizer steps. The micro-batch counter saved with them would, under another
     # --grad_accum, end the first accumulation early (10 batches saved, --grad_accum 4: a step after 2).
     accelerator.step = 0

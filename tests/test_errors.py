@@ -549,6 +549,18 @@ def test_checkpoint_from_another_recipe(env, data, finished, tmp_path):
              "Missing key(s) in state_dict")
 
 
+def test_a_checkpoint_that_does_not_fit_a_flag_changed_with_resume_names_the_flag(env, data, finished, tmp_path):
+    """--no-batch_norm given with --resume: the line was torch's missing and unexpected keys alone, not their cause."""
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    before = snapshot(run)
+    one_line(run_here("cifar_cnn", "--data", str(data), "--output_dir", str(run), *SHORT, "--no-batch_norm",
+                      "--resume", str(run / "checkpoints" / "step_2")),
+             "step_2 cannot be loaded into this run (RuntimeError: Missing key(s) in state_dict: \"0.bias\"",
+             "; changed since it: batch_norm True -> False): resume with the recipe and flags that wrote it")
+    assert snapshot(run) == before
+
+
 def test_resume_asking_for_fewer_steps_than_done(env, data, finished):
     before = snapshot(finished)
     args = ("--data", str(data), "--output_dir", str(finished), *SHORT, "--resume", "latest")
