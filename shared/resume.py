@@ -196,7 +196,10 @@ def check_resume(checkpoint: Path, config: dict, progress) -> None:
     changed = [key for key in config if key not in NOT_SETTINGS and before.get(key) != config[key]]
     # Another release of torch or its libraries may compute the same step to other last bits (a GPU's kernels most)
     versions = before.get("versions") if isinstance(before.get("versions"), dict) else {}
-    if moved := [f"{k} {versions[k]} -> {v}" for k, v in config["versions"].items() if versions.get(k, v) != v]:
+    # A library one of the two runs did not import is no change (None: datasets, which accelerate imports on several
+    # processes, and a recipe only for data that needs it)
+    if moved := [f"{k} {versions[k]} -> {v}" for k, v in config["versions"].items() if None not in (versions.get(k), v)
+                 and versions[k] != v]:
         print(f"other versions than the checkpoint's: {', '.join(moved)}: the same steps, perhaps not to the same bits")
     if not changed:
         return print("same configuration: " + ("the sample order continues exactly" if moved else

@@ -192,6 +192,13 @@ def test_a_resume_under_other_versions_says_so_and_promises_no_bits(tmp_path, ca
             check_resume(checkpoint, {**before, "versions": versions}, progress)
             printed = capsys.readouterr().out.splitlines()[1:]
             assert printed == lines if recorded is before else printed[-1].startswith("same configuration: ")
+    # datasets, imported by accelerate on 2 processes, not by a resume on 1 reading IDX files: the same datasets, not
+    # used (it said "datasets 5.2.0 -> None")
+    recorded = {**before, "versions": {**before["versions"], "datasets": "5.2.0"}}
+    (checkpoint / "config.json").write_text(json.dumps(recorded))
+    check_resume(checkpoint, {**before, "versions": {**before["versions"], "datasets": None}}, progress)
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        "same configuration: the run continues exactly, to the same weights as a run never stopped"]
 
 
 def test_no_two_seeds_share_an_epoch_order():
