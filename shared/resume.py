@@ -252,7 +252,7 @@ def load(checkpoints, progress) -> Path:
             detail = next((line for line in lines if line.startswith(("size mismatch", "Missing key",
                                                                        "Unexpected key"))), None)
             fix = "resume with the recipe and flags that wrote it, or from another checkpoint" if detail else other
-            # The flags given with --resume that differ from the checkpoint's (a --model, a --width): the cause
+            # The cause: flags given with --resume that differ from the checkpoint's (--model, --no-batch_norm)
             before = read_json(checkpoint / "config.json")
             flags = [f"{key} {before[key]!r} -> {value!r}" for key, value in vars(checkpoints.cfg).items()
                      if isinstance(before, dict) and key in before and key not in NOT_SETTINGS and before[key] != value]
