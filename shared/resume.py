@@ -9,7 +9,7 @@ write a checkpoint (an opt-in module).
 - `check_checkpoint_folder`: a --checkpoint_dir holds this run's checkpoints and nothing else (open_run, for a new run
   too);
 - `find_checkpoint`: the checkpoint --resume names; `load`: it, loaded after checking that no file in it can run
-  code (Checkpoints.resume);
+  code (Checkpoints.resume); `changes`: the settings that differ from a checkpoint's, which both say;
 - `checked_progress`: a checkpoint's Progress, checked (Progress.load_state_dict);
 - `check_resume_and_branch`: what a resume continues (steps left, what changed since the checkpoint and what that
   does to the sample order, exactness and schedule); from an older checkpoint than the newest, the later history
@@ -193,7 +193,7 @@ def check_resume(checkpoint: Path, config: dict, progress) -> None:
           f"{(before if isinstance(before, dict) else config).get('train_size', config['train_size'])} samples")
     if not isinstance(before, dict):
         return print(f"no readable config.json in {checkpoint}: what changed since it cannot be listed")
-    changed = [key for key in config if key not in NOT_SETTINGS and before.get(key) != config[key]]
+    changed = changes(before, config)
     # Another release of torch or its libraries may compute the same step to other last bits (a GPU's kernels most)
     versions = before.get("versions") if isinstance(before.get("versions"), dict) else {}
     # A library one of the two runs did not import is no change (None: datasets, which accelerate imports on several
@@ -204,7 +204,7 @@ def check_resume(checkpoint: Path, config: dict, progress) -> None:
     if not changed:
         return print("same configuration: " + ("the sample order continues exactly" if moved else
                                                "the run continues exactly, to the same weights as a run never stopped"))
-    print("changed since the checkpoint: " + ", ".join(f"{k} {before.get(k)!r} -> {config[k]!r}" for k in changed))
+    print("changed since the checkpoint: " + ", ".join(changed.values()))
     if any(key in DATA_ORDER_KEYS for key in changed):
         print(f"the sample order is NOT a run's never stopped ({', '.join(k for k in changed if k in DATA_ORDER_KEYS)} "
               f"changed): the rest of epoch {epoch} follows another order, so some of its samples are trained on "
@@ -217,6 +217,12 @@ def check_resume(checkpoint: Path, config: dict, progress) -> None:
         print("the sample order continues exactly")
     if "total_steps" in changed:
         print(f"length {before.get('total_steps')} -> {total_steps} steps, learning rate: {config['lr_schedule']}")
+
+
+def changes(before: dict, now: dict) -> dict[str, str]:
+    """The settings of `now` that differ from `before` (a checkpoint's config.json): name -> 'name before -> now'."""
+    return {key: f"{key} {before.get(key)!r} -> {value!r}" for key, value in now.items()
+            if key not in NOT_SETTINGS and before.get(key) != value}
 
 
 def load(checkpoints, progress) -> Path:
@@ -254,9 +260,8 @@ def load(checkpoints, progress) -> Path:
             fix = "resume with the recipe and flags that wrote it, or from another checkpoint" if detail else other
             # The cause: flags given with --resume that differ from the checkpoint's (--model, --no-batch_norm)
             before = read_json(checkpoint / "config.json")
-            flags = [f"{key} {before[key]!r} -> {value!r}" for key, value in vars(checkpoints.cfg).items()
-                     if isinstance(before, dict) and key in before and key not in NOT_SETTINGS and before[key] != value]
-            changed = f"; changed since it: {', '.join(flags)}" if detail and flags else ""
+            flags = changes(before, vars(checkpoints.cfg)) if isinstance(before, dict) else {}
+            changed = f"; changed since it: {', '.join(flags.values())}" if detail and flags else ""
             raise RecipeError(f"--resume {checkpoint} cannot be loaded into this run ({type(error).__name__}: "
                               f"{(detail or first_line(error))[:200].rstrip('.')}{changed}): {fix}") from None
     # Checkpoints fall between optimizer steps. The micro-batch counter saved with them would, under another
