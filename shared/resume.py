@@ -189,8 +189,9 @@ def check_resume(checkpoint: Path, config: dict, progress) -> None:
     before = read_json(checkpoint / "config.json")  # the configuration that wrote the checkpoint, saved in it
     epoch, left = progress.epoch + 1, config["train_size"] - progress.samples_into_epoch
     # The position is in the checkpoint's epoch: of its data's size (another --data may hold fewer samples)
+    # What a config.json from anywhere holds is cut to a length where it is printed (`!s:.100`: 100 characters)
     print(f"resuming from {checkpoint}: step {progress.step}, epoch {epoch} after {progress.samples_into_epoch} of its "
-          f"{(before if isinstance(before, dict) else config).get('train_size', config['train_size'])} samples")
+          f"{(before if isinstance(before, dict) else config).get('train_size', config['train_size'])!s:.100} samples")
     if not isinstance(before, dict):
         return print(f"no readable config.json in {checkpoint}: what changed since it cannot be listed")
     changed = changes(before, config)
@@ -198,8 +199,8 @@ def check_resume(checkpoint: Path, config: dict, progress) -> None:
     versions = before.get("versions") if isinstance(before.get("versions"), dict) else {}
     # A library one of the two runs did not import is no change (None: datasets, which accelerate imports on several
     # processes, and a recipe only for data that needs it)
-    if moved := [f"{k} {versions[k]} -> {v}" for k, v in config["versions"].items() if None not in (versions.get(k), v)
-                 and versions[k] != v]:
+    if moved := [f"{k} {versions[k]!s:.100} -> {v}" for k, v in config["versions"].items()
+                 if None not in (versions.get(k), v) and versions[k] != v]:
         print(f"other versions than the checkpoint's: {', '.join(moved)}: the same steps, perhaps not to the same bits")
     if not changed:
         return print("same configuration: " + ("the sample order continues exactly" if moved else
@@ -216,12 +217,13 @@ def check_resume(checkpoint: Path, config: dict, progress) -> None:
     else:
         print("the sample order continues exactly")
     if "total_steps" in changed:
-        print(f"length {before.get('total_steps')} -> {total_steps} steps, learning rate: {config['lr_schedule']}")
+        print(f"length {before.get('total_steps')!s:.100} -> {total_steps} steps, learning rate: "
+              f"{config['lr_schedule']}")
 
 
 def changes(before: dict, now: dict) -> dict[str, str]:
     """The settings of `now` that differ from `before` (a checkpoint's config.json): name -> 'name before -> now'."""
-    return {key: f"{key} {before.get(key)!r} -> {value!r}" for key, value in now.items()
+    return {key: f"{key} {before.get(key)!r:.200} -> {value!r}" for key, value in now.items()
             if key not in NOT_SETTINGS and before.get(key) != value}
 
 

@@ -201,6 +201,23 @@ def test_a_resume_under_other_versions_says_so_and_promises_no_bits(tmp_path, ca
         "same configuration: the run continues exactly, to the same weights as a run never stopped"]
 
 
+
+def test_what_a_checkpoints_config_json_holds_is_printed_cut_to_a_length(tmp_path, capsys):
+    """A config.json from anywhere may hold a value of megabytes: each was printed whole, one line of up to 16 MiB."""
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_5"
+    checkpoint.mkdir(parents=True)
+    long = "x" * 10**6
+    before = {"train_size": long, "data": long, "total_steps": long, "versions": {"torch": long}}
+    (checkpoint / "config.json").write_text(json.dumps(before))
+    progress = Progress()
+    progress.step, progress.samples_into_epoch = 5, 40
+    check_resume(checkpoint, {"train_size": 64, "data": "mine", "total_steps": 8, "versions": {"torch": "2.11.0"},
+                              "lr_schedule": "one cycle"}, progress)
+    lines = capsys.readouterr().out.splitlines()
+    starts = ("resuming from", "other versions", "changed since", "the sample order is NOT", "length")
+    assert len(lines) == len(starts) and all(map(str.startswith, lines, starts)), lines
+    assert max(map(len, lines)) < 1_000 and f"data '{'x' * 199} -> 'mine'" in lines[2], lines
+
 def test_no_two_seeds_share_an_epoch_order():
     """Seeding epoch e of seed s with s + e gave seed 1 the orders of seed 0, one epoch later: "3 seeds" were not."""
     assert len({tuple(order(seed, epoch)) for seed in range(4) for epoch in range(4)}) == 16
