@@ -312,8 +312,6 @@ class DatasetFiles:
         check_decoded_size(source, count, image_shape)
         if self.kind == "idx":
             splits, classes = read_idx_splits(self.files)
-        elif self.kind in CIFAR_PICKLED:
-            splits, classes = read_pickled_cifar_splits(self.kind, self.files)
         else:
             splits, classes = read_cifar_splits(self.kind, self.files)
         seen = {"channels": {images.shape[1] for images, _ in splits.values()},  # the published arrays: one size
@@ -424,26 +422,40 @@ def read_idx_splits(files: dict[str, list[Path]]):
 
 
 def read_cifar_splits(kind: str, files: dict[str, list[Path]]):
-    _, _, label_bytes = CIFAR_BINARY[kind]
-    with open(files["names"][0], "rb") as f:
-        text = f.read(MAX_NAMES_BYTES + 1)  # no more than a names file may hold, whatever the file's size
-    classes = [line.strip() for line in text.decode("utf-8", "replace").splitlines() if line.strip()]
-    if len(text) > MAX_NAMES_BYTES or not 0 < len(classes) <= 256 or max(map(len, classes)) > 100:
-        raise RecipeError(f"{files['names'][0]} is not up to 256 class names of up to 100 characters, one per line: "
-                          "download the dataset again")
-    record, splits = label_bytes + 3 * 32 * 32, {}
+    """CIFAR's binary or Python version (`kind`: its folder's name): each split's images and labels, the class names."""
+    pickled, names_file = kind in CIFAR_PICKLED, files["names"][0]
+    if pickled:
+        _, _, names_key, labels_key = CIFAR_PICKLED[kind]
+        classes, layout = read_pickled_batch(names_file).get(names_key), f"its '{names_key}' list"
+    else:
+        with open(names_file, "rb") as f:
+            text = f.read(MAX_NAMES_BYTES + 1)  # no more than a names file may hold, whatever the file's size
+        lines = [line.strip() for line in text.decode("utf-8", "replace").splitlines() if line.strip()]
+        classes, layout = lines if len(text) <= MAX_NAMES_BYTES else None, "one per line"
+    # Lengths first: a pickled list may name one long text 256 times, and each decode would copy it
+    if not (isinstance(classes, list) and 0 < len(classes) <= 256
+            and all(isinstance(name, (str, bytes)) and len(name) <= 100 for name in classes)):
+        raise RecipeError(f"{names_file} is not up to 256 class names of up to 100 characters ({layout}): download "
+                          "the dataset again")
+    classes = [as_text(name) for name in classes]
+    splits = {}
     for split in ("train", "test"):
-        sizes = {path: path.stat().st_size for path in files[split]}  # together within the limit: DatasetFiles.read
-        rows = []
-        for path, size in sizes.items():
-            if size == 0 or size % record:
-                raise RecipeError(f"{path} is {size:,} bytes, not whole records of {record:,} ({label_bytes} label "
-                                  "byte(s), then a 3x32x32 image): the file is truncated or damaged; download it again")
-            rows.append(np.fromfile(path, np.uint8, count=size).reshape(-1, record))
-        rows = np.concatenate(rows)
-        splits[split] = (torch.from_numpy(rows[:, label_bytes:].reshape(-1, 3, 32, 32).copy()),
-                         torch.from_numpy(rows[:, label_bytes - 1].astype(np.int64)))  # the last label byte: fine
+        batches = [read_pickled_images(path, labels_key, len(classes)) if pickled
+                   else read_records(path, CIFAR_BINARY[kind][2]) for path in files[split]]
+        images, labels = (np.concatenate(arrays) for arrays in zip(*batches))  # one array a split, copied once
+        splits[split] = (torch.from_numpy(images), torch.from_numpy(labels))
     return splits, classes
+
+
+def read_records(path: Path, label_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """A file of the binary version: records of `label_bytes` label bytes (CIFAR-100: coarse, then fine), then a
+    3x32x32 image. Its size is within the limit: DatasetFiles.read checked each split's files together."""
+    record, size = label_bytes + 3 * 32 * 32, path.stat().st_size
+    if size == 0 or size % record:
+        raise RecipeError(f"{path} is {size:,} bytes, not whole records of {record:,} ({label_bytes} label "
+                          "byte(s), then a 3x32x32 image): the file is truncated or damaged; download it again")
+    rows = np.fromfile(path, np.uint8, count=size).reshape(-1, record)
+    return rows[:, label_bytes:].reshape(-1, 3, 32, 32), rows[:, label_bytes - 1].astype(np.int64)  # the fine label
 
 
 class CifarUnpickler(pickle.Unpickler):
@@ -545,30 +557,16 @@ def as_text(value):
     return value.decode("latin1") if isinstance(value, bytes) else value
 
 
-def read_pickled_cifar_splits(kind: str, files: dict[str, list[Path]]):
-    _, _, names_key, labels_key = CIFAR_PICKLED[kind]
-    classes = read_pickled_batch(files["names"][0]).get(names_key)
-    # Lengths first: a list may name one long text 256 times, and each decode would copy it
-    if not (isinstance(classes, list) and 0 < len(classes) <= 256
-            and all(isinstance(name, (str, bytes)) and len(name) <= 100 for name in classes)):
-        raise RecipeError(f"{files['names'][0]} has no '{names_key}' list of up to 256 names of up to 100 characters: "
-                          "download the dataset again")
-    classes = [as_text(name) for name in classes]
-    splits = {}
-    for split in ("train", "test"):
-        images, labels = [], []
-        for path in files[split]:
-            batch = read_pickled_batch(path)
-            data = batch.get("data")
-            data = data.array if isinstance(data, PickledArray) else None
-            if data is None or data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
-                raise RecipeError(f"{path}: its 'data' is not uint8 rows of 3,072 bytes: download it again")
-            batch_labels = batch.get(labels_key)
-            if not (isinstance(batch_labels, list) and len(batch_labels) == len(data)
-                    and all(type(label) is int and 0 <= label < len(classes) for label in batch_labels)):
-                raise RecipeError(f"{path}: its '{labels_key}' are not {len(data)} labels in 0..{len(classes) - 1}, "
-                                  "one per image: download it again")
-            images.append(data.reshape(-1, 3, 32, 32))
-            labels.append(np.array(batch_labels, np.int64))
-        splits[split] = (torch.from_numpy(np.concatenate(images)), torch.from_numpy(np.concatenate(labels)))
-    return splits, classes
+def read_pickled_images(path: Path, labels_key: str, classes: int) -> tuple[np.ndarray, np.ndarray]:
+    """A batch of the Python version: its 'data', uint8 rows of 3,072 bytes, and a label in 0..classes - 1 for each."""
+    batch = read_pickled_batch(path)
+    data = batch.get("data")
+    data = data.array if isinstance(data, PickledArray) else None
+    if data is None or data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
+        raise RecipeError(f"{path}: its 'data' is not uint8 rows of 3,072 bytes: download it again")
+    labels = batch.get(labels_key)
+    if not (isinstance(labels, list) and len(labels) == len(data)
+            and all(type(label) is int and 0 <= label < classes for label in labels)):
+        raise RecipeError(f"{path}: its '{labels_key}' are not {len(data)} labels in 0..{classes - 1}, one per "
+                          "image: download it again")
+    return data.reshape(-1, 3, 32, 32), np.array(labels, np.int64)
