@@ -33,9 +33,11 @@ def parse_config(cls: type, argv: list[str] | None = None):
     flags = []  # every --flag, for the one a mistyped flag was meant to be (Python 3.14's argparse suggests too)
 
     def error(message: str):
-        typed = re.match(r"unrecognized arguments: (--[\w-]+)", message)
-        close = difflib.get_close_matches(typed.group(1), flags, n=1) if typed else []
-        suggestion = f": did you mean {close[0]}?" if close else ""
+        typed = re.match(r"unrecognized arguments: ([^\s=]+)", message)  # the first word no flag took
+        close = difflib.get_close_matches(typed[1], flags) if typed else []  # best first; `data` too: --data
+        # Else a word that is no flag is a value without one: `predict.py --weights RUN photos/`
+        suggestion = (f": did you mean {close[0]}?" if close else
+                      ": a value follows its flag, as in --name VALUE" if typed and typed[1][0] != "-" else "")
         parser.exit(2, f"{parser.prog}: error: {printable(where + message + suggestion)} (see --help)\n")
 
     where = ""  # while the flags a run's config.json records are parsed: the file they come from

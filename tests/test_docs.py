@@ -20,9 +20,9 @@ PATH = re.compile(r"(?<![\w./-])((?:recipes|shared|tools|benchmarks|tests|docs|a
 FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9_-]*)")
 MODULE = re.compile(r"(?<![\w.])((?:shared|tools)(?:\.\w+)+)")
 # Flags of other programs the docs name: pytest and xdist (the test commands), pip, SLURM's sbatch, tensorboard,
-# pytorch/examples' --dry-run; a flag the docs say was removed; the example of a mistyped flag.
+# pytorch/examples' --dry-run; a flag the docs say was removed; the examples of a mistyped flag, and a flag's form.
 OTHER_TOOLS = {"--dist", "--no-loadscope-reorder", "--index-url", "--signal", "--mem", "--nodes", "--gpus-per-node",
-               "--requeue", "--logdir", "--dry-run", "--auto_batch_size", "--bogus"}
+               "--requeue", "--logdir", "--dry-run", "--auto_batch_size", "--bogus", "--max_step", "--name"}
 
 
 def entry_point_flags() -> set[str]:

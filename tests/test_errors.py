@@ -147,6 +147,11 @@ def test_a_mistyped_flag_is_named_with_the_flag_it_was_meant_to_be(capsys, recip
     assert flag_error(capsys, recipe, "--bogus", "1").endswith("unrecognized arguments: --bogus 1 (see --help)")
     if recipe == "finetune":  # renamed: a fraction of --lr, not a rate
         assert "did you mean --backbone_lr_scale?" in flag_error(capsys, recipe, "--backbone_lr", "1e-4")
+    # A value without its flag (`predict.py --weights RUN photos/`): said so, or the flag it was meant for
+    assert flag_error(capsys, recipe, "photos/").endswith(
+        "unrecognized arguments: photos/: a value follows its flag, as in --name VALUE (see --help)")
+    assert flag_error(capsys, recipe, "data").endswith("unrecognized arguments: data: did you mean --data? "
+                                                       "(see --help)")
 
 
 def flag_error(capsys, recipe: str, *args: str) -> str:
