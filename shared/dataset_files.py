@@ -557,8 +557,8 @@ def as_text(value):
     return value.decode("latin1") if isinstance(value, bytes) else value
 
 
-def read_pickled_images(path: Path, labels_key: str, classes: int) -> tuple[np.ndarray, np.ndarray]:
-    """A batch of the Python version: its 'data', uint8 rows of 3,072 bytes, and a label in 0..classes - 1 for each."""
+def read_pickled_images(path: Path, labels_key: str, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
+    """A batch of the Python version: its 'data', uint8 rows of 3,072 bytes, and a label in 0..num_classes - 1 each."""
     batch = read_pickled_batch(path)
     data = batch.get("data")
     data = data.array if isinstance(data, PickledArray) else None
@@ -566,7 +566,7 @@ def read_pickled_images(path: Path, labels_key: str, classes: int) -> tuple[np.n
         raise RecipeError(f"{path}: its 'data' is not uint8 rows of 3,072 bytes: download it again")
     labels = batch.get(labels_key)
     if not (isinstance(labels, list) and len(labels) == len(data)
-            and all(type(label) is int and 0 <= label < classes for label in labels)):
-        raise RecipeError(f"{path}: its '{labels_key}' are not {len(data)} labels in 0..{classes - 1}, one per "
+            and all(type(label) is int and 0 <= label < num_classes for label in labels)):
+        raise RecipeError(f"{path}: its '{labels_key}' are not {len(data)} labels in 0..{num_classes - 1}, one per "
                           "image: download it again")
     return data.reshape(-1, 3, 32, 32), np.array(labels, np.int64)
