@@ -75,7 +75,7 @@ def hub_failed(error: Exception, source: str) -> RecipeError:
     check_cache_error(error, Path(source))
     return RecipeError(f"--data {source}: not a local folder, and the Hugging Face hub could not provide it "
                        f"({type(error).__name__}: {first_line(error)}): pass --data PATH of a local copy "
-                       "(save_to_disk, parquet, imagefolder, IDX or CIFAR binary), or --synthetic for an offline run")
+                       "(save_to_disk, parquet, imagefolder, IDX or CIFAR files), or --synthetic for an offline run")
 
 
 def cache_write_failed(error: Exception, path: Path) -> RecipeError:

@@ -364,7 +364,8 @@ def cifar_files(folder: Path) -> DatasetFiles | None:
     splits, names, *_ = CIFAR_BINARY.get(folder.name) or CIFAR_PICKLED[folder.name]
     files = {split: [folder / name for name in names] for split, names in splits.items()}
     files["names"] = [folder / names]
-    missing = [file.name for file in files["names"] + files["train"] + files["test"] if not file.is_file()]
+    # A file there that is no regular one (a FIFO) is not missing: DatasetFiles.read refuses it (check_regular)
+    missing = [file.name for file in files["names"] + files["train"] + files["test"] if not file.exists()]
     if missing:
         raise RecipeError(f"{folder} lacks {', '.join(missing)}: download the dataset again")
     return DatasetFiles(folder.name, files)

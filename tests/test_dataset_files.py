@@ -270,6 +270,9 @@ def test_damaged_cifar_folders_are_one_line_each(tmp_path, data_module):
     (folder / "data_batch_5.bin").unlink()
     with pytest.raises(RecipeError, match="lacks data_batch_5.bin: download the dataset again"):
         data_module.load_image_data(str(folder), (3, 32, 32))
+    os.mkfifo(folder / "data_batch_5.bin")  # there, but no file to read: said so, not "lacks" (nor a blocked read)
+    with pytest.raises(RecipeError, match="data_batch_5.bin' is not a regular file .*: replace it by the downloaded"):
+        data_module.load_image_data(str(folder), (3, 32, 32))
 
 
 def test_a_truncated_download_through_the_recipe(env, tmp_path):
