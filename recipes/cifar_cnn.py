@@ -42,7 +42,7 @@ RECIPE = "cifar_cnn"
 
 @dataclass
 class Config(RunConfig):
-    data: str = "uoft-cs/cifar10"  # hub id, or a folder: save_to_disk, parquet, imagefolder, IDX, CIFAR binary
+    data: str = "uoft-cs/cifar10"  # hub id, or a folder: save_to_disk, parquet, imagefolder, IDX, CIFAR files
     epochs: int = 30  # passes over the training set
     batch_size: int = 128  # images per process per step; global batch = batch_size x processes x grad_accum
     grad_accum: int = 1  # batches whose gradients are summed into one optimizer step

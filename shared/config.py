@@ -122,7 +122,7 @@ class RunConfig:
     """Flags every recipe shares (docs/recipe_contract.md). A recipe redeclares a field to set its own default;
     these are the only fields shared/ reads. `Config.parse()` reads them from the command line."""
 
-    data: str = ""  # hub id, or a folder: save_to_disk, parquet, imagefolder, IDX, CIFAR binary
+    data: str = ""  # hub id, or a folder: save_to_disk, parquet, imagefolder, IDX, CIFAR files
     epochs: int = 10  # passes over the training set
     batch_size: int = 128  # images per process per step; global batch = batch_size x processes x grad_accum
     grad_accum: int = 1  # batches whose gradients are summed into one optimizer step
