@@ -245,6 +245,9 @@ def check_uncompressed(file: Path) -> None:
                 raise RecipeError(f"{file} is compressed or holds a dictionary, which save_to_disk never writes and "
                                   "datasets would write out whole: a damaged or hostile file; write the dataset again "
                                   "with save_to_disk")
+            source.seek(0)
+            for batch in pa.ipc.open_stream(source):  # mapped, not read: pyarrow trusts the offsets into its buffers
+                batch.validate(full=True)  # an offset past them read outside the file (a MemoryError, or a crash)
     except (pa.ArrowException, OSError, struct.error) as error:  # OSError: flatbuffers that fail pyarrow's check
         raise RecipeError(f"{file} is not a readable arrow file ({type(error).__name__}: {first_line(error)[:100]}): "
                           "write the dataset again with save_to_disk") from None

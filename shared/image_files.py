@@ -53,7 +53,10 @@ def check_png(file: bytes | str | Path) -> None:
             if kind in (b"IHDR", b"IEND"):
                 break
             while kind == b"IDAT" and left and made < expected and (piece := f.read(min(left, 2**12))):
-                made += len(inflate.decompress(piece, expected - made))  # at most 1,032 times a piece: 4 MB
+                try:
+                    made += len(inflate.decompress(piece, expected - made))  # at most 1,032 times a piece: 4 MB
+                except zlib.error as error:  # neither an OSError nor a ValueError: the caller's one line needs one
+                    raise ValueError(f"its compressed pixels are damaged ({error})") from None
                 left -= len(piece)
             f.seek(left + 4, 1)  # the rest of the chunk, then its CRC
         else:

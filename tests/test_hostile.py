@@ -1108,6 +1108,28 @@ def test_a_dictionary_in_a_saved_dataset_is_refused_before_it_is_written_out(env
             needle=f"{arrow.name} is compressed or holds a dictionary, which save_to_disk never writes", launched=True)
 
 
+def test_offsets_past_a_saved_datasets_buffers_are_refused_before_a_row_is_read(env, tmp_path):
+    """An arrow file whose image bytes' offsets run backwards (the first image ends after the second): load_from_disk
+    maps the file, and pyarrow trusts the offsets into its buffers, so a row was read from outside them, a SystemError
+    traceback here; offsets past the buffers ended in a MemoryError (or a crash). Each batch is validated first."""
+    import pyarrow as pa
+
+    data = save_to_disk_dataset(tmp_path / "data", sizes={"train": 16, "test": 8})
+    (arrow,) = (data / "train").glob("*.arrow")
+    table = pa.ipc.open_stream(arrow.read_bytes()).read_all().combine_chunks()  # a copy: the file is rewritten
+    images = table.column(0).chunk(0)
+    raw = images.field("bytes")  # datasets' Image: a struct of the file's bytes and its path
+    offsets = np.frombuffer(raw.buffers()[1], np.int32)[raw.offset:raw.offset + len(raw) + 1].copy()
+    offsets[1], offsets[2] = offsets[2], offsets[1]
+    backwards = pa.Array.from_buffers(raw.type, len(raw), [raw.buffers()[0], pa.py_buffer(offsets), raw.buffers()[2]])
+    images = pa.StructArray.from_arrays([backwards, images.field("path")], fields=list(images.type))
+    table = pa.table([images, table.column(1)], schema=table.schema)
+    with pa.OSFile(str(arrow), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--output_dir", tmp_path / "out",
+            needle=f"{arrow.name} is not a readable arrow file (ArrowInvalid: ")
+
+
 def test_a_local_folder_is_read_by_its_files_names_not_by_its_readme(env, tmp_path):
     """load_dataset(folder) follows a README.md's `configs`, whose data_files may name files anywhere (hf:// ones on
     the hub too): here another folder's 40 images, unchecked by the parquet bound, trained on instead of these 16."""
@@ -1240,6 +1262,16 @@ def a_png_of_one_row(folder: Path) -> str:
     return "0.png) is not a readable image (ValueError: image file is truncated: its compressed pixels end before"
 
 
+def a_png_of_damaged_pixels(folder: Path) -> str:
+    """Its compressed pixels are no zlib stream: zlib's error, neither an OSError nor a ValueError, was a traceback."""
+    raw = bytearray((folder / "0.png").read_bytes())
+    at = raw.index(b"IDAT") + 4  # the first bytes of the chunk's data: the zlib header
+    raw[at:at + 2] = b"\x78\x00"  # not a multiple of 31, as zlib's header check requires
+    (folder / "0.png").write_bytes(bytes(raw))
+    return ("0.png) is not a readable image (ValueError: its compressed pixels are damaged (Error -3 while "
+            "decompressing data: incorrect header check))")
+
+
 def text_named_png(folder: Path) -> str:
     (folder / "0.png").write_text("not an image")
     return "0.png) is not a readable image of a format read here (BMP, GIF, JPEG, PNG, PPM, TIFF, WEBP): convert it"
@@ -1267,7 +1299,8 @@ def a_thin_image(folder: Path) -> str:  # 1 x 40,000,000 (39 KB), under PIL's li
 
 @pytest.mark.parametrize("damage", [pytest.param(a_decompression_bomb, marks=LAUNCHED),
                                     pytest.param(large_images, marks=LAUNCHED), a_truncated_png, a_png_of_one_row,
-                                    text_named_png, a_jpeg_of_many_scans, pytest.param(a_thin_image, marks=LAUNCHED)])
+                                    a_png_of_damaged_pixels, text_named_png, a_jpeg_of_many_scans,
+                                    pytest.param(a_thin_image, marks=LAUNCHED)])
 def test_images_that_lie(env, tmp_path, damage):
     data = imagefolder_dataset(tmp_path / "photos", sizes={"train": 20, "test": 10})
     needle = damage(data / "train" / "class_0")
