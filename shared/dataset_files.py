@@ -99,9 +99,11 @@ def open_local(folder: Path):
             raise RecipeError(f"reading {folder}, this process reached its limit on {limit}: raise it, then run "
                               "again") from None
         check_cache_error(error, folder)
-        raise RecipeError(f"could not read a dataset from {folder} ({type(error).__name__}: {first_line(error)}): "
-                          "expected a save_to_disk folder, parquet files, an imagefolder (one subfolder per class) "
-                          "with examples in every split, IDX files or CIFAR's files") from None
+        error = error.__cause__ or error  # datasets' DatasetGenerationError says only that an error occurred
+        raise RecipeError(f"could not read a dataset from {folder} ({type(error).__name__}: "
+                          f"{first_line(error)[:300]}): expected a save_to_disk folder, parquet files, an "
+                          "imagefolder (one subfolder per class) with examples in every split, IDX files or CIFAR's "
+                          "files") from None
     return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict(train=loaded)
 
 

@@ -1130,6 +1130,20 @@ def test_offsets_past_a_saved_datasets_buffers_are_refused_before_a_row_is_read(
             needle=f"{arrow.name} is not a readable arrow file (ArrowInvalid: ")
 
 
+def test_an_imagefolders_metadata_naming_a_file_outside_it_is_refused_with_datasets_reason(env, tmp_path):
+    """datasets refuses a metadata.jsonl whose file_name leaves the folder; its reason was hidden behind
+    "DatasetGenerationError: An error occurred while generating the dataset", and is the line's now."""
+    data = imagefolder_dataset(tmp_path / "photos", sizes={"train": 4, "test": 2})
+    for split in ("train", "test"):
+        names = sorted(path.relative_to(data / split).as_posix() for path in (data / split).rglob("*.png"))
+        names[0] = "../../outside.png" if split == "train" else names[0]
+        (data / split / "metadata.jsonl").write_text("".join(json.dumps({"file_name": name, "note": "x"}) + "\n"
+                                                             for name in names))
+    line = refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--output_dir", tmp_path / "out",
+                   needle="(ValueError: Invalid metadata file_name '../../outside.png': `file_name` must be a relative")
+    assert line.startswith(f"error: could not read a dataset from {data} (ValueError: ")
+
+
 def test_a_local_folder_is_read_by_its_files_names_not_by_its_readme(env, tmp_path):
     """load_dataset(folder) follows a README.md's `configs`, whose data_files may name files anywhere (hf:// ones on
     the hub too): here another folder's 40 images, unchecked by the parquet bound, trained on instead of these 16."""
