@@ -184,7 +184,8 @@ def open_hub(source: str) -> datasets.DatasetDict:
     logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # one line at the end, not a warning per retry
     try:
         return datasets.load_dataset(source)
-    except (ConnectionError, OSError, datasets.exceptions.DatasetNotFoundError) as error:
+    # ValueError: an id huggingface_hub refuses (foo/bar., a name over 96 characters), before any lookup
+    except (ConnectionError, OSError, ValueError, datasets.exceptions.DatasetNotFoundError) as error:
         from shared.bounds import hub_failed  # only a failed load: an opt-in module
 
         raise hub_failed(error, source) from None

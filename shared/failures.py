@@ -26,6 +26,8 @@ def explain(error: BaseException) -> str | None:
                 "complete checkpoints are kept)")
     if limit := process_limit(error):
         return f"this process reached its limit on {limit}: raise it, then run again"
+    if isinstance(error, OSError) and error.errno == errno.ENAMETOOLONG:  # a path a flag gave (a name over 255 bytes)
+        return f"a path is too long for this system ({error.strerror}: {error.filename!s:.100}...): pass a shorter one"
     if isinstance(error, ModuleNotFoundError) and error.name and "." not in error.name:
         # a requirement not installed (a GPU image has torch and accelerate, and often neither wandb nor datasets)
         untracked = ", or train without it: --tracker tensorboard or none" if error.name == "wandb" else ""

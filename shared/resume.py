@@ -96,7 +96,7 @@ def recorded_flags(cfg, argv: list[str]):
         synthetic = field.name == "data" and recorded.get("synthetic") is True  # recorded as "SYNTHETIC data"
         if field.name in (*FROM_THE_COMMAND_LINE, *given) or value is None or synthetic:
             continue
-        if field.name == "data" and value != field.default and not Path(str(value)).expanduser().exists():
+        if field.name == "data" and value != field.default and not os.path.exists(os.path.expanduser(str(value))):
             raise ValueError(f"{path} records --data {str(value)[:200]!r}, which is no folder here: pass --data to "
                              "continue (a run folder never makes a run fetch what it names)")
         # one word a flag, `--name=value`: a value that starts with "--" stays a value

@@ -398,6 +398,31 @@ def test_an_integer_label_column_with_a_missing_or_negative_label_is_one_line(en
     one_line(run_here("cifar_cnn", "--data", str(tmp_path / "d"), "--tracker", "none"), needle)
 
 
+@pytest.mark.parametrize("script, args", [
+    ("cifar_cnn", ("--data", "x" * 5000)), ("cifar_cnn", ("--synthetic", "--output_dir", "x" * 300)),
+    ("cifar_cnn", ("--synthetic", "--init_from", "x" * 300)), ("cifar_cnn", ("--synthetic", "--resume", "x" * 300)),
+    ("predict", ("--weights", "x" * 300, "--images", "."))],
+    ids=["--data", "--output_dir", "--init_from", "--resume", "predict --weights"])
+def test_a_path_too_long_for_the_system_is_one_line(tmp_path, script, args):
+    """A name over 255 bytes in a path a flag gives: os.stat's OSError (File name too long) was a traceback."""
+    one_line(run_here(script, *args, "--tracker", "none", cwd=tmp_path) if script != "predict" else
+             run_here(script, *args, cwd=tmp_path),
+             "error: a path is too long for this system (File name too long: xxxxx", "...): pass a shorter one")
+    assert not [path for path in tmp_path.rglob("*") if not path.is_dir()]  # no file written (runs/ is made first)
+
+
+def test_a_hub_id_that_huggingface_hub_refuses_is_one_line_with_its_reason(tmp_path):
+    """'foo/bar.' has the form of a hub id, which huggingface_hub refuses before any lookup (HFValidationError, a
+    ValueError): it was a traceback."""
+    import huggingface_hub
+
+    if huggingface_hub.constants.HF_HUB_OFFLINE:  # offline, datasets looks nothing up, and refuses no id
+        pytest.skip("HF_HUB_OFFLINE is set: the id is never validated")
+    one_line(run_here("cifar_cnn", "--data", "foo/bar.", "--tracker", "none", cwd=tmp_path),
+             "--data foo/bar.: not a local folder, and the Hugging Face hub could not provide it (HFValidationError: "
+             "Repo id must use alphanumeric chars")
+
+
 def test_empty_split(env, tmp_path):
     # datasets itself refuses to load an empty split from parquet; its reason is passed on.
     folder = tmp_path / "d"

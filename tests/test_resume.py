@@ -279,10 +279,12 @@ def test_a_stop_while_a_finished_run_is_extended_keeps_its_finished_files(labell
 @pytest.mark.parametrize("field, value, needle", [
     ("data", "someone/their_dataset", "records --data 'someone/their_dataset', which is no folder here: pass --data "
                                       "to continue (a run folder never makes a run fetch what it names)"),
+    ("data", "x" * 5000, f"records --data '{'x' * 200}', which is no folder here"),  # too long for a path: no traceback
     ("epochs", "ten", "(the flags --resume continues with): argument --epochs: invalid int value: 'ten'"),
     ("lr", [1], "(the flags --resume continues with): argument --lr: invalid float value: '[1]'"),
     ("batch_size", "8 --overwrite", "argument --batch_size: invalid int value: '8 --overwrite'"),
-    ("seed", -1, "(the flags --resume continues with): --seed must be >= 0, got -1")])
+    ("seed", -1, "(the flags --resume continues with): --seed must be >= 0, got -1")],
+    ids=["data from the hub", "data too long for a path", "epochs", "lr", "batch_size", "seed"])
 def test_a_run_folders_flags_are_checked_as_typed_ones(labelled, tmp_path, field, value, needle):
     """A run folder may come from anywhere: each value its config.json records goes through the flag's own parsing
     and checks, and a bad one is one line that names the file; a --data it names is never fetched."""
