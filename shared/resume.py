@@ -135,7 +135,8 @@ def run_of_checkpoint(cfg) -> Path:
     checkpoint = find_checkpoint(None, cfg.resume).resolve()
     its_run = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else None
     recorded = read_json(Path(output_dir) / "config.json") if output_dir else None
-    if isinstance(recorded, dict) and Path(recorded.get("checkpoint_dir") or "/").resolve() == checkpoint.parent:
+    kept = str(recorded.get("checkpoint_dir") or "/") if isinstance(recorded, dict) else "/"  # from a file: any value
+    if "\0" not in kept and Path(kept).resolve() == checkpoint.parent:  # a NUL: no path (resolve's ValueError)
         its_run = Path(output_dir).resolve()  # a checkpoint in the run's --checkpoint_dir
     if output_dir is None and not (its_run and is_run(its_run)):
         raise RecipeError(f"--resume {cfg.resume} is not in a run's checkpoints/ folder, so there is no run to "

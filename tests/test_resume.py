@@ -295,3 +295,14 @@ def test_a_run_folders_flags_are_checked_as_typed_ones(labelled, tmp_path, field
     result = run_here("cifar_cnn", "--resume", "latest", "--output_dir", run, "--max_steps", "6")
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and needle in lines[0] and str(run / "config.json") in lines[0]
+
+
+@pytest.mark.parametrize("value", [2**70, "a\0b"], ids=["a number", "a NUL"])
+def test_a_run_folders_checkpoint_dir_that_is_no_path_is_no_checkpoint_folder(labelled, tmp_path, value):
+    """--resume CHECKPOINT --output_dir RUN asks whether the checkpoint is in the --checkpoint_dir that RUN's
+    config.json records, a value from a file: a number was a TypeError traceback, a NUL resolve's ValueError."""
+    data, run = str(labelled[(3, 32, 32)]), tmp_path / "run"
+    ok(run_here("cifar_cnn", "--data", data, "--output_dir", run, *RUN, "--max_steps", "4"))
+    (run / "config.json").write_text(json.dumps({**read_json(run / "config.json"), "checkpoint_dir": value}))
+    ok(run_here("cifar_cnn", "--resume", run / "checkpoints" / "step_4", "--output_dir", run, "--max_steps", "6"))
+    assert read_json(run / "summary.json")["steps"] == 6
