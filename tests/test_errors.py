@@ -405,8 +405,8 @@ def test_an_integer_label_column_with_a_missing_or_negative_label_is_one_line(en
     ids=["--data", "--output_dir", "--init_from", "--resume", "predict --weights"])
 def test_a_path_too_long_for_the_system_is_one_line(tmp_path, script, args):
     """A name over 255 bytes in a path a flag gives: os.stat's OSError (File name too long) was a traceback."""
-    one_line(run_here(script, *args, "--tracker", "none", cwd=tmp_path) if script != "predict" else
-             run_here(script, *args, cwd=tmp_path),
+    untracked = () if script == "predict" else ("--tracker", "none")
+    one_line(run_here(script, *args, *untracked, cwd=tmp_path),
              "error: a path is too long for this system (File name too long: xxxxx", "...): pass a shorter one")
     assert not [path for path in tmp_path.rglob("*") if not path.is_dir()]  # no file written (runs/ is made first)
 
