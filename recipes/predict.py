@@ -345,7 +345,9 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
     if unreadable:
         print(f"skipped {len(unreadable)} image file(s) that could not be read, e.g. {printable(unreadable[0])}")
     try:  # under a temporary name, renamed when complete: see shared/errors.py
-        with replacing(output) as partial, partial.open("x", newline="") as f:
+        # A file name that is no UTF-8 (Latin-1's 0xe9) is written as its own bytes, so that the file can be found by it
+        with replacing(output) as partial, partial.open("x", newline="", encoding="utf-8",
+                                                        errors="surrogateescape") as f:
             writer = csv.writer(f)
             writer.writerow(["path", "class", "confidence", f"top_{k}"])  # what shared.resume.predictions knows it by
             writer.writerows(rows)

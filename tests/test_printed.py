@@ -157,6 +157,19 @@ def test_predictions_show_names_and_their_csv_cells_are_text(trained, tmp_path):
         assert row[1] in HOSTILE_CLASSES or row[1][1:] in HOSTILE_CLASSES, row
 
 
+def test_a_file_name_that_is_not_utf_8_is_written_to_the_csv_as_its_bytes(trained, tmp_path):
+    """A photo named in another encoding (Latin-1's e-acute, the byte 0xe9) ended predict.py in a UnicodeEncodeError
+    traceback as the CSV was written; its cell holds the name's own bytes, so that the file can be found by it."""
+    _, weights = trained
+    images, output = tmp_path / "photos", tmp_path / "predictions.csv"
+    images.mkdir()
+    Image.new("RGB", (32, 32)).save(images / os.fsdecode(b"caf\xe9.png"), format="PNG")
+    result = ok(run_here("predict", "--weights", weights, "--images", images, "--output", output))
+    shown(result.stdout + result.stderr)
+    assert "caf\\udce9.png: " in result.stdout, result.stdout  # printed escaped
+    assert output.read_bytes().splitlines()[1].startswith(b"caf\xe9.png,")
+
+
 def test_init_from_names_the_classes_it_was_trained_on_without_their_escapes(trained, tmp_path):
     data, weights = trained
     result = ok(run_here("cifar_cnn", "--data", data, "--output_dir", tmp_path / "run", *SHORT, "--init_from",
