@@ -344,6 +344,18 @@ def test_runs_table_of_hostile_run_folders_writes_and_prints_only_the_table(tmp_
                                                     "readable\n")
 
 
+def test_runs_table_escapes_a_run_folders_name_that_is_not_utf_8(tmp_path):
+    """A run folder named in another encoding (Latin-1's 0xe9): --markdown ended in a UnicodeEncodeError traceback."""
+    runs = tmp_path / "runs"
+    run = runs / os.fsdecode(b"caf\xe9")
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({"steps": 3, "eval_acc": 0.5}))
+    table = subprocess.run([sys.executable, "-m", "tools.runs", str(runs), "--markdown", str(tmp_path / "RUNS.md")],
+                           cwd=ROOT, capture_output=True, text=True)
+    assert table.returncode == 0 and not table.stderr, table.stderr[-2000:]
+    assert "| caf\\udce9 |" in table.stdout and "| caf\\udce9 |" in (tmp_path / "RUNS.md").read_text()
+
+
 def test_runs_table_reads_the_older_name_of_max_eval_acc(tmp_path):
     from tools.runs import collect
 

@@ -35,8 +35,9 @@ def _cell(value) -> str:
 
 def escaped(text: str) -> str:
     """Text from a run folder (from anywhere) fit for a terminal and a table: control characters (a terminal's escape
-    sequences, a newline) written as escapes, and `|` as `\\|`: a value can neither drive a terminal nor make a row."""
-    return re.sub(r"[\x00-\x1f\x7f-\x9f]", lambda m: repr(m.group())[1:-1], text).replace("|", "\\|")
+    sequences, a newline) and the bytes of a name that is not UTF-8 (`\\udcff`, which no UTF-8 file can hold) written as
+    escapes, and `|` as `\\|`: a value can neither drive a terminal nor make a row."""
+    return re.sub(r"[\x00-\x1f\x7f-\x9f\udc80-\udcff]", lambda m: repr(m.group())[1:-1], text).replace("|", "\\|")
 
 
 def write_report(rows: list[dict], stem: Path, title: str, x: str, ys: list[str], group: str | None = None,
