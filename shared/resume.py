@@ -59,13 +59,16 @@ MOST = {"max_eval_acc": 1, "pieces": 10**6, "train_s": 10**9, "wall_s": 10**9}  
 # resume is no longer bitwise), where the data and weights were found, and wandb's mode and project.
 RESUME_ENVIRONMENT = ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "HF_HOME", "HF_DATASETS_CACHE", "HF_HUB_OFFLINE",
                       "TORCH_HOME", "WANDB_MODE", "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_DIR")
+RUN_ID = re.compile(r"[0-9A-Za-z]{1,64}")  # a run id is one name in wandb's folders and URLs
 SECRET = re.compile(r"KEY|TOKEN|SECRET|PASS|AUTH|CREDENTIAL|COOKIE", re.IGNORECASE)  # in a variable's name
 
 
 def is_run(folder: Path) -> bool:
-    """Whether `folder` holds a run of these recipes: its config.json, with the run id every run records."""
+    """Whether `folder` holds a run of these recipes: its config.json, with the run id every run records (8 hex digits;
+    wandb continues the run of that id, and refuses one with a character such as / in a traceback)."""
     config = read_json(Path(folder) / "config.json")
-    return isinstance(config, dict) and isinstance(config.get("run_id"), str) and "recipe" in config
+    return (isinstance(config, dict) and isinstance(config.get("run_id"), str)
+            and RUN_ID.fullmatch(config["run_id"]) is not None and "recipe" in config)
 
 
 def recorded_flags(cfg, argv: list[str]):
@@ -432,9 +435,9 @@ def check_run_folder(run_dir: Path, cfg, recipe: str) -> None:
         raise RecipeError(f"{run_dir} already holds a run: pass --resume latest to continue it, "
                           "--overwrite to replace it, or another --output_dir")
     if not is_run(run_dir):  # a user's own folder: its metrics.jsonl would be appended to
-        raise RecipeError(f"{run_dir} holds files but no run of these recipes (no config.json with a run_id), so "
-                          "nothing is written into it: pass a new or empty --output_dir, or to continue a run, its "
-                          f"own folder (runs/{recipe}-<time>)")
+        raise RecipeError(f"{run_dir} holds files but no run of these recipes (no config.json with a run_id of letters "
+                          "and digits), so nothing is written into it: pass a new or empty --output_dir, or to "
+                          f"continue a run, its own folder (runs/{recipe}-<time>)")
     check_entries(run_dir)  # from anywhere: checked before a file in it is read or written
 
 

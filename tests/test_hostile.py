@@ -435,6 +435,18 @@ def test_a_config_nested_past_the_recursion_limit(env, data, run, tmp_path):
             needle="holds files but no run of these recipes")
 
 
+@pytest.mark.parametrize("run_id", ["../../elsewhere", "a:b", "", "x" * 65, "caf\u00e9"])
+def test_a_run_id_that_is_no_plain_name_is_no_run_to_continue(env, data, run, tmp_path, run_id):
+    """A resume continues the wandb run of the id in config.json: wandb refused one with / or : in a UsageError
+    traceback. Such a folder is no run of these recipes, refused in one line, with wandb as its tracker too."""
+    out = unfinished(run, tmp_path)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "run_id": run_id}))
+    refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--tracker", "wandb", "--max_steps", "6",
+            "--output_dir", out, "--resume", "latest", variables={"WANDB_MODE": "offline"},
+            needle="no config.json with a run_id of letters and digits")
+
+
 @pytest.mark.slow  # launched: a FIFO read would block the test forever
 def test_a_fifo_in_a_checkpoint_is_refused_instead_of_blocking(env, data, run, tmp_path):
     """A FIFO among a checkpoint's files blocked the resume forever (it survived SIGTERM and its launcher's death)."""
