@@ -41,7 +41,7 @@ from shared.checkpoints import STEP_DIR, list_checkpoints, new_folder, run_id
 from shared.config import read_json
 from shared.errors import RecipeError, first_line
 from shared.pictures import read_rows
-from shared.tracking import write_atomic
+from shared.tracking import RUN_FILES, write_atomic
 
 DATA_ORDER_KEYS = ("data", "synthetic", "train_size", "seed")  # change one, and the rest of the epoch is another
 BATCHING_KEYS = ("world_size", "batch_size", "grad_accum")  # these only cut the same order into other batches
@@ -438,6 +438,10 @@ def check_run_folder(run_dir: Path, cfg, recipe: str) -> None:
         raise RecipeError(f"{run_dir} holds files but no run of these recipes (no config.json with a run_id of letters "
                           "and digits), so nothing is written into it: pass a new or empty --output_dir, or to "
                           f"continue a run, its own folder (runs/{recipe}-<time>)")
+    for name in RUN_FILES:  # a folder in the place of a file the run writes ended the run in a traceback
+        if "." in name and (run_dir / name).is_dir():
+            raise RecipeError(f"{run_dir / name} is a folder, where a run writes its file {name}: rename it, or pass "
+                              "another --output_dir")
     check_entries(run_dir)  # from anywhere: checked before a file in it is read or written
 
 

@@ -447,6 +447,21 @@ def test_a_run_id_that_is_no_plain_name_is_no_run_to_continue(env, data, run, tm
             needle="no config.json with a run_id of letters and digits")
 
 
+@pytest.mark.parametrize("name", ["metrics.jsonl", "summary.json", "curves.png", "confusion_matrix.png"])
+def test_a_folder_where_a_run_writes_a_file_is_refused_before_the_run(env, data, run, tmp_path, name):
+    """Resumed, the run ended in an IsADirectoryError traceback: at its first row (metrics.jsonl), or after its
+    training, as it wrote its summary or pictures; --overwrite deleted the folder and what it held. Refused at the
+    start, the folder kept."""
+    out = unfinished(run, tmp_path)
+    (out / name).unlink()
+    (out / name).mkdir()
+    (out / name / "mine.txt").write_text("mine")
+    for start in (("--resume", "latest"), ("--overwrite",)):
+        refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--max_steps", "6", "--output_dir", out, *start,
+                needle=f"{out / name} is a folder, where a run writes its file {name}: rename it")
+        assert (out / name / "mine.txt").read_text() == "mine"
+
+
 @pytest.mark.slow  # launched: a FIFO read would block the test forever
 def test_a_fifo_in_a_checkpoint_is_refused_instead_of_blocking(env, data, run, tmp_path):
     """A FIFO among a checkpoint's files blocked the resume forever (it survived SIGTERM and its launcher's death)."""
