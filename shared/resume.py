@@ -438,10 +438,12 @@ def check_run_folder(run_dir: Path, cfg, recipe: str) -> None:
         raise RecipeError(f"{run_dir} holds files but no run of these recipes (no config.json with a run_id of letters "
                           "and digits), so nothing is written into it: pass a new or empty --output_dir, or to "
                           f"continue a run, its own folder (runs/{recipe}-<time>)")
-    for name in RUN_FILES:  # a folder in the place of a file the run writes ended the run in a traceback
-        if "." in name and (run_dir / name).is_dir():
-            raise RecipeError(f"{run_dir / name} is a folder, where a run writes its file {name}: rename it, or pass "
-                              "another --output_dir")
+    for name in RUN_FILES:  # a folder where the run writes a file, or a file where it makes a folder: a traceback
+        path = run_dir / name
+        if path.exists() and path.is_dir() != ("." not in name):
+            kind = "a folder" if path.is_dir() else "no folder"
+            raise RecipeError(f"{path} is {kind}, where a run keeps its {name}: rename it, or pass another "
+                              "--output_dir")
     check_entries(run_dir)  # from anywhere: checked before a file in it is read or written
 
 

@@ -274,13 +274,18 @@ def test_an_older_checkpoint_starts_a_branch_and_the_later_history_is_moved_asid
     assert f"resuming from {out / 'checkpoints' / 'step_6'}: step 6" in resumed.stdout
 
 
-def test_a_branch_that_cannot_be_moved_aside_is_one_line_and_nothing_moves(env, data, run, tmp_path):
-    """abandoned/ that cannot hold the later history (read-only; here a file, since root writes in read-only
-    folders): a traceback before. Refused before anything moves."""
+def test_a_branch_that_cannot_be_moved_aside_is_one_line_and_nothing_moves(env, data, run, tmp_path, monkeypatch):
+    """abandoned/ that cannot hold the later history (read-only: the system refuses the first copy into it, here
+    told to, since root writes in read-only folders): a traceback before. Refused before anything moves. (A file
+    named abandoned is refused at the start: test_a_file_where_a_run_makes_a_folder_is_refused_before_the_run.)"""
     out = tmp_path / "out"
     shutil.copytree(run, out)
-    (out / "abandoned").write_text("not a folder")
     before = snapshot(out)
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EACCES, os.strerror(errno.EACCES))
+
+    monkeypatch.setattr(shutil, "copy2", read_only)
     refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--max_steps", "6", "--output_dir", out, "--resume",
             out / "checkpoints" / "step_2", needle="must be a folder you can write in (and the run's folders too), "
             "with room on its disk, then resume again; nothing was deleted")
@@ -458,8 +463,24 @@ def test_a_folder_where_a_run_writes_a_file_is_refused_before_the_run(env, data,
     (out / name / "mine.txt").write_text("mine")
     for start in (("--resume", "latest"), ("--overwrite",)):
         refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--max_steps", "6", "--output_dir", out, *start,
-                needle=f"{out / name} is a folder, where a run writes its file {name}: rename it")
+                needle=f"{out / name} is a folder, where a run keeps its {name}: rename it")
         assert (out / name / "mine.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("name, tracker", [("wandb", "wandb"), ("tensorboard", "tensorboard"), ("finished", "none"),
+                                           ("abandoned", "none")])
+def test_a_file_where_a_run_makes_a_folder_is_refused_before_the_run(env, data, run, tmp_path, name, tracker):
+    """wandb and TensorBoard ended a resume in a traceback at their start (NotADirectoryError, FileExistsError); a
+    finished run extended failed after its training to move its weights into finished/, and the line said to free
+    space. Refused at the start, the file kept."""
+    out = tmp_path / "out"
+    shutil.copytree(run, out)  # finished: a longer run moves its weights into finished/
+    (out / name).write_text("mine")
+    for start in (("--resume", "latest"), ("--overwrite",)):
+        refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--tracker", tracker, "--max_steps", "6",
+                "--output_dir", out, *start, variables={"WANDB_MODE": "offline"},
+                needle=f"{out / name} is no folder, where a run keeps its {name}: rename it")
+        assert (out / name).read_text() == "mine"
 
 
 @pytest.mark.slow  # launched: a FIFO read would block the test forever
