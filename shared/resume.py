@@ -21,6 +21,7 @@ write a checkpoint (an opt-in module).
 """
 
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -420,12 +421,15 @@ def shell_word(word: str) -> str:
 
 def write_failed(checkpoints, what: str, error: Exception) -> None:
     """A full disk or quota: torch.save says it as a RuntimeError ("unexpected pos"), safetensors as its own error,
-    Python as OSError. One line with the free space and the checkpoint a resume continues from."""
+    Python as OSError. One line with the free space and the checkpoint a resume continues from. Another OSError
+    names its file (a file where the save makes a folder, from elsewhere, said "free space")."""
     reason = error.strerror if isinstance(error, OSError) and error.strerror else first_line(error)[:120]
+    full = not isinstance(error, OSError) or error.errno in (errno.ENOSPC, errno.EDQUOT) or not error.filename
+    fix = "free space" if full else f"move {error.filename} aside or make it writable"
     good = list_checkpoints(checkpoints.folder, checkpoints.owner())
     raise RecipeError(f"{what} failed ({reason}; {shutil.disk_usage(checkpoints.run_dir).free / 2**20:.1f} MiB free "
-                      f"there): the newest complete checkpoint is {good[-1] if good else 'none'}; free space, then "
-                      "continue with --resume latest") from None
+                      f"there): the newest complete checkpoint is {good[-1] if good else 'none'}; {fix}, then continue "
+                      "with --resume latest") from None
 
 
 def check_run_folder(run_dir: Path, cfg, recipe: str) -> None:

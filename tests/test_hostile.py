@@ -483,6 +483,19 @@ def test_a_file_where_a_run_makes_a_folder_is_refused_before_the_run(env, data, 
         assert (out / name).read_text() == "mine"
 
 
+def test_a_file_where_a_checkpoint_is_saved_is_named_not_a_full_disk(env, data, run, tmp_path):
+    """A file checkpoints/partial_step_5 (from elsewhere) where the save of step 5 makes its folder: the line said
+    "free space" on a disk with room. It names the file now, which stays."""
+    out = unfinished(run, tmp_path)
+    partial = out / "checkpoints" / "partial_step_5"
+    partial.write_text("mine")
+    line = refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--max_steps", "6", "--checkpoint_every", "1",
+                   "--output_dir", out, "--resume", "latest",
+                   needle="saving the checkpoint of step 5 failed (File exists")
+    assert line.endswith(f"; move {partial} aside or make it writable, then continue with --resume latest"), line
+    assert partial.read_text() == "mine"
+
+
 @pytest.mark.slow  # launched: a FIFO read would block the test forever
 def test_a_fifo_in_a_checkpoint_is_refused_instead_of_blocking(env, data, run, tmp_path):
     """A FIFO among a checkpoint's files blocked the resume forever (it survived SIGTERM and its launcher's death)."""
