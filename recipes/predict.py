@@ -1,11 +1,11 @@
 """Use a trained model: predictions for a folder of your images (--images), or the test metrics of a labelled
 split (--evaluate).
 
-Takes a run's model.safetensors (which records its recipe's name, its flags, its class names and its data), a
-checkpoint folder (read beside its run's config.json), or a .pt/.pth state dict (then pass --classes too). The
+Takes a run's model.safetensors (which records its recipe, flags, class names and data), a checkpoint folder or
+its model.safetensors (read beside its run's config.json), or a .pt/.pth state dict (then pass --classes too). The
 recipe is the script that trained them: the one here whose RECIPE is the name they record, or --recipe PATH (e.g.
-my_project/train.py). A recipe is code and weights come from anywhere: a path or file they name is never imported or
-fetched. Its own make_model, preprocess, load_data and evaluate are used, so an edited copy works as is.
+my_project/train.py). A recipe is code and weights come from anywhere: a path or file they name is never imported
+or fetched. Its own make_model, preprocess, load_data and evaluate are used, so an edited copy works as is.
 
 --images: any image files (subfolders included), any size, mode or channel count, each converted as the training
 data was. The CSV (--output; by default predictions-<images>.csv in the weights' run folder, -step_<N>.csv for a
@@ -84,6 +84,8 @@ def describe_weights(cfg: Config) -> dict:
     path = Path(cfg.weights)
     if not path.exists():
         raise RecipeError(f"--weights {path}: no such file or folder")
+    if (path.parent / "custom_checkpoint_0.pkl").is_file():  # a file of a checkpoint (what every one holds)
+        path = path.parent  # its model.safetensors records nothing of the run; the folder's config.json does
     if path.suffix == ".safetensors" and path.is_file():
         try:
             with safe_open(path, "pt") as f:
@@ -102,8 +104,8 @@ def describe_weights(cfg: Config) -> dict:
         older = [path.resolve().parent.parent / "config.json"] if path.resolve().parent.name == "checkpoints" else []
         # older checkpoints: their run's beside checkpoints/; none readable: --recipe and --classes say what it is
         config = next((c for c in map(read_json, [path / "config.json", *older]) if isinstance(c, dict)), None)
-        if config:
-            return {"recipe": config.get("recipe"), "flags": config, "classes": config.get("classes")}
+        if config:  # a run's config.json: its recipe and classes beside its flags
+            return {**config, "flags": config}
     return {}
 
 

@@ -320,12 +320,14 @@ def test_evaluate_on_data_whose_class_names_differ_from_the_weights_says_so(data
     assert json.loads(result)["eval_samples"] == 40
 
 
-def test_predict_reads_a_checkpoint_folder_beside_its_run_config(run, folder, tmp_path):
+@pytest.mark.parametrize("file", ["", "model.safetensors"])
+def test_predict_reads_a_checkpoint_folder_beside_its_run_config(file, run, folder, tmp_path):
+    """A checkpoint folder, or its model.safetensors (which names no recipe or classes: accelerate wrote it): the
+    recipe and classes come from the config.json in the folder. The file alone asked for --recipe, then --classes."""
     out, _ = run
     root, test_set = folder
     output = tmp_path / "predictions.csv"
-    predict_script.run(predict_script.Config(str(out / "checkpoints" / "step_12"), str(root), str(output),
-                                             recipe="cifar_cnn"))
+    predict_script.run(predict_script.Config(str(out / "checkpoints" / "step_12" / file), str(root), str(output)))
     rows = list(csv.DictReader(output.open()))
     assert len(rows) == len(test_set) + 1 and all(row["class"] in CLASSES[:10] for row in rows)
 
