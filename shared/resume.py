@@ -158,10 +158,12 @@ def find_checkpoint(folder: Path | None, resume: str, run: str | None = None) ->
     or a checkpoint folder."""
     if resume != "latest":
         where = Path(resume)
-        if (where / "custom_checkpoint_0.pkl").is_file() and STEP_DIR.search(where.name):
+        if (where / "custom_checkpoint_0.pkl").is_file() and STEP_DIR.fullmatch(where.name):
             return where
         found = "not a checkpoint folder (expected checkpoints/step_<N> of a run)"
-        if is_run(where):
+        if where.name.startswith("partial_step_"):  # renamed step_<N> once whole (Checkpoints.save)
+            found = "a checkpoint whose save did not finish: resume from a complete one, a step_<N> beside it"
+        elif is_run(where):
             found = f"a run folder: continue it with --resume latest --output_dir {resume}"
         elif where.name == "checkpoints" and is_run(where.parent):
             found = f"its run's checkpoints: continue the run with --resume latest --output_dir {where.parent}"
@@ -179,6 +181,9 @@ def check_resume(checkpoint: Path, config: dict, progress) -> None:
     continues, what changed since the checkpoint (the config.json saved in it), and what that does to the sample
     order, exactness and schedule."""
     checkpoint, total_steps = Path(checkpoint), config["total_steps"]
+    if checkpoint.name != f"step_{progress.step}":  # the name orders a run's checkpoints: --resume latest, pruning
+        raise RecipeError(f"--resume {checkpoint} holds step {progress.step}: its folder was renamed or copied; "
+                          f"name it step_{progress.step} or move it aside, then resume")
     if progress.step > total_steps:
         raise RecipeError(f"--resume {checkpoint} is at step {progress.step}, past the {total_steps} steps asked for: "
                           "raise --max_steps or --epochs, or resume from an earlier checkpoint")

@@ -496,6 +496,26 @@ def test_a_file_where_a_checkpoint_is_saved_is_named_not_a_full_disk(env, data, 
     assert partial.read_text() == "mine"
 
 
+def test_a_checkpoint_is_resumed_only_under_the_name_of_its_step(env, data, run, tmp_path):
+    """A checkpoint copied under another step's name (step_2 as step_99): --resume latest took it for the newest, its
+    line said it was "older than the run's newest checkpoint (step_99)", itself, and moved the run's later history
+    aside. A save that did not finish (partial_step_<N>, here without its random states), named with --resume, was
+    resumed "re-seeded" from a checkpoint "written by 0 process(es)". Both refused in one line; nothing moves."""
+    out = unfinished(run, tmp_path)
+    checkpoints = out / "checkpoints"
+    shutil.copytree(checkpoints / "step_2", checkpoints / "step_99")
+    refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--max_steps", "6", "--output_dir", out,
+            "--resume", "latest", needle=f"--resume {checkpoints / 'step_99'} holds step 2: its folder was renamed "
+            "or copied; name it step_2 or move it aside, then resume")
+    os.replace(checkpoints / "step_99", checkpoints / "partial_step_5")
+    (checkpoints / "partial_step_5" / "random_states_0.pkl").unlink()
+    refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--max_steps", "6", "--output_dir", out,
+            "--resume", checkpoints / "partial_step_5", needle="a checkpoint whose save did not finish: resume from "
+            "a complete one")
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["partial_step_5", "step_1", "step_2", "step_3", "step_4"]
+    assert not (out / "abandoned").exists()
+
+
 @pytest.mark.slow  # launched: a FIFO read would block the test forever
 def test_a_fifo_in_a_checkpoint_is_refused_instead_of_blocking(env, data, run, tmp_path):
     """A FIFO among a checkpoint's files blocked the resume forever (it survived SIGTERM and its launcher's death)."""
