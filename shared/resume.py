@@ -97,6 +97,13 @@ def recorded_flags(cfg, argv: list[str]):
         if field.name == "checkpoint_dir" and value and "checkpoint_dir" not in given:  # a run writes only where told
             raise ValueError(f"{path} keeps its checkpoints in {str(value)[:200]!r}: pass --checkpoint_dir with that "
                              "folder to continue it")
+        # --resume latest looks in the --checkpoint_dir given: one other than the run's, without its checkpoints,
+        # read as a run that saved none
+        moved = field.name == "checkpoint_dir" and "checkpoint_dir" in given and value != cfg.checkpoint_dir
+        if moved and cfg.resume == "latest" and not list_checkpoints(Path(cfg.checkpoint_dir)):
+            raise ValueError(f"{path} keeps its checkpoints in {str(value or path.parent / 'checkpoints')[:200]!r}, "
+                             f"and --checkpoint_dir {cfg.checkpoint_dir} holds none: continue it with "
+                             f"{'that --checkpoint_dir' if value else 'no --checkpoint_dir'}, or move them there first")
         synthetic = field.name == "data" and recorded.get("synthetic") is True  # recorded as "SYNTHETIC data"
         if field.name in (*FROM_THE_COMMAND_LINE, *given) or value is None or synthetic:
             continue

@@ -156,6 +156,10 @@ def test_checkpoints_on_another_disk(data, reference, tmp_path):
     (out / "model.safetensors").unlink()
     one_line(run_here("cifar_cnn", *args, "--resume", "latest"), status=2, *(
         f"keeps its checkpoints in {str(scratch)!r}: pass --checkpoint_dir with that folder",))
+    # Another folder, which holds none: was "has no checkpoints: start the run again without --resume"
+    one_line(run_here("cifar_cnn", *args, "--resume", "latest", "--checkpoint_dir", tmp_path / "new"), status=2, *(
+        f"keeps its checkpoints in {str(scratch)!r}, and --checkpoint_dir {tmp_path / 'new'} holds none: continue "
+        "it with that --checkpoint_dir, or move them there first",))
     result = ok(run_here("cifar_cnn", *args, "--resume", "latest", "--checkpoint_dir", scratch))
     assert f"resuming from {scratch / 'step_18'}: step 18" in result.stdout
     assert_bitwise_equal(weights(out), weights(reference))

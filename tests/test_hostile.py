@@ -516,6 +516,23 @@ def test_a_checkpoint_is_resumed_only_under_the_name_of_its_step(env, data, run,
     assert not (out / "abandoned").exists()
 
 
+def test_a_checkpoint_dir_that_holds_none_of_the_runs_checkpoints_names_where_they_are(env, data, run, tmp_path):
+    """--checkpoint_dir added to the resume of a run that saved its checkpoints in its own folder: the line said the
+    run had none and to start it again without --resume. It names the run's folder; the run and its checkpoints stay;
+    with them moved there, the run continues."""
+    out, elsewhere = unfinished(run, tmp_path), tmp_path / "out" / "scratch"
+    line = refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--output_dir", out, "--resume", "latest",
+                   "--checkpoint_dir", elsewhere, status=2, needle=f"keeps its checkpoints in "
+                   f"{str(out / 'checkpoints')!r}, and --checkpoint_dir {elsewhere} holds none")
+    assert line.endswith("continue it with no --checkpoint_dir, or move them there first (see --help)"), line
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_1", "step_2", "step_3", "step_4"]
+    shutil.move(out / "checkpoints", elsewhere)
+    result = ok(run_here("cifar_cnn", "--data", data, *SHORT, "--output_dir", out, "--resume", "latest",
+                         "--checkpoint_dir", elsewhere))
+    assert f"resuming from {elsewhere / 'step_4'}: its last step (4)" in result.stdout
+    assert (out / "model.safetensors").is_file()
+
+
 @pytest.mark.slow  # launched: a FIFO read would block the test forever
 def test_a_fifo_in_a_checkpoint_is_refused_instead_of_blocking(env, data, run, tmp_path):
     """A FIFO among a checkpoint's files blocked the resume forever (it survived SIGTERM and its launcher's death)."""
