@@ -26,7 +26,7 @@ from recipes import predict as predict_script
 from shared.data import load_image_data
 from shared.errors import RecipeError
 
-from conftest import ema_state, ok, read_json, read_jsonl, run_here
+from conftest import ROOT, ema_state, ok, read_json, read_jsonl, run_here
 from tiny_data import CLASSES, cifar_binary_dataset
 
 
@@ -247,8 +247,8 @@ def test_predict_bad_input_is_one_line_and_keeps_what_is_on_disk(env, run, folde
          f"--weights {other} does not fit this model"),
         ((other, root, tmp_path / "new.csv"), {}, f"--weights {other}: which recipe builds the model? They name none "
                                                  "of the recipes beside predict.py: pass --recipe PATH"),
-        ((weights, root, tmp_path / "new.csv"), {"recipe": "resnet18_fmnist"},
-         "were trained by cifar_cnn, not --recipe resnet18_fmnist"),
+        ((weights, root, tmp_path / "new.csv"), {"recipe": "resnet18_fmnist"},  # said first (below)
+         f"--weights {weights} does not fit this model ('0.weight' is (32, 3, 5, 5) in the file"),
         ((tmp_path / "none.pt", root, tmp_path / "new.csv"), {}, f"--weights {tmp_path / 'none.pt'}: no such file"),
         ((stopped, root, tmp_path / "new.csv"), mine, f"--weights {stopped / 'model.safetensors'}: no such file: the "
          f"run has not written it (stopped, or still running): pass --weights {stopped / 'checkpoints' / 'step_12'}"),
@@ -260,10 +260,21 @@ def test_predict_bad_input_is_one_line_and_keeps_what_is_on_disk(env, run, folde
             predict_script.run(predict_script.Config(str(weights_path), str(images), str(output), **flags))
         assert needle in str(error.value) and "\n" not in str(error.value)
     assert existing.read_text() == "mine\n" and not (tmp_path / "new.csv").exists()
+    assert (f"warning: --weights {weights} were trained by cifar_cnn, not by --recipe resnet18_fmnist: its model is "
+            "built as asked (a copy, renamed?)\n") in capsys.readouterr().out
+    # A copy of the recipe that names itself otherwise (a project's train.py, tools/new_project.py): it was refused,
+    # "pass --recipe cifar_cnn or your copy of it", though it was that copy
+    project = tmp_path / "my_project" / "train.py"
+    project.parent.mkdir()
+    source = (ROOT / "recipes" / "cifar_cnn.py").read_text()
+    project.write_text(source.replace('\nRECIPE = "cifar_cnn"', '\nRECIPE = "mine"'))
+    predict_script.run(predict_script.Config(str(weights), str(root), str(tmp_path / "copy.csv"), recipe=str(project)))
+    assert "were trained by cifar_cnn, not by --recipe" in capsys.readouterr().out
     # Without --recipe, the recipe the weights name (one beside predict.py) builds the model
     predict_script.run(predict_script.Config(str(weights), str(root), str(tmp_path / "new.csv")))
     predict_script.run(predict_script.Config(str(weights), str(root), str(tmp_path / "named.csv"), recipe="cifar_cnn"))
-    assert (tmp_path / "new.csv").read_text() == (tmp_path / "named.csv").read_text()
+    assert (tmp_path / "new.csv").read_text() == (tmp_path / "named.csv").read_text() == (
+        tmp_path / "copy.csv").read_text()
     (tmp_path / "new.csv").unlink()
     # The script itself: the same error as one line on stderr and exit status 1, nothing written.
     result = predict(env, "--weights", weights, "--images", broken, "--output", tmp_path / "new.csv")
