@@ -47,7 +47,7 @@ class Config(RunConfig):
     batch_size: int = 128  # images per process per step; global batch = batch_size x processes x grad_accum
     grad_accum: int = 1  # batches whose gradients are summed into one optimizer step
     lr: float = 0.05  # peak learning rate of the one-cycle schedule
-    momentum: float = 0.9  # SGD Nesterov momentum
+    momentum: float = 0.9  # SGD's Nesterov momentum; 0: plain SGD
     weight_decay: float = 5e-4  # L2 penalty on conv and linear weights (not on biases)
     max_grad_norm: float = 1.0  # clip the gradient's global L2 norm to this before each step; inf: only measure it
     batch_norm: bool = True  # BatchNorm in each conv block; off: the seed's plain network, per-sample arithmetic
@@ -107,7 +107,7 @@ def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
     biases = [p for p in model.parameters() if p.ndim <= 1]
     groups = [{"params": weights, "weight_decay": cfg.weight_decay}, {"params": biases, "weight_decay": 0}]
     # fused: the whole update in one kernel per device and dtype, where a loop over the tensors makes several each.
-    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=True, fused=True)
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0, fused=True)
 
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:

@@ -62,7 +62,7 @@ class Config(RunConfig):
     grad_accum: int = 1  # batches whose gradients are summed into one optimizer step
     lr: float = 0.01  # peak learning rate of the one-cycle schedule, for the new classifier
     backbone_lr_scale: float | None = None  # pretrained layers' rate as a fraction of --lr; default 0.1 (1 without)
-    momentum: float = 0.9  # SGD Nesterov momentum
+    momentum: float = 0.9  # SGD's Nesterov momentum; 0: plain SGD
     weight_decay: float = 1e-4  # L2 penalty on conv and linear weights (not on biases)
     max_grad_norm: float = 1.0  # clip the gradient's global L2 norm to this before each step; inf: only measure it
     augment: bool = True  # random resized crop and horizontal flip, on the device
@@ -187,7 +187,7 @@ def make_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
         groups[not name.startswith(head), param.ndim > 1].append(param)
     return torch.optim.SGD([{"params": params, "backbone": backbone, "weight_decay": cfg.weight_decay if decay else 0}
                             for (backbone, decay), params in groups.items()],
-                           lr=cfg.lr, momentum=cfg.momentum, nesterov=True, fused=True)
+                           lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0, fused=True)
 
 
 LABEL_SMOOTHING = 0.1  # the targets 0.9 for the class and 0.1 spread over all: less overconfidence on small sets

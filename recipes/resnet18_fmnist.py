@@ -54,7 +54,7 @@ class Config(RunConfig):
     lr: float = 0.1  # peak learning rate of the one-cycle schedule, for a global batch of 128
     lr_scaling: Literal["none", "linear", "sqrt"] = "sqrt"  # how the learning rate follows the global batch
     sync_bn: bool = False  # BatchNorm statistics over the global batch, not each process's share (GPUs)
-    momentum: float = 0.9  # SGD Nesterov momentum
+    momentum: float = 0.9  # SGD's Nesterov momentum; 0: plain SGD
     weight_decay: float = 5e-4  # L2 penalty on conv and linear weights (not on biases)
     max_grad_norm: float = 1.0  # clip the gradient's global L2 norm to this before each step; inf: only measure it
     augment: bool = True  # random crop (2 px padding), horizontal flip and --erase, on the device
@@ -94,7 +94,7 @@ def preprocess(images: torch.Tensor, training: bool, erase: float = 0.0) -> torc
     return augment.normalize(images, MEAN, STD)
 
 
-def random_erase(images: torch.Tensor, p: float, fill: tuple[int, ...] = (0,), scale=(0.02, 0.33),
+def random_erase(images: torch.Tensor, p: float, fill: tuple[int, ...], scale=(0.02, 0.33),
                  ratio=(0.3, 3.3)) -> torch.Tensor:
     """Random erasing (Zhong et al. 2017) with torchvision's defaults: in a random `p` share of the images, a rectangle
     of colour `fill` covering `scale` of the image, with an aspect ratio in `ratio` (log-uniform), clamped to the
@@ -152,7 +152,7 @@ def make_optimizer(model: nn.Module, cfg: Config, lr: float) -> torch.optim.Opti
     biases = [p for p in model.parameters() if p.ndim <= 1]
     groups = [{"params": weights, "weight_decay": cfg.weight_decay}, {"params": biases, "weight_decay": 0}]
     # fused: the whole update in one kernel per device and dtype, where a loop over the tensors makes several each.
-    return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=True, fused=True)
+    return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0, fused=True)
 
 
 def scaled_lr(cfg, global_batch_size: int) -> float:

@@ -343,6 +343,26 @@ def test_predict_reads_a_checkpoint_folder_beside_its_run_config(file, run, fold
     assert len(rows) == len(test_set) + 1 and all(row["class"] in CLASSES[:10] for row in rows)
 
 
+@pytest.mark.parametrize("recipe", ["cifar_cnn", "resnet18_fmnist", "finetune"])
+def test_momentum_0_is_plain_sgd(recipe, data, tmp_path):
+    """--momentum 0 ended in torch's ValueError traceback ("Nesterov momentum requires a momentum and zero
+    dampening"): the recipes' SGD is Nesterov's. With 0 it is plain SGD, and the run trains."""
+    from recipes import finetune
+
+    module = {"cifar_cnn": cifar_cnn, "resnet18_fmnist": resnet18_fmnist, "finetune": finetune}[recipe]
+    pretrained = {"weights": "none"} if recipe == "finetune" else {}  # finetune.py's: no download
+    lr = (0.1,) if recipe == "resnet18_fmnist" else ()  # the ResNet's, scaled to the global batch
+    for momentum, nesterov in ((0.0, False), (0.9, True)):
+        cfg = module.Config(momentum=momentum, **pretrained)
+        optimizer = module.make_optimizer(module.make_model(10, cfg), cfg, *lr)
+        assert {(g["momentum"], g["nesterov"]) for g in optimizer.param_groups} == {(momentum, nesterov)}
+    flags = ("--weights", "none", "--image_size", "32") if recipe == "finetune" else ()
+    out = tmp_path / "run"
+    ok(run_here(recipe, "--data", data, "--output_dir", out, "--batch_size", "8", "--max_steps", "2", "--tracker",
+                "none", "--momentum", "0", *flags))
+    assert read_json(out / "config.json")["momentum"] == 0 and (out / "model.safetensors").is_file()
+
+
 def test_the_ema_decay_ramps_up_so_a_short_run_forgets_its_first_weights():
     from shared.ema import update_ema
 
