@@ -1,7 +1,7 @@
 """Why a run failed, in one line, where the error is not a RecipeError but still the user's to fix: a full disk, a
 limit of the process, a requirement not installed, a torchvision built for another torch, memory, torch's compiler,
 another process of the run. Called by shared/errors.py's `one_line_errors` only when a run fails (an opt-in module);
-any other error is a programming error and keeps its traceback."""
+any other error is a programming error and keeps its traceback. And wandb's start that failed (`start_offline`)."""
 
 import errno
 import os
@@ -11,7 +11,7 @@ import traceback
 
 import torch
 
-from shared.errors import first_line
+from shared.errors import RecipeError, first_line
 
 # An allocation refused, as torch's CPU allocator, oneDNN and the dynamic loader (a library imported late) say it: under
 # an address-space limit (ulimit -v), where a run may stop at any of them, this is the limit.
@@ -78,3 +78,28 @@ def in_collective(error: BaseException) -> bool:
     frames = traceback.extract_tb(error.__traceback__)
     return (bool(frames) and f"torch{os.sep}distributed" in frames[-1].filename
             or isinstance(error, torch.distributed.DistError) or "gloo" in str(error))
+
+
+
+def start_offline(tracker, error: Exception) -> None:
+    """Start `tracker` (shared/tracking.py's WandB), whose start raised `error`, offline where it failed online (no
+    network, server down, no or a bad key: training matters more than the dashboard). A setting wandb refuses in
+    every mode (its UsageError, or pydantic's ValidationError: a WANDB_* variable, WANDB_PROJECT=a/b or an empty
+    WANDB_MODE) is one line; any other error offline is raised again."""
+    try:
+        if tracker.init_kwargs["mode"] != "online":
+            raise error
+        print(f"warning: wandb could not start online ({type(error).__name__}: {first_line(error)[:150]}); "
+              "logging offline instead, upload later with `wandb sync`", file=sys.stderr, flush=True)
+        import wandb
+        from accelerate.tracking import WandBTracker
+
+        wandb.teardown()  # the failed attempt still holds the run id in wandb's background service
+        tracker.init_kwargs["mode"] = "offline"
+        WandBTracker.start(tracker)  # accelerate's: wandb.init with these settings
+    except Exception as failed:
+        if type(failed).__name__ not in ("UsageError", "ValidationError"):  # ValidationError: pydantic's, of Settings
+            raise
+        said = " ".join(str(failed).split())  # pydantic's are several lines
+        raise RecipeError(f"wandb refused its settings ({said[:300]}): fix the WANDB_* variable that set it, or pass "
+                          "--tracker tensorboard or none") from None

@@ -36,7 +36,7 @@ from accelerate.utils import broadcast_object_list
 from tqdm import tqdm
 
 from shared.checkpoints import launcher_command, new_folder, run_id
-from shared.errors import RecipeError, first_line, replacing
+from shared.errors import RecipeError, replacing
 from shared.loop import SCHEDULE_RULE
 
 # What a run writes (misclassified.png and profile/: what earlier versions wrote), and all --overwrite deletes.
@@ -230,16 +230,10 @@ class WandB(WandBTracker):
     def start(self):
         try:
             super().start()
-        except Exception as error:  # no network, server down, bad key: training matters more than the dashboard
-            if self.init_kwargs["mode"] != "online":
-                raise
-            print(f"warning: wandb could not start online ({type(error).__name__}: {first_line(error)[:150]}); "
-                  "logging offline instead, upload later with `wandb sync`", file=sys.stderr, flush=True)
-            import wandb
+        except Exception as error:  # no network, server down, bad key; a WANDB_* setting wandb refuses
+            from shared.failures import start_offline  # only a failed start: an opt-in module
 
-            wandb.teardown()  # the failed attempt still holds the run id in wandb's background service
-            self.init_kwargs["mode"] = "offline"
-            super().start()
+            start_offline(self, error)  # where online failed; else one line, or the error again
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
         if self.run.offline:  # the folder to upload; disabled, wandb keeps nothing (its run.url warns offline)

@@ -208,6 +208,25 @@ def test_wandb_disabled_by_its_variable_is_said_as_such(data, tmp_path):
     assert not (out / "wandb").exists() and (out / "summary.json").is_file()
 
 
+@pytest.mark.slow  # launched: wandb reads its variables once a process, and a run in this one may have
+@pytest.mark.parametrize("variables, said", [
+    ({"WANDB_PROJECT": "a/b"}, "Invalid project name 'a/b': cannot contain characters"),
+    ({"WANDB_MODE": "online", "WANDB_PROJECT": "a/b"}, "Invalid project name 'a/b'"),  # online, then offline
+    ({"WANDB_MODE": ""}, "1 validation error for Settings mode Input should be 'online', 'offline'"),
+], ids=["a project name wandb refuses", "online, a project name wandb refuses", "an empty WANDB_MODE"])
+def test_a_wandb_setting_wandb_refuses_is_one_line(env, data, tmp_path, variables, said):
+    """A WANDB_* variable wandb refuses ended the run in wandb's UsageError, or pydantic's ValidationError, traceback
+    at its start. One line names it, and the start leaves no run folder. Online, the start falls back to offline
+    first (its warning line), as for no network or no key, and the offline start says the same."""
+    out = tmp_path / "run"
+    result = launch(dict(env, **variables), "cifar_cnn", "--data", str(data), *SHORT, "--output_dir", str(out))
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert lines[-1].startswith(f"error: wandb refused its settings ({said}") and lines[-1].endswith(
+        "): fix the WANDB_* variable that set it, or pass --tracker tensorboard or none"), lines
+    assert len(lines) == 1 + (variables.get("WANDB_MODE") == "online") and not out.exists()
+
+
 def test_runs_table_shows_the_flags_that_differ_and_every_metric(tmp_path):
     from tools.runs import collect, columns
 
