@@ -51,12 +51,22 @@ def check_launch() -> None:
             raise RecipeError(f"the accelerate config sets ACCELERATE_{name}={os.environ[f'ACCELERATE_{name}']}: these "
                               "recipes train with DDP and compile with --compile: pass --config_file "
                               "accelerate_configs/2gpu.yaml or another of accelerate_configs/")
+    # Set in a shell, not by the launcher (which checks its own): accelerate trained a mistyped precision in float32,
+    # recorded as "precision bfloat16", and ended in a ValueError traceback on ACCELERATE_USE_CPU=maybe
+    if (precision := os.environ.get("ACCELERATE_MIXED_PRECISION", "no")) not in ("no", "fp16", "bf16", "fp8"):
+        raise RecipeError(f"the environment sets ACCELERATE_MIXED_PRECISION={precision!r}: accelerate takes no, fp16, "
+                          "bf16 or fp8")
+    try:
+        use_cpu = parse_flag_from_env("ACCELERATE_USE_CPU")
+    except ValueError:
+        raise RecipeError(f"the environment sets ACCELERATE_USE_CPU={os.environ['ACCELERATE_USE_CPU']!r}: set it to "
+                          "true or false") from None
     per_machine, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
-    if per_machine > 1 and not parse_flag_from_env("ACCELERATE_USE_CPU") and 0 < gpus < per_machine:
+    if per_machine > 1 and not use_cpu and 0 < gpus < per_machine:
         raise RecipeError(f"the config starts {per_machine} processes on this machine but it has {gpus} GPU(s): "
                           f"use --num_processes {gpus} or a config that matches the machine")
     # The Accelerator reuses this state. Like the Accelerator, honour ACCELERATE_USE_CPU (PartialState would not).
-    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"), timeout=PROCESS_GROUP_TIMEOUT)
+    state = PartialState(cpu=use_cpu, timeout=PROCESS_GROUP_TIMEOUT)
     if launched > 1 and state.num_processes == 1:
         # accelerate 1.x starts a MULTI_GPU config's processes even without GPUs; each then trains alone on the CPU,
         # writing the same files: N duplicate runs, not one DDP run.

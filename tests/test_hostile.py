@@ -1686,10 +1686,15 @@ def test_a_protocol_4_pickle_is_refused_in_one_line(env, tmp_path):
     ({"WANDB_MODE": "bogus"}, "the environment sets WANDB_MODE='bogus': wandb takes online, offline or disabled"),
     pytest.param({"HF_HOME": "FILE", "HF_DATASETS_CACHE": ""}, "/datasets/decoded (Not a directory): set HF_HOME",
                  marks=LAUNCHED),
-], ids=["stale WORLD_SIZE", "stale WORLD_SIZE and RANK", "LOCAL_WORLD_SIZE", "WANDB_MODE", "HF_HOME a file"])
+    ({"ACCELERATE_MIXED_PRECISION": "bfloat16"}, "the environment sets ACCELERATE_MIXED_PRECISION='bfloat16': "
+     "accelerate takes no, fp16, bf16 or fp8"),
+    ({"ACCELERATE_USE_CPU": "maybe"}, "the environment sets ACCELERATE_USE_CPU='maybe': set it to true or false"),
+], ids=["stale WORLD_SIZE", "stale WORLD_SIZE and RANK", "LOCAL_WORLD_SIZE", "WANDB_MODE", "HF_HOME a file",
+        "ACCELERATE_MIXED_PRECISION", "ACCELERATE_USE_CPU"])
 def test_a_broken_environment_is_one_line_within_seconds(env, data, tmp_path, variables, needle):
     """A WORLD_SIZE left in the shell made a single process wait forever for a second one (a launch: refused() times
-    out at 120 s); HF_HOME is read once, at the process's start (a launch); the others ended in tracebacks."""
+    out at 120 s); HF_HOME is read once, at the process's start (a launch); a mistyped ACCELERATE_MIXED_PRECISION
+    trained in float32, recorded as 'precision bfloat16'; the others ended in tracebacks."""
     (tmp_path / "FILE").write_text("not a folder")
     changed = {k: str(tmp_path / v) if v == "FILE" else v for k, v in variables.items()}
     refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--tracker", "wandb", "--output_dir", tmp_path / "out",
