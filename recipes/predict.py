@@ -225,7 +225,8 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
     expected = model.state_dict()
     if wrong := mismatch(expected, {k: tuple(v.shape) for k, v in state.items()}):
         raise RecipeError(f"--weights {path} does not fit this model ({wrong}): pass weights written by this recipe, "
-                          "with the model flags they were trained with (see config.json beside them)")
+                          "with the model flags they were trained with (see config.json beside them), and --classes, "
+                          "where given, with as many names as their classes")
     if not all(torch.isfinite(state[k]).all() for k in expected if state[k].is_floating_point()):
         raise RecipeError(f"--weights {path} holds NaN or infinite weights (a run that diverged): pass an earlier "
                           "checkpoint's weights, or train again with a lower --lr")

@@ -250,6 +250,9 @@ def test_predict_bad_input_is_one_line_and_keeps_what_is_on_disk(env, run, folde
         ((weights, root, tmp_path / "new.csv"), {"recipe": "resnet18_fmnist"},  # said first (below)
          f"--weights {weights} does not fit this model ('0.weight' is (32, 3, 5, 5) in the file"),
         ((tmp_path / "none.pt", root, tmp_path / "new.csv"), {}, f"--weights {tmp_path / 'none.pt'}: no such file"),
+        ((weights, root, tmp_path / "new.csv"), {"classes": "cat,dog"}, "(2, 64) in the model, and 1 more tensors "
+         "differ): pass weights written by this recipe, with the model flags they were trained with (see config.json "
+         "beside them), and --classes, where given, with as many names as their classes"),  # was silent on --classes
         ((stopped, root, tmp_path / "new.csv"), mine, f"--weights {stopped / 'model.safetensors'}: no such file: the "
          f"run has not written it (stopped, or still running): pass --weights {stopped / 'checkpoints' / 'step_12'}"),
         ((stopped / "checkpoints", root, tmp_path / "new.csv"), {}, f"--weights {stopped / 'checkpoints'} is a folder "
