@@ -80,7 +80,6 @@ def in_collective(error: BaseException) -> bool:
             or isinstance(error, torch.distributed.DistError) or "gloo" in str(error))
 
 
-
 def start_offline(tracker, error: Exception) -> None:
     """Start `tracker` (shared/tracking.py's WandB), whose start raised `error`, offline where it failed online (no
     network, server down, no or a bad key: training matters more than the dashboard). A setting wandb refuses in
