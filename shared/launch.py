@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 from accelerate import PartialState
-from accelerate.utils import parse_flag_from_env
+from accelerate.utils import PrecisionType, parse_flag_from_env
 
 from shared.checkpoints import launcher_command
 from shared.errors import RecipeError
@@ -53,9 +53,9 @@ def check_launch() -> None:
                               "accelerate_configs/2gpu.yaml or another of accelerate_configs/")
     # Set in a shell, not by the launcher (which checks its own): accelerate trained a mistyped precision in float32,
     # recorded as "precision bfloat16", and ended in a ValueError traceback on ACCELERATE_USE_CPU=maybe
-    if (precision := os.environ.get("ACCELERATE_MIXED_PRECISION", "no")) not in ("no", "fp16", "bf16", "fp8"):
-        raise RecipeError(f"the environment sets ACCELERATE_MIXED_PRECISION={precision!r}: accelerate takes no, fp16, "
-                          "bf16 or fp8")
+    if (precision := os.environ.get("ACCELERATE_MIXED_PRECISION", "no")) not in PrecisionType.list():
+        raise RecipeError(f"the environment sets ACCELERATE_MIXED_PRECISION={precision!r}: accelerate takes one of "
+                          f"{', '.join(PrecisionType.list())}")
     try:
         use_cpu = parse_flag_from_env("ACCELERATE_USE_CPU")
     except ValueError:

@@ -1687,7 +1687,7 @@ def test_a_protocol_4_pickle_is_refused_in_one_line(env, tmp_path):
     pytest.param({"HF_HOME": "FILE", "HF_DATASETS_CACHE": ""}, "/datasets/decoded (Not a directory): set HF_HOME",
                  marks=LAUNCHED),
     ({"ACCELERATE_MIXED_PRECISION": "bfloat16"}, "the environment sets ACCELERATE_MIXED_PRECISION='bfloat16': "
-     "accelerate takes no, fp16, bf16 or fp8"),
+     "accelerate takes one of no, fp8, fp16, bf16"),
     ({"ACCELERATE_USE_CPU": "maybe"}, "the environment sets ACCELERATE_USE_CPU='maybe': set it to true or false"),
 ], ids=["stale WORLD_SIZE", "stale WORLD_SIZE and RANK", "LOCAL_WORLD_SIZE", "WANDB_MODE", "HF_HOME a file",
         "ACCELERATE_MIXED_PRECISION", "ACCELERATE_USE_CPU"])
