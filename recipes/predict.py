@@ -26,12 +26,10 @@ import csv
 import importlib.util
 import inspect
 import json
-import pickle
 import re
 import sys
 import types
 import typing
-import warnings
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,7 +59,7 @@ class Config:
     output: str | None = None  # the CSV --images writes; default: predictions-<images>.csv in the weights' run folder
     evaluate: bool = False  # instead of --images: test loss and accuracy on the test split, one JSON line
     data: str | None = None  # --evaluate on this data (hub id or folder); default: the weights' data if a local folder
-    tta: bool = False  # --evaluate also with each image's logits averaged with its mirror's (recipes that flip)
+    tta: bool = False  # --images and --evaluate with each image's logits averaged with its mirror's (recipes that flip)
     top_k: int = 3  # classes listed per image, most probable first
     batch_size: int = 256  # images per forward pass
     recipe: str | None = None  # the script that trained the weights (a path, or a name in recipes/); default: theirs
@@ -190,21 +188,12 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
                "checkpoint, or finish the run with --resume latest") if newest else (
                "pass a model.safetensors, a .pt/.pth file or a checkpoint folder")
         raise RecipeError(f"--weights {path}: no such file: {fix}")
-    if path.suffix != ".safetensors":
-        from shared.pickles import check_archive  # files from anywhere, checked: an opt-in module
+    from shared.pickles import load_pickled  # a .pt/.pth from anywhere, checked: an opt-in module
 
-        check_archive(path)  # as torch.load reads it: bounded by the file's size, its pickles checked
-    try:  # weights_only: tensors and plain containers only; a pickle that would run code is refused
-        with warnings.catch_warnings():  # torch's note on a protocol-4 pickle, before the refusal below
-            warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            state = load_file(path) if path.suffix == ".safetensors" else torch.load(path, "cpu", weights_only=True)
-    except pickle.UnpicklingError as error:
-        found = re.search(r"GLOBAL (\S+)", str(error))
-        raise RecipeError(
-            f"--weights {path} holds pickled Python objects ({found.group(1) if found else 'not only tensors'}), "
-            "and loading it could run code: refused. Where the file was made and is trusted, convert it with "
-            "`model = torch.load(path, weights_only=False)` then `torch.save(model.state_dict(), 'weights.pt')`"
-        ) from None
+    try:
+        state = load_file(path) if path.suffix == ".safetensors" else load_pickled(path, "--weights")
+    except RecipeError:
+        raise
     except Exception as error:
         raise RecipeError(f"--weights {path} cannot be read ({type(error).__name__}: {first_line(error)}): "
                           "it may be truncated or not a weights file; pass a model.safetensors or a .pt state dict"
@@ -299,7 +288,7 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
     state = PartialState()
     if state.num_processes > 1:
         raise RecipeError("predict.py --images runs in one process: start it with `python recipes/predict.py ...`")
-    recipe_cfg = recipe_config(recipe, flags)
+    recipe_cfg = recipe_config(recipe, flags, tta=cfg.tta)
     model = recipe.make_model(len(classes), recipe_cfg)
     load_weights(model, cfg.weights)  # one line if the file is not this recipe's model
     model.to(state.device).eval()  # float32 and NCHW, whatever --channels_last or precision trained it: same weights
@@ -335,9 +324,11 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
                 unreadable.append(str(error))
         if not paths:
             continue
-        batch = torch.stack(pixels).to(state.device)
-        probabilities = model(recipe.preprocess(batch, training=False, **options)).float().softmax(dim=1)
-        top_p, top_i = probabilities.topk(k, dim=1)
+        inputs = recipe.preprocess(torch.stack(pixels).to(state.device), training=False, **options)
+        logits = model(inputs)
+        if getattr(recipe_cfg, "tta", False):  # as the recipe's evaluate() does it (eval_acc_tta)
+            logits = (logits + model(inputs.flip(3))) / 2
+        top_p, top_i = logits.float().softmax(dim=1).topk(k, dim=1)
         for path, p, i in zip(paths, top_p.tolist(), top_i.tolist()):
             name = path.relative_to(root) if root.is_dir() else path.name
             rows.append([cell(str(name)), cell(classes[i[0]]), f"{p[0]:.4f}",

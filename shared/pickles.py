@@ -7,7 +7,9 @@ import io
 import mmap
 import pickle
 import pickletools
+import re
 import struct
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -45,6 +47,24 @@ def check_pickle(raw: bytes | mmap.mmap) -> None:
             raise pickle.UnpicklingError(f"more than {MAX_PICKLE_LONGS:,} integers past 32 bits")
         if tuples > MAX_PICKLE_TUPLES:
             raise pickle.UnpicklingError(f"more than {MAX_PICKLE_TUPLES:,} tuples")
+
+
+def load_pickled(path: Path, flag: str):
+    """torch.load of a file from anywhere (predict.py's .pt/.pth, given as `flag`), checked first as torch.load reads
+    it (check_archive: bounded by the file's size, its pickles checked), then with weights_only=True: tensors and
+    plain containers only; a pickle that would run code is refused, in one line that says how to convert it."""
+    check_archive(path)
+    try:
+        with warnings.catch_warnings():  # torch's note on a protocol-4 pickle, before the refusal below
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            return torch.load(path, "cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        found = re.search(r"GLOBAL (\S+)", str(error))
+        raise RecipeError(
+            f"{flag} {path} holds pickled Python objects ({found.group(1) if found else 'not only tensors'}), "
+            "and loading it could run code: refused. Where the file was made and is trusted, convert it with "
+            "`model = torch.load(path, weights_only=False)` then `torch.save(model.state_dict(), 'weights.pt')`"
+        ) from None
 
 
 def check_archive(path: Path, fix: str = "pass the file torch.save wrote") -> None:

@@ -151,6 +151,30 @@ def test_predict_writes_a_row_per_image_and_agrees_with_the_runs_evaluation(env,
 
 
 
+def test_predict_images_with_tta_is_the_mean_of_the_logits_of_an_image_and_its_mirror(env, run, folder, tmp_path):
+    """--images --tta: each photo's class and confidence from the mean of its logits and its mirror's, as --evaluate
+    --tta counts them (it was ignored: the CSV held the plain logits' classes); without --tta, the plain ones, though
+    the weights were trained with --tta."""
+    out, _ = run
+    root, test_set = folder
+    weights = out / "model.safetensors"
+    model = cifar_cnn.make_model(10).eval()
+    predict_script.load_weights(model, weights)
+    with torch.no_grad():
+        inputs = cifar_cnn.preprocess(test_set.images, training=False)
+        plain, mirrored = model(inputs).softmax(1), model(inputs.flip(3))
+        averaged = ((model(inputs) + mirrored) / 2).softmax(1)
+    assert (plain - averaged).abs().max() > 1e-3  # the two settings are told apart
+    for flags, probabilities in (((), plain), (("--tta",), averaged)):
+        csv_path = tmp_path / f"predictions{len(flags)}.csv"
+        ok(predict(env, "--weights", weights, "--images", root, "--output", csv_path, *flags))
+        rows = {row["path"]: row for row in csv.DictReader(csv_path.open())}
+        for n, (label, p) in enumerate(zip(test_set.labels, probabilities)):
+            row = rows[f"{CLASSES[label]}/{n}.png"]
+            assert float(row["confidence"]) == pytest.approx(p.max().item(), abs=1e-4), (flags, n)
+            assert row["class"] == CLASSES[p.argmax()] or p.topk(2).values.diff().abs() < 1e-4, (flags, n)
+
+
 def test_predict_says_the_links_it_does_not_follow(env, run, folder, tmp_path):
     """A link to a folder under --images (a folder of photos gathered by links) was left out unsaid: fewer rows than
     the user's images, and no line; so was a link whose file is gone. Each is said now: the folder's link as skipped
