@@ -160,6 +160,8 @@ def recipe_config(recipe, flags, **overrides):
         if not fits(value, hints[name]):
             raise RecipeError(f"the weights' metadata gives {name} = {str(value)[:40]!r}, not a {hints[name]}: "
                               "pass weights written by this recipe")
+    if overrides.get("tta") and "tta" not in hints:  # the MLP: its training flips no images
+        raise RecipeError(f"{recipe.__name__} has no --tta (its training flips no images): run it without --tta")
     try:  # overrides too only where the recipe has the flag (the MLP has no --tta)
         return recipe.Config(**{**kept, **{k: v for k, v in overrides.items() if k in hints}})
     except (ValueError, TypeError) as error:

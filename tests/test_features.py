@@ -335,15 +335,23 @@ def test_predict_takes_a_bare_state_dict_of_every_recipe(recipe, classes, folder
 
 
 @pytest.mark.parametrize("recipe", ["resnet18_fmnist", "deep_mlp_ckpt"])
-def test_evaluate_of_every_recipe_passes_only_the_flags_it_has(recipe, data, tmp_path, capsys):
+def test_evaluate_of_every_recipe_passes_only_the_flags_it_has(recipe, data, folder, tmp_path, capsys):
     """--evaluate hands the recipe --tta and --batch_size only where its Config has them: the MLP has no --tta
-    (found by benchmarks/gpu_check.py on an H200, and the same on a CPU)."""
+    (found by benchmarks/gpu_check.py on an H200, and the same on a CPU). Asked for, --tta of the MLP is one line,
+    for --evaluate and --images alike: its numbers and CSV were the plain model's, unsaid."""
     module = {"resnet18_fmnist": resnet18_fmnist, "deep_mlp_ckpt": deep_mlp_ckpt}[recipe]
     weights = tmp_path / "weights.pt"
     torch.save(module.make_model(10, module.Config()).state_dict(), weights)
     predict_script.run(predict_script.Config(str(weights), evaluate=True, data=str(data), recipe=recipe,
                                              classes=",".join(CLASSES[:10])))
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["eval_samples"] == 40  # the test split
+    if recipe == "deep_mlp_ckpt":
+        for mode in ({"evaluate": True, "data": str(data)}, {"images": str(folder[0])}):
+            with pytest.raises(RecipeError, match=r"^deep_mlp_ckpt has no --tta \(its training flips no images\): "
+                                                  "run it without --tta$"):
+                predict_script.run(predict_script.Config(str(weights), recipe=recipe, classes=",".join(CLASSES[:10]),
+                                                         tta=True, output=str(tmp_path / "p.csv"), **mode))
+        assert not (tmp_path / "p.csv").exists()
 
 
 def test_evaluate_on_data_whose_class_names_differ_from_the_weights_says_so(data, tmp_path, capsys):
