@@ -99,7 +99,8 @@ def describe_weights(cfg: Config) -> dict:
     if path.is_dir() and (newest := list_checkpoints(path)[-1:]):  # a run's checkpoints/, or a --checkpoint_dir
         raise RecipeError(f"--weights {path} is a folder of checkpoints: pass one, e.g. {newest[0]}, the newest")
     if path.is_dir():  # a checkpoint (or a run) folder: the config.json saved in it, which --checkpoint_dir's have
-        older = [path.resolve().parent.parent / "config.json"] if path.resolve().parent.name == "checkpoints" else []
+        run = path.resolve().parent.parent  # of checkpoints/<step> and of an extended run's finished/<N>_steps
+        older = [run / "config.json"] if path.resolve().parent.name in ("checkpoints", "finished") else []
         # older checkpoints: their run's beside checkpoints/; none readable: --recipe and --classes say what it is
         config = next((c for c in map(read_json, [path / "config.json", *older]) if isinstance(c, dict)), None)
         if config:  # a run's config.json: its recipe and classes beside its flags

@@ -378,6 +378,23 @@ def test_predict_reads_a_checkpoint_folder_beside_its_run_config(file, run, fold
     assert len(rows) == len(test_set) + 1 and all(row["class"] in CLASSES[:10] for row in rows)
 
 
+def test_predict_reads_the_weights_an_extended_run_moved_to_finished(data, folder, tmp_path):
+    """An extended run moves its earlier weights into finished/<N>_steps/ (README: a run continued past its end):
+    that folder, as --weights, asked for --recipe ("which recipe builds the model?"), though its file names it. Its
+    run's config.json says it, as for a checkpoint folder; the CSV is the file's, written beside it."""
+    out, (root, test_set) = tmp_path / "run", folder
+    flags = ("--data", data, "--output_dir", out, "--batch_size", "8", "--tracker", "none")
+    ok(run_here("cifar_cnn", *flags, "--max_steps", "2"))
+    ok(run_here("cifar_cnn", *flags, "--max_steps", "3", "--resume", "latest"))
+    finished = out / "finished" / "2_steps"
+    for weights, output in ((finished, "by_folder.csv"), (finished / "model.safetensors", "by_file.csv")):
+        predict_script.run(predict_script.Config(str(weights), str(root), str(tmp_path / output)))
+    assert (tmp_path / "by_folder.csv").read_text() == (tmp_path / "by_file.csv").read_text()
+    assert len((tmp_path / "by_folder.csv").read_text().splitlines()) == len(test_set) + 2  # a header, and the jpg
+    predict_script.run(predict_script.Config(str(finished), str(root)))  # the default --output: beside the weights
+    assert (finished / f"predictions-{root.name}.csv").read_text() == (tmp_path / "by_file.csv").read_text()
+
+
 @pytest.mark.parametrize("recipe", ["cifar_cnn", "resnet18_fmnist", "finetune"])
 def test_momentum_0_is_plain_sgd(recipe, data, tmp_path):
     """--momentum 0 ended in torch's ValueError traceback ("Nesterov momentum requires a momentum and zero
