@@ -448,8 +448,8 @@ def check_run_folder(run_dir: Path, cfg, recipe: str) -> None:
     """A run folder that already holds files (open_run): a run of these recipes that --resume continues or --overwrite
     replaces, holding no link or special file (`check_entries`); any other is refused, untouched."""
     if (run_dir / "config.json").exists() and not (cfg.resume or cfg.overwrite):
-        raise RecipeError(f"{run_dir} already holds a run: pass --resume latest to continue it, "
-                          "--overwrite to replace it, or another --output_dir")
+        raise RecipeError(f"{run_dir} already holds a run: pass --resume latest to continue it, --overwrite to "
+                          "replace it (or to restart one stopped before its first checkpoint), or another --output_dir")
     if not is_run(run_dir):  # a user's own folder: its metrics.jsonl would be appended to
         raise RecipeError(f"{run_dir} holds files but no run of these recipes (no config.json with a run_id of letters "
                           "and digits), so nothing is written into it: pass a new or empty --output_dir, or to "

@@ -645,7 +645,8 @@ def test_resume_without_a_checkpoint(env, data, tmp_path):
     shutil.rmtree(killed / "checkpoints")
     (killed / "model.safetensors").unlink()
     args = ("--data", str(data), "--output_dir", str(killed), *SHORT)
-    one_line(run_here("cifar_cnn", *args), "already holds a run")
+    one_line(run_here("cifar_cnn", *args), "already holds a run", "--overwrite to replace it (or to restart one "
+             "stopped before its first checkpoint)")
     one_line(run_here("cifar_cnn", *args, "--resume", "latest"), "has no checkpoints: start the run again without "
              "--resume (with --overwrite, where its folder holds it")
     ok(run_here("cifar_cnn", *args, "--overwrite"))
