@@ -152,7 +152,8 @@ class RunConfig:
 
     parse = classmethod(parse_config)
     # Fields that must be > 0, or >= 0 (unset, None passes). A recipe adds its own, e.g.
-    # NON_NEGATIVE = RunConfig.NON_NEGATIVE + ("momentum",); other rules go in its own __post_init__.
+    # NON_NEGATIVE = RunConfig.NON_NEGATIVE + ("momentum",), which must also be below 1 (SGD's, in any recipe); other
+    # rules go in its own __post_init__.
     POSITIVE = ("epochs", "batch_size", "grad_accum", "lr", "max_grad_norm", "max_steps", "log_every",
                 "keep_checkpoints")
     NON_NEGATIVE = ("seed", "checkpoint_every")
@@ -164,5 +165,7 @@ class RunConfig:
                 raise ValueError(f"--{name} must be {'>' if name in self.POSITIVE else '>='} 0, got {value}")
         if self.seed >= 2**31:  # seeds are 32-bit, and each process and resume adds its rank and step
             raise ValueError(f"--seed must be below 2**31, got {self.seed}")
+        if getattr(self, "momentum", 0) >= 1:  # a recipe's SGD: each step's update would grow without end
+            raise ValueError(f"--momentum must be below 1 (e.g. 0.9), got {self.momentum}")
         if self.ema is not None and not 0 < self.ema < 1:
             raise ValueError(f"--ema is the average's decay per step, between 0 and 1 (e.g. 0.99); got {self.ema}")
