@@ -297,15 +297,17 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
     model.to(state.device).eval()  # float32 and NCHW, whatever --channels_last or precision trained it: same weights
     # The size the model was trained at and its resize filter: a recipe with an --image_size flag says them
     # (finetune.py's input_sizes), and crops on the device from what its preprocess() is given (it takes cfg)
-    sized = hasattr(recipe, "input_sizes")
-    shape, _, how = recipe.input_sizes(recipe_cfg) if sized else (recipe.IMAGE_SHAPE, 0, "bilinear")
+    shape, _, how = recipe.input_sizes(recipe_cfg) if hasattr(recipe, "input_sizes") else (
+        recipe.IMAGE_SHAPE, 0, "bilinear")
     options = {"cfg": recipe_cfg} if "cfg" in inspect.signature(recipe.preprocess).parameters else {}
     root = Path(cfg.images)
     images, skipped = find_images(root)
     output = Path(cfg.output) if cfg.output else default_output(Path(cfg.weights), root)
-    if output.is_dir() or not output.parent.is_dir():
-        raise RecipeError(f"--output {output}: {'a folder' if output.is_dir() else 'its folder does not exist'}: pass "
-                          "a file name in an existing folder")
+    # Never renamed over a folder, a device or a FIFO: as root, --output /dev/null --overwrite made /dev/null a file
+    if output.exists() and not output.is_file() or not output.parent.is_dir():
+        raise RecipeError(
+            f"--output {output}: {'a folder, device or FIFO' if output.exists() else 'its folder is missing'}: pass a "
+            "file name in an existing folder")
     if output.exists() and not cfg.overwrite:
         from shared.resume import predictions  # the CSVs predict.py wrote in a run folder: an opt-in module
 

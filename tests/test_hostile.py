@@ -1608,13 +1608,19 @@ def test_a_hundred_thousand_words_on_the_command_line_are_one_line_at_once(env, 
     assert len(line) < 200
 
 
-@pytest.mark.parametrize("output, needle", [("missing/p.csv", "its folder does not exist"), ("", "a folder")],
-                         ids=["missing folder", "a folder"])
+@pytest.mark.parametrize("output, needle", [("missing/p.csv", "its folder is missing"),
+                                            ("", "a folder, device or FIFO"), ("fifo", "a folder, device or FIFO")],
+                         ids=["missing folder", "a folder", "a FIFO"])
 def test_predict_output_that_cannot_be_a_file(env, run, tmp_path, output, needle):
+    """Even with --overwrite: a FIFO or a device (--output /dev/null) was renamed over, so that, run as root,
+    /dev/null became a file of predictions."""
     (tmp_path / "out").mkdir()
+    if output == "fifo":
+        os.mkfifo(tmp_path / "out" / "fifo")
     refused(env, tmp_path, "predict", *predict_args(run, tmp_path), "--output", tmp_path / "out" / output,
-            needle=f"{needle}: pass a file name in an existing folder")
-    assert list((tmp_path / "out").iterdir()) == []  # no stray .tmp
+            "--overwrite", needle=f"{needle}: pass a file name in an existing folder")
+    assert [path.name for path in (tmp_path / "out").iterdir()] == ([output] if output == "fifo" else [])  # no .tmp
+    assert output != "fifo" or (tmp_path / "out" / "fifo").is_fifo()  # still the FIFO it was
 
 
 @pytest.mark.parametrize("evaluate", [False, True], ids=["predict", "evaluate"])
