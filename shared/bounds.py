@@ -56,8 +56,8 @@ def check_decoded_size(source: str, count: int, image_shape: tuple[int, int, int
 def check_cache_error(error: Exception, data: Path) -> None:
     """A file datasets could not make outside --data (its cache, under HF_HOME: a home that is read-only, full, or
     not a folder) is the cause named, not the data's format or the hub."""
-    made = error.filename if isinstance(error, OSError) and isinstance(error.filename, str) else None
-    if made and not Path(made).absolute().is_relative_to(data.absolute()):
+    made = error.filename if isinstance(error, OSError) else None
+    if isinstance(made, str) and not Path(made).absolute().is_relative_to(data.absolute()):
         raise RecipeError(f"datasets could not write its cache ({made}: {error.strerror}): set HF_HOME (or "
                           "HF_DATASETS_CACHE) to a writable folder with room") from None
 
@@ -110,13 +110,16 @@ def check_labels(found, stored: dict) -> None:
 def check_image_size(size: int, model: str, weights: str, chosen) -> None:
     """finetune.py's --image_size `size`, for torchvision's `model` with its `weights` (a name, or none; `chosen`: the
     WeightsEnum, with none the architecture's DEFAULT): at least the smallest input the architecture takes (its
-    weights' min_size: 63 px for alexnet), and 32. MaxViT's partitions fit one input size, and so do a pretrained
-    ViT's position embeddings: the weights' own. A ViT's input is a whole number of its patches (vit_b_16: of 16 px)."""
+    weights' min_size: 63 px for alexnet) and 32, at most 4,096. MaxViT's partitions fit one input size, and so do a
+    pretrained ViT's position embeddings: the weights' own. A ViT's input is a whole number of its patches (vit_b_16:
+    of 16 px)."""
     smallest = max(32, chosen.meta["min_size"][0])
     one_size = model.startswith("maxvit") or model.startswith("vit_") and weights != "none"
-    if size < smallest or one_size and size != smallest:
-        raise ValueError(f"--image_size must be {'' if one_size else 'at least '}{smallest} for {model} ({weights} "
-                         f"weights), got {size}")
+    # At most 4,096 px: torchvision's largest weights take 518, a float32 image of 4,096 px is 200 MB, and 10^9 px
+    # overflowed torch's size arithmetic in the resize (a traceback)
+    if not smallest <= size <= 4096 or one_size and size != smallest:
+        raise ValueError(f"--image_size must be {smallest if one_size else f'{smallest} to 4,096'} for {model} "
+                         f"({weights} weights), got {size}")
     patch = int(model.rsplit("_", 1)[1]) if model.startswith("vit_") else 1
     if size % patch:
         raise ValueError(f"--image_size must be a multiple of {model}'s {patch}-px patches, got {size}")

@@ -20,6 +20,7 @@ from PIL import Image
 from test_errors import one_line
 
 from recipes import finetune, predict
+from shared import bounds
 from shared.errors import RecipeError
 
 from conftest import ROOT, assert_bitwise_equal, hooked, launch, ok, run_here, weights
@@ -158,8 +159,9 @@ def test_without_pretrained_weights_nothing_is_frozen(capsys):
     (["--model", "vit_b_16", "--image_size", "250", "--weights", "none"], "a multiple of vit_b_16's 16-px patches"),
     (["--model", "maxvit_t", "--image_size", "256", "--weights", "none"], "--image_size must be 224 for maxvit_t"),
     (["--model", "swin_t", "--image_size", "256"], None),  # windows of 7 patches, padded at any size
-    (["--model", "alexnet", "--image_size", "62"], "--image_size must be at least 63 for alexnet"),
-    (["--model", "resnet18", "--image_size", "31"], "--image_size must be at least 32 for resnet18"),
+    (["--model", "alexnet", "--image_size", "62"], "--image_size must be 63 to 4,096 for alexnet"),
+    (["--model", "resnet18", "--image_size", "31"], "--image_size must be 32 to 4,096 for resnet18"),
+    (["--image_size", "1000000000"], "--image_size must be 32 to 4,096 for resnet18"),  # was torch's RuntimeError
     (["--model", "resnet18", "--image_size", "500"], None)])
 def test_an_image_size_the_weights_cannot_take_is_one_line(capsys, flags, refused):
     """A ViT's pretrained position embeddings fit one input size: another one read 'holds another model's weights
@@ -235,20 +237,22 @@ def test_a_cached_weights_file_with_compressed_entries_is_not_inflated(torch_hom
         finetune.load_pretrained(finetune.make_model(3, cfg), finetune.pretrained_state(cfg), cfg)
 
 
-def test_photos_that_would_not_fit_in_memory_decoded_are_refused_first(photos):
-    """33 photos decoded at 228,571 px (--image_size 200,000 at resnet18's resize) take 4.7 TiB, on any machine: one
-    line, before any photo is decoded."""
-    cfg = finetune.Config.parse(["--data", str(photos), "--weights", "none", "--image_size", "200000"])
-    with pytest.raises(RecipeError, match=r"33 images of 3x228571x228571 take 4817.0 GiB decoded, more than the .* "
+def test_photos_that_would_not_fit_in_memory_decoded_are_refused_first(photos, monkeypatch):
+    """33 photos decoded at 4,681 px (--image_size 4,096, the largest, at resnet18's resize) take 2.0 GiB, here with
+    1 GiB free: one line, before any photo is decoded."""
+    monkeypatch.setattr(bounds, "free_memory", lambda: 2**30)
+    cfg = finetune.Config.parse(["--data", str(photos), "--weights", "none", "--image_size", "4096"])
+    with pytest.raises(RecipeError, match=r"33 images of 3x4681x4681 take 2.0 GiB decoded, more than the 1.0 "
                                           r"GiB of free memory: use smaller images \(finetune.py: --image_size\)"):
         finetune.load_data(cfg)
 
 
-def test_published_files_that_would_not_fit_in_memory_converted_are_refused_first(tmp_path):
+def test_published_files_that_would_not_fit_in_memory_converted_are_refused_first(tmp_path, monkeypatch):
     """IDX files are read, then converted to --image_size all at once: the same bound, before the conversion."""
+    monkeypatch.setattr(bounds, "free_memory", lambda: 2**30)
     digits = idx_folder(tmp_path / "digits", random_splits((28, 28), sizes=(24, 9), classes=3))
-    cfg = finetune.Config.parse(["--data", str(digits), "--weights", "none", "--image_size", "200000"])
-    with pytest.raises(RecipeError, match="33 images of 3x228571x228571 take 4817.0 GiB decoded, more than the"):
+    cfg = finetune.Config.parse(["--data", str(digits), "--weights", "none", "--image_size", "4096"])
+    with pytest.raises(RecipeError, match="33 images of 3x4681x4681 take 2.0 GiB decoded, more than the 1.0 GiB"):
         finetune.load_data(cfg)
 
 

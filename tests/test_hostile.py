@@ -1523,12 +1523,12 @@ def test_an_eps_image_never_runs_ghostscript(env, run, tmp_path, monkeypatch, sc
 
 @pytest.mark.slow  # launched: the memory limit is the point
 def test_photos_that_would_not_fit_under_the_memory_limit_decoded_are_refused_first(env, tmp_path):
-    """33 photos decoded at 8,000 px (--image_size 7,000 at resnet18's resize) take 5.9 GiB: less than this machine's
-    free memory, more than the run's address space leaves (ulimit -v, as a cluster sets it). Refused before decoding,
-    with the size and what to do."""
-    data = imagefolder_dataset(tmp_path / "photos", sizes={"train": 24, "test": 9}, num_classes=3)
-    line = refused(env, tmp_path, "finetune", "--data", data, "--weights", "none", "--image_size", "7000", *SHORT,
-                   "--output_dir", tmp_path / "out", needle="33 images of 3x8000x8000 take 5.9 GiB decoded, more than",
+    """99 photos decoded at 4,681 px (--image_size 4,096, the largest, at resnet18's resize) take 6.1 GiB: less than
+    this machine's free memory, more than the run's address space leaves (ulimit -v, as a cluster sets it). Refused
+    before decoding, with the size and what to do."""
+    data = imagefolder_dataset(tmp_path / "photos", sizes={"train": 72, "test": 27}, num_classes=3)
+    line = refused(env, tmp_path, "finetune", "--data", data, "--weights", "none", "--image_size", "4096", *SHORT,
+                   "--output_dir", tmp_path / "out", needle="99 images of 3x4681x4681 take 6.1 GiB decoded, more than",
                    launched=True)
     assert "use smaller images (finetune.py: --image_size) or fewer" in line
 
