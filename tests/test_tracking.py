@@ -318,7 +318,8 @@ def test_runs_table_shortens_a_hash_to_12_digits(tmp_path, capsys):
 
 def test_runs_table_of_folders_from_anywhere_is_rows_or_one_line(tmp_path, deep_tree):
     """Summaries nested past the recursion limit, over 16 MiB (a 3 GiB one took 6.2 GB), 1,500 folders deep, and a
-    --markdown that is a folder: rows or one line, no traceback."""
+    --markdown that is a folder or a FIFO: rows or one line, no traceback. A FIFO or a device was renamed over: as
+    root, --markdown /dev/null made /dev/null a file."""
     deep = tmp_path / "runs"
     for name, text in (("nested", "[" * 100_000 + "]" * 100_000), ("big", '{"x": "' + "a" * 2**24 + '"}')):
         (deep / name).mkdir(parents=True)
@@ -327,11 +328,16 @@ def test_runs_table_of_folders_from_anywhere_is_rows_or_one_line(tmp_path, deep_
     folder = deep_tree(deep, 1500) / "run"
     folder.mkdir()
     (folder / "summary.json").write_text(json.dumps({"steps": 3, "eval_acc": 0.5}))
-    table = subprocess.run([sys.executable, "-m", "tools.runs", str(deep), "--markdown", str(tmp_path)], cwd=ROOT,
-                           capture_output=True, text=True)
-    assert table.returncode == 1 and table.stdout.count("\n| ") == 3, table.stderr[-2000:]  # a row per run
-    assert table.stderr.strip().splitlines() == [f"error: cannot write --markdown {tmp_path} (Is a directory): pass "
-                                                 "a file path in a writable folder"]
+    table = subprocess.run([sys.executable, "-m", "tools.runs", str(deep)], cwd=ROOT, capture_output=True, text=True)
+    assert table.returncode == 0 and table.stdout.count("\n| ") == 3, table.stderr[-2000:]  # a row per run
+    os.mkfifo(tmp_path / "fifo.md")
+    for markdown in (tmp_path, tmp_path / "fifo.md"):
+        refused = subprocess.run([sys.executable, "-m", "tools.runs", str(deep), "--markdown", str(markdown)],
+                                 cwd=ROOT, capture_output=True, text=True)
+        assert (refused.returncode, refused.stdout) == (1, ""), refused.stderr[-2000:]
+        assert refused.stderr.strip().splitlines() == [f"error: --markdown {markdown} is a folder, device or FIFO: "
+                                                       "nothing written; pass a file name"]
+    assert (tmp_path / "fifo.md").is_fifo()  # still the FIFO it was
     missing = subprocess.run([sys.executable, "-m", "tools.runs", str(tmp_path / "missing")], cwd=ROOT,
                              capture_output=True, text=True)
     assert missing.returncode == 1 and missing.stderr.startswith("error: ") and "Traceback" not in missing.stderr

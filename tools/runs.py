@@ -176,6 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", type=Path,
                         help="also write the table, every column, to this markdown file (a new one, or one it wrote)")
     args = parser.parse_args(argv)
+    # Never renamed over a folder, a device or a FIFO: as root, --markdown /dev/null made /dev/null a file (a link is
+    # replaced, never written through)
+    if args.markdown and args.markdown.exists() and not args.markdown.is_symlink() and not args.markdown.is_file():
+        print(f"error: --markdown {args.markdown} is a folder, device or FIFO: nothing written; pass a file name",
+              file=sys.stderr)
+        return 1
     if args.markdown and args.markdown.is_file() and not args.markdown.is_symlink() and not table_file(args.markdown):
         print(f"error: --markdown {args.markdown} exists and is no table this tool wrote: nothing written; pass a new "
               "file, then copy the table from it", file=sys.stderr)
