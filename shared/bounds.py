@@ -133,9 +133,11 @@ def walk(folder: Path, skip: Path | None = None) -> Iterator[os.DirEntry]:
     while folders:
         try:
             entries = os.scandir(folders.pop())
-        except OSError as error:  # a tree deeper than the system's path limit (4,096 bytes), a folder you may not read
-            raise RecipeError(f"cannot list the folders under {folder} ({error.strerror}): move the files nearer the "
-                              "root, or make their folders readable") from None
+        except OSError as error:  # a tree deeper than the system's path limit (4,096 bytes), a folder you may not read,
+            # a file given for a folder (--checkpoint_dir)
+            raise RecipeError(f"cannot list the folders under {folder} ({error.strerror}): it must be a folder, its "
+                              "folders readable and its paths under 4,096 bytes (move the files nearer the root)"
+                              ) from None
         with entries:
             for entry in entries:
                 if not entry.is_dir(follow_symlinks=False):

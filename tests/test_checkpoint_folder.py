@@ -53,6 +53,16 @@ def test_another_run_is_refused_a_checkpoint_folder_in_use_and_nothing_is_lost(d
     assert snapshot(checkpoints) == before and not (tmp_path / "b").exists()
 
 
+def test_a_file_for_a_checkpoint_folder_is_refused_before_the_training(data, tmp_path):
+    """A file (a FIFO too) named by --checkpoint_dir: the run trained up to its first checkpoint, then its save failed
+    ('Not a directory') with nothing saved, the training lost."""
+    mine = tmp_path / "notes.txt"
+    mine.write_text("mine")
+    result = run(data, tmp_path / "out", mine, "--max_steps", "2")
+    one_line(result, f"cannot list the folders under {mine} (Not a directory): it must be a folder")
+    assert mine.read_text() == "mine" and not (tmp_path / "out").exists()
+
+
 def test_a_users_own_step_folders_are_refused_and_kept(data, tmp_path):
     """A folder of the user's that happens to hold step_1..step_5 (notes): before, three were deleted at the first
     save, exit 0."""
