@@ -13,7 +13,7 @@ Result: 8 segments hold 0.15x the activations (125 of 836 MB at batch 1024) for 
 measured. Other data, CPU and GPU speed: benchmarks/BENCHMARKS.md.
 
 Run it from the repository root (outputs in runs/deep_mlp_ckpt-<time>/):
-  accelerate launch --config_file accelerate_configs/1gpu.yaml recipes/deep_mlp_ckpt.py --ckpt sequential
+  accelerate launch -q --config_file accelerate_configs/1gpu.yaml recipes/deep_mlp_ckpt.py --ckpt sequential
   python recipes/deep_mlp_ckpt.py --synthetic --max_steps 200      # offline smoke run, no download
 """
 

@@ -9,7 +9,7 @@ Results: see the header of deep_mlp_ckpt.py and README.md ("What gradient checkp
 
 Run it (from the repository root; one process, the precision of the config):
   python recipes/deep_mlp_sweep.py
-  accelerate launch --config_file accelerate_configs/1gpu.yaml recipes/deep_mlp_sweep.py --ckpt blocks
+  accelerate launch -q --config_file accelerate_configs/1gpu.yaml recipes/deep_mlp_sweep.py --ckpt blocks
 """
 
 import math

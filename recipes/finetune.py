@@ -13,7 +13,7 @@ on 150 real digits at 32 px (2-core CPU): 0.754 +- 0.020 with every layer at --l
   bash benchmarks/finetune_transfer.sh OUT; python benchmarks/finetune_speed.py --out DIR --config cpu_bf16
 
 Run it from the repository root (outputs in runs/finetune-<time>/, as every recipe's):
-  accelerate launch --config_file accelerate_configs/1gpu.yaml recipes/finetune.py --data my_photos/
+  accelerate launch -q --config_file accelerate_configs/1gpu.yaml recipes/finetune.py --data my_photos/
   python recipes/finetune.py --synthetic --weights none --image_size 64 --max_steps 20   # offline smoke run
 """
 

@@ -10,7 +10,7 @@ biases, without them not measured on a CPU); d2l's loop 0.883 after 5. On one H2
 --epochs 6, the step a CUDA graph: 0.9326-0.9354 in 6.2-6.3 s of training (seeds 0-2, each a new process; 12.8-14.8
 s from the command, Python's compiled code kept; benchmarks/results/gpu-h200/2026-11-29/call3.sh, 2026-11-29).
 More: benchmarks/BENCHMARKS.md.
-  accelerate launch --config_file accelerate_configs/cpu_bf16.yaml recipes/resnet18_fmnist.py \
+  accelerate launch -q --config_file accelerate_configs/cpu_bf16.yaml recipes/resnet18_fmnist.py \
     --data /usr/share/datasets/fashion-mnist
 
 Run it from the repository root (outputs in runs/resnet18_fmnist-<time>/):

@@ -92,6 +92,23 @@ def test_a_stale_name_fails_the_check():
     assert "--backbone_lr" not in entry_point_flags() | OTHER_TOOLS
 
 
+LAUNCH = re.compile(r"accelerate launch ((?:-\S+ )*)--config_file accelerate_configs/(\w+)\.yaml")
+
+
+def test_every_launch_of_one_process_the_project_gives_is_quiet():
+    """Without `-q`, accelerate's one-process launcher ends every failed run in its own CalledProcessError traceback,
+    below the recipe's one line: each command a user copies from the README, docs/, a config's or a recipe's header or
+    a new project's README passes it. docs/speed.md and benchmarks/ keep the commands they measured, as run."""
+    sources = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "accelerate_configs").glob("*"),
+               *(ROOT / "recipes").glob("*.py"), *(ROOT / "tools").glob("*.py")]
+    one_process = {path.stem for path in (ROOT / "accelerate_configs").glob("*.yaml")
+                   if re.search(r"^num_processes: 1$", path.read_text(), re.M)}
+    assert {"cpu", "1gpu", "fp16"} <= one_process and "2gpu" not in one_process
+    loud = [f"{path.relative_to(ROOT)}: {match[0]}" for path in sources if path.name != "speed.md"
+            for match in LAUNCH.finditer(path.read_text()) if match[2] in one_process and "-q " not in match[1]]
+    assert not loud, loud
+    assert LAUNCH.search("accelerate launch --config_file accelerate_configs/cpu.yaml x.py")[1] == ""
+
 def test_what_a_recipe_uses_from_shared_is_what_the_docs_list():
     """docs/your_project.md lists cifar_cnn.py's imported names, the functions it calls and the methods of the objects
     it makes (the README said "at most 12 helpers" when a recipe called 25)."""
