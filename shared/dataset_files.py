@@ -388,11 +388,12 @@ def read_idx(path: Path, count_only: bool = False) -> np.ndarray | int:
                 raise RecipeError(f"{path} is not an IDX file of unsigned bytes (it starts {magic.hex(' ')}, expected "
                                   "00 00 08 and 1 to 3 dimensions): download it again")
             dims = f.read(4 * magic[3])
+            whole = len(dims) == 4 * magic[3]  # every size the header names is there
             shape = tuple(int.from_bytes(dims[i:i + 4], "big") for i in range(0, len(dims), 4))
             size = math.prod(shape)
-            if size == 0 and len(dims) == 4 * magic[3]:
+            if size == 0 and whole:
                 raise RecipeError(f"{path} holds no data (its header says {shape}): download it again")
-            if count_only and len(dims) == 4 * magic[3]:
+            if count_only and whole:
                 return shape[0]
             check_size(path, size)
             stored = path.stat().st_size  # a gzip bomb inflates thousands of times (1 MB to 1.5 GB)
@@ -403,7 +404,7 @@ def read_idx(path: Path, count_only: bool = False) -> np.ndarray | int:
             raw, extra = f.read(size), f.read(1)  # gzip: decompresses only what it returns
     except (OSError, EOFError, zlib.error, MemoryError) as error:  # a truncated or corrupt .gz; no memory left
         raise RecipeError(f"{path} cannot be read ({first_line(error)}): download it again") from None
-    if len(dims) < 4 * magic[3] or len(raw) != size or extra:
+    if not whole or len(raw) != size or extra:
         size = f"more than {len(magic + dims + raw):,}" if extra else f"{len(magic + dims + raw):,}"
         raise RecipeError(f"{path} is {size} bytes, not what its header says ({shape}): the file is truncated "
                           "or damaged; download it again")

@@ -239,9 +239,10 @@ def check_resume(checkpoint: Path, config: dict, progress) -> None:
 
 
 def changes(before: dict, now: dict) -> dict[str, str]:
-    """The settings of `now` that differ from `before` (a checkpoint's config.json): name -> 'name before -> now'."""
+    """The settings of `now` that differ from `before` (a checkpoint's config.json): name -> 'name before -> now'. A
+    --synthetic run records its data as "SYNTHETIC data": the --data flag it leaves unused is no change."""
     return {key: f"{key} {before.get(key)!r:.200} -> {value!r}" for key, value in now.items()
-            if key not in NOT_SETTINGS and before.get(key) != value}
+            if key not in NOT_SETTINGS and before.get(key) != value and not (key == "data" and now.get("synthetic"))}
 
 
 def load(checkpoints, progress) -> Path:

@@ -592,6 +592,16 @@ def test_a_checkpoint_that_does_not_fit_a_flag_changed_with_resume_names_the_fla
     assert snapshot(run) == before
 
 
+def test_the_flags_a_synthetic_run_did_not_change_are_not_named(env, tmp_path):
+    """A --synthetic run records its data as "SYNTHETIC data": the line listed `data 'SYNTHETIC data' ->
+    'uoft-cs/cifar10'` too, the default of the --data flag such a run leaves unused, as if the data had changed."""
+    run = tmp_path / "run"
+    ok(run_here("cifar_cnn", "--synthetic", "--output_dir", run, *SHORT, "--max_steps", "2"))
+    line = one_line(run_here("cifar_cnn", "--output_dir", run, "--no-batch_norm", "--resume", "latest"))
+    assert line.endswith("; changed since it: batch_norm True -> False): resume with the recipe and flags that wrote "
+                         "it, or from another checkpoint"), line
+
+
 def test_resume_asking_for_fewer_steps_than_done(env, data, finished):
     before = snapshot(finished)
     args = ("--data", str(data), "--output_dir", str(finished), *SHORT, "--resume", "latest")
