@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import difflib
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -41,7 +42,7 @@ def test_one_command_makes_a_project_that_runs_its_readme_and_a_metric_is_one_ed
     outputs = []
     # The resume as the README says it: the run's folder and the one flag that changes (its flags are in config.json)
     for command, extra in zip(commands, (f"--max_steps 3 {short} --output_dir runs/RUN", "--max_steps 6", "", "", "")):
-        words = (command + " " + extra).split()
+        words = shlex.split(command + " " + extra)
         launcher = ([sys.executable, "-m", "accelerate.commands.accelerate_cli"] if words[0] == "accelerate"
                     else [sys.executable])
         outputs.append(ok(subprocess.run(launcher + words[1:], cwd=project, env=clean, capture_output=True,
@@ -243,6 +244,21 @@ def test_new_project_refuses_a_place_it_cannot_be(tmp_path, place):
                             capture_output=True, text=True)
     assert result.returncode == 2 and len(result.stderr.splitlines()) == 1 and "Traceback" not in result.stderr
     assert not target.exists() and (tmp_path / "a_file").read_text() == "mine"
+
+
+def test_new_project_commands_paste_into_a_shell_whatever_the_names(tmp_path, capsys):
+    """A folder or --data with a space or a quote: the printed `cd my proj && ...` and the README's `--data my data`
+    were split by the shell into other words (cd: too many arguments)."""
+    from tools import new_project
+
+    folder, data = tmp_path / "my proj", "my data/it's"
+    new_project.main([str(folder), "--from", "cifar_cnn", "--data", data])
+    cd = capsys.readouterr().out.splitlines()[1]
+    assert shlex.split(cd)[:4] == ["cd", str(folder), "&&", "accelerate"], cd
+    readme = (folder / "README.md").read_text()
+    (command,) = [line for line in readme.splitlines() if " --data " in line]
+    assert shlex.split(command)[-2:] == ["--data", data], command
+    assert f'data: str = "{data}"' in (folder / "train.py").read_text()
 
 
 @pytest.mark.parametrize("existed", [False, True])

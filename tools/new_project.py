@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import json
 import re
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -67,7 +68,8 @@ def make_project(folder: Path, recipe: str, data: str | None) -> Path:
         shutil.copy(ROOT / "tools" / tool, folder / "tools" / tool)
     # finetune: offline, the smoke run needs no pretrained weights, and small images are enough
     smoke = " --weights none --image_size 64" if recipe == "finetune" else ""
-    commands = COMMANDS.format(data=data or default_data.group(1), smoke=smoke)
+    # Quoted for a shell, as the commands are pasted: a folder or --data with a space or a quote in its name
+    commands = COMMANDS.format(data=shlex.quote(data or default_data.group(1)), smoke=smoke)
     (folder / "README.md").write_text(
         f"# {name}\n\nStarted from the `{recipe}` recipe. Install, then train, continue a stopped run (RUN: the "
         f"folder a run printed; it continues with the flags its config.json records, and a flag you add changes only "
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     readme = (folder / "README.md").read_text().splitlines()
     first = next(line for line in readme if line.startswith("accelerate launch"))  # the smoke run
     print(f"{folder}: train.py (from {args.recipe}), predict.py, shared/, accelerate_configs/, requirements.txt, "
-          f"tools/runs.py, README.md\n  cd {folder} && {first}")
+          f"tools/runs.py, README.md\n  cd {shlex.quote(str(folder))} && {first}")
 
 
 if __name__ == "__main__":
