@@ -171,10 +171,14 @@ def test_kill_9_during_a_checkpoint_save_keeps_the_previous_one(env, tmp_path):
 
 
 def test_sigterm_saves_the_current_step_exits_0_and_prints_a_working_resume_command(env, data, reference, tmp_path):
+    """Started as `nohup` starts it (SIGHUP ignored), a hang-up first: the run goes on (docs/resume.md: a closed
+    terminal ends a run started without nohup, tmux or screen), and the SIGTERM after it stops it."""
     out = tmp_path / "run"
     command = [sys.executable, "recipes/cifar_cnn.py", "--data", str(data), "--output_dir", str(out), *RUN]
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
     wait_for(lambda: catches_sigterm(process.pid), process)  # set before the first step: it stops after step 1 or 2
+    process.send_signal(signal.SIGHUP)
     process.send_signal(signal.SIGTERM)
     stdout, stderr = process.communicate(timeout=120)
     assert process.returncode == 0, stderr
