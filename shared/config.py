@@ -76,6 +76,9 @@ def parse_config(cls: type, argv: list[str] | None = None):
         for name, value in args.items():  # NaN passes every `< 0` check, and ended as a NaN loss ("lower --lr")
             if isinstance(value, float) and not (math.isfinite(value) or name == "max_grad_norm" and value == math.inf):
                 parser.error(f"--{name} must be a finite number, got {value}")
+            # `--data "$DATA"` with the variable unset: an empty path is the working folder, read as the dataset
+            if value == "" and parser.get_default(name) != "":
+                parser.error(f"--{name} is empty (an unset shell variable?): pass a value, or leave the flag out")
             if isinstance(value, str) and re.search("[\udc80-\udcff]", value):  # bytes Python could not read as UTF-8
                 parser.error(f"--{name} {value!r} is not UTF-8 (a name in another encoding, which datasets, "
                              "safetensors and matplotlib refuse): rename it in UTF-8")

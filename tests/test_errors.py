@@ -179,6 +179,17 @@ def test_flag_of_the_wrong_type_or_out_of_range(capsys, args, needle):
     assert needle in flag_error(capsys, "resnet18_fmnist", *args)
 
 
+@pytest.mark.parametrize("recipe, flag", [("cifar_cnn", "--data"), ("cifar_cnn", "--resume"),
+                                          ("finetune", "--output_dir"), ("predict", "--data")])
+def test_an_empty_value_is_refused_not_read_as_the_working_folder(capsys, recipe, flag):
+    """`--data "$DATA"` with DATA unset: an empty --data read the working folder as the dataset (every image below
+    it), and an empty --resume started a new run; predict.py's --images, empty by default, stays its own check."""
+    args = ("--weights", "w.safetensors", "--evaluate") if recipe == "predict" else ()
+    assert flag_error(capsys, recipe, *args, flag, "").endswith(
+        f"error: {flag} is empty (an unset shell variable?): pass a value, or leave the flag out (see --help)")
+    assert importlib.import_module("recipes.predict").Config.parse(["--weights", "w", "--evaluate"]).images == ""
+
+
 @pytest.mark.parametrize("segments, needle", [("0", "--segments must be > 0, got 0"),
                                               ("73", "--segments must be at most 72, one per layer; got 73")])
 def test_segments_out_of_range(capsys, segments, needle):
