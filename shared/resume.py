@@ -274,16 +274,16 @@ def load(checkpoints, progress) -> Path:
         try:
             accelerator.load_state(checkpoint)
         except Exception as error:  # another model's (a size mismatch, a missing key), or a damaged file
-            lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-            detail = next((line for line in lines if line.startswith(("size mismatch", "Missing key",
-                                                                       "Unexpected key"))), None)
+            # torch's line of what does not fit, or accelerate's count of the registered objects (--ema added)
+            mismatch = ("size mismatch", "Missing key", "Unexpected key", "Number of custom checkpoints")
+            detail = next((line.strip() for line in str(error).splitlines() if line.strip().startswith(mismatch)), None)
             fix = "resume with the recipe and flags that wrote it, or from another checkpoint" if detail else other
             # The cause: flags given with --resume that differ from the checkpoint's (--model, --no-batch_norm)
             before = read_json(checkpoint / "config.json")
             flags = changes(before, vars(checkpoints.cfg)) if isinstance(before, dict) else {}
             changed = f"; changed since it: {', '.join(flags.values())}" if detail and flags else ""
             raise RecipeError(f"--resume {checkpoint} cannot be loaded into this run ({type(error).__name__}: "
-                              f"{(detail or first_line(error))[:200].rstrip('.')}{changed}): {fix}") from None
+                              f"{(detail or first_line(error))[:200].rstrip('.:')}{changed}): {fix}") from None
     # Checkpoints fall between optimizer steps. The micro-batch counter saved with them would, under another
     # --grad_accum, end the first accumulation early (10 batches saved, --grad_accum 4: a step after 2).
     accelerator.step = 0

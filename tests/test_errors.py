@@ -591,15 +591,23 @@ def test_checkpoint_from_another_recipe(env, data, finished, tmp_path):
              "Missing key(s) in state_dict")
 
 
-def test_a_checkpoint_that_does_not_fit_a_flag_changed_with_resume_names_the_flag(env, data, finished, tmp_path):
+@pytest.mark.parametrize("flag, cause", [
+    (("--no-batch_norm",), "Missing key(s) in state_dict: \"0.bias\""),
+    # accelerate's count of the objects registered for its checkpoints: an EMA is one more. The line said "resume from
+    # the one before it", which has no EMA either.
+    (("--ema", "0.9"), "Number of custom checkpoints in folder "),
+], ids=["batch_norm", "ema"])
+def test_a_checkpoint_that_does_not_fit_a_flag_changed_with_resume_names_the_flag(env, data, finished, tmp_path, flag,
+                                                                                 cause):
     """--no-batch_norm given with --resume: the line was torch's missing and unexpected keys alone, not their cause."""
     run = tmp_path / "run"
     shutil.copytree(finished, run)
     before = snapshot(run)
-    one_line(run_here("cifar_cnn", "--data", str(data), "--output_dir", str(run), *SHORT, "--no-batch_norm",
+    changed = "batch_norm True -> False" if flag[0] == "--no-batch_norm" else "ema None -> 0.9"
+    one_line(run_here("cifar_cnn", "--data", str(data), "--output_dir", str(run), *SHORT, *flag,
                       "--resume", str(run / "checkpoints" / "step_2")),
-             "step_2 cannot be loaded into this run (RuntimeError: Missing key(s) in state_dict: \"0.bias\"",
-             "; changed since it: batch_norm True -> False): resume with the recipe and flags that wrote it")
+             f"step_2 cannot be loaded into this run (RuntimeError: {cause}",
+             f"; changed since it: {changed}): resume with the recipe and flags that wrote it")
     assert snapshot(run) == before
 
 
