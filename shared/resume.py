@@ -276,7 +276,7 @@ def load(checkpoints, progress) -> Path:
         except Exception as error:  # another model's (a size mismatch, a missing key), or a damaged file
             # torch's line of what does not fit, or accelerate's count of the registered objects (--ema added)
             mismatch = ("size mismatch", "Missing key", "Unexpected key", "Number of custom checkpoints")
-            detail = next((line.strip() for line in str(error).splitlines() if line.strip().startswith(mismatch)), None)
+            detail = next((line for line in map(str.strip, str(error).splitlines()) if line.startswith(mismatch)), None)
             fix = "resume with the recipe and flags that wrote it, or from another checkpoint" if detail else other
             # The cause: flags given with --resume that differ from the checkpoint's (--model, --no-batch_norm)
             before = read_json(checkpoint / "config.json")
