@@ -104,6 +104,7 @@ def the_mlps_weights(source: Path, folder: Path) -> Path:
     (nan_weights, "nan.safetensors holds NaN or infinite weights"),
     (lambda source, folder: folder, "no .safetensors file there: pass a run's model.safetensors"),
     (lambda source, folder: source / "checkpoints", "no .safetensors file there"),
+    (lambda source, folder: folder / "typo.safetensors", "typo.safetensors: no such file or folder: pass a run's"),
 ])
 def test_weights_that_do_not_fit_are_one_line(env, source, three_classes, tmp_path, make, needle):
     path = make(source, tmp_path)
