@@ -71,6 +71,8 @@ class Config:
     def __post_init__(self):
         if not self.weights or bool(self.images) == self.evaluate:
             raise ValueError("pass --weights PATH and either --images FOLDER or --evaluate")
+        if self.evaluate and (self.output or self.overwrite):  # what --images writes: ignored, they would mislead
+            raise ValueError("--evaluate prints one JSON line and writes no file: leave out --output and --overwrite")
         if self.top_k < 1 or self.batch_size < 1:
             raise ValueError(f"--top_k and --batch_size must be > 0, got {self.top_k} and {self.batch_size}")
 
@@ -96,9 +98,9 @@ def describe_weights(cfg: Config) -> dict:
             return {k: json.loads(about[k]) if k in ("flags", "classes") else about[k] for k in about}
         except (ValueError, RecursionError):  # not the recipes' metadata: --recipe and --classes say what it is
             return {}
-    if path.is_dir() and (newest := list_checkpoints(path)[-1:]):  # a run's checkpoints/, or a --checkpoint_dir
-        raise RecipeError(f"--weights {path} is a folder of checkpoints: pass one, e.g. {newest[0]}, the newest")
-    if path.is_dir():  # a checkpoint (or a run) folder: the config.json saved in it, which --checkpoint_dir's have
+    if path.is_dir():  # a checkpoint or a run folder: the config.json saved in it (--checkpoint_dir's have one too)
+        if newest := list_checkpoints(path)[-1:]:  # a folder of checkpoints (a run's checkpoints/, a --checkpoint_dir)
+            raise RecipeError(f"--weights {path} is a folder of checkpoints: pass one, e.g. {newest[0]}, the newest")
         run = path.resolve().parent.parent  # of checkpoints/<step> and of an extended run's finished/<N>_steps
         older = [run / "config.json"] if path.resolve().parent.name in ("checkpoints", "finished") else []
         # older checkpoints: their run's beside checkpoints/; none readable: --recipe and --classes say what it is
@@ -204,7 +206,7 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
     for key in ("model_state_dict", "state_dict", "model"):
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]
-    if isinstance(state, dict) and not all(isinstance(value, torch.Tensor) for value in state.values()):
+    if isinstance(state, dict) and not is_state_dict(state):
         nested = [value for value in state.values() if is_state_dict(value)]  # {"model_dict": ..., "epoch": 3}
         state = nested[0] if len(nested) == 1 else state
     if not is_state_dict(state):

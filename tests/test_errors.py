@@ -190,6 +190,14 @@ def test_an_empty_value_is_refused_not_read_as_the_working_folder(capsys, recipe
     assert importlib.import_module("recipes.predict").Config.parse(["--weights", "w", "--evaluate"]).images == ""
 
 
+@pytest.mark.parametrize("flag", [("--output", "metrics.json"), ("--overwrite",)])
+def test_predict_evaluate_refuses_the_flags_of_images_instead_of_ignoring_them(capsys, flag):
+    """--output and --overwrite name the CSV of --images: with --evaluate, which prints its JSON line and writes no
+    file, they were ignored unsaid (`--evaluate --output metrics.json` wrote nothing)."""
+    assert flag_error(capsys, "predict", "--weights", "w.safetensors", "--evaluate", *flag).endswith(
+        "error: --evaluate prints one JSON line and writes no file: leave out --output and --overwrite (see --help)")
+
+
 @pytest.mark.parametrize("segments, needle", [("0", "--segments must be > 0, got 0"),
                                               ("73", "--segments must be at most 72, one per layer; got 73")])
 def test_segments_out_of_range(capsys, segments, needle):

@@ -346,11 +346,12 @@ def test_evaluate_of_every_recipe_passes_only_the_flags_it_has(recipe, data, fol
                                              classes=",".join(CLASSES[:10])))
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["eval_samples"] == 40  # the test split
     if recipe == "deep_mlp_ckpt":
-        for mode in ({"evaluate": True, "data": str(data)}, {"images": str(folder[0])}):
+        csv = {"images": str(folder[0]), "output": str(tmp_path / "p.csv")}  # --output: the CSV of --images only
+        for mode in ({"evaluate": True, "data": str(data)}, csv):
             with pytest.raises(RecipeError, match=r"^deep_mlp_ckpt has no --tta \(its training flips no images\): "
                                                   "run it without --tta$"):
                 predict_script.run(predict_script.Config(str(weights), recipe=recipe, classes=",".join(CLASSES[:10]),
-                                                         tta=True, output=str(tmp_path / "p.csv"), **mode))
+                                                         tta=True, **mode))
         assert not (tmp_path / "p.csv").exists()
 
 
