@@ -30,7 +30,7 @@ def test_the_gpu_speed_check_makes_every_measurement_on_the_cpu(env, tmp_path):
                             env=dict(env, GPU_SPEED_CPU="1", GPU_SPEED_FASHION_MNIST=str(fashion),
                                      GPU_SPEED_RECIPES="cifar_cnn", GPU_SPEED_RUNS=str(tmp_path / "runs"),
                                      GPU_SPEED_COMMIT="0123abc"),
-                            timeout=900)  # a hang, not a slow machine: 75-91 s here, over 300 s on a loaded one
+                            timeout=900)  # a hang, not a slow machine: 75-91 s on most, over 300 s on one (tests.md)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     figures = json.loads((out / "gpu_speed.json").read_text())
     assert figures["dry_run"] and figures["device"] == "CPU" and figures["torch"] and figures["date"]
