@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -94,4 +95,6 @@ def test_the_gpu_speed_check_makes_every_measurement_on_the_cpu(env, tmp_path):
     assert profile["steps"] == 3 and profile["wall_ms_per_step"] > 0 and profile["gpu_idle_share"] is None
     trace = json.loads(gzip.decompress(Path(figures["profile"]).read_bytes()))  # the trace's path
     assert any(event.get("name", "").startswith("ProfilerStep") for event in trace["traceEvents"])
-    assert "aten::convolution" in Path(profile["top_ops"]).read_text()
+    # The convolution's own op by name, which depends on the CPU: aten::convolution where oneDNN computes it, and
+    # aten::_slow_conv2d_forward/backward on an EPYC without AVX-512, whose bf16 oneDNN does not take (82% of the time)
+    assert re.search(r"aten::\S*conv", Path(profile["top_ops"]).read_text())
