@@ -99,7 +99,7 @@ def check_launch() -> None:
 
 def check_cpu() -> None:
     """For a training run on a CPU (tracking.open_run), a line where the launch meant a GPU, and one where bf16 would
-    be emulated (on a CPU without its instructions, several times slower: BENCHMARKS.md)."""
+    be emulated (on a CPU without its instructions, 4 to 16 times slower: BENCHMARKS.md)."""
     # What `accelerate launch` sets from a config without use_cpu (1gpu.yaml, bf16.yaml, or none): a GPU was meant
     if os.environ.get("ACCELERATE_USE_CPU") == "False":
         why = (f"it sees no GPU (CUDA {torch.version.cuda}: check nvidia-smi and CUDA_VISIBLE_DEVICES)"
@@ -109,7 +109,7 @@ def check_cpu() -> None:
               "accelerate_configs/cpu.yaml", flush=True)
     if os.environ.get("ACCELERATE_MIXED_PRECISION") == "bf16" and not cpu_has_bf16():
         print("warning: this CPU has no bf16 instructions (no avx512_bf16 or amx_bf16 in lscpu), so bf16 is emulated "
-              "here, several times slower than float32: accelerate_configs/cpu.yaml is faster", flush=True)
+              "here, 4 to 16 times slower than float32: accelerate_configs/cpu.yaml is faster", flush=True)
 
 
 def cpu_has_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
