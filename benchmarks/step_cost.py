@@ -241,8 +241,9 @@ def count_recipe(name: str, flags: list[str], mixed_precision: str = "no") -> li
     precision_before = os.environ.get("ACCELERATE_MIXED_PRECISION")
     os.environ["ACCELERATE_MIXED_PRECISION"] = mixed_precision  # what `accelerate launch` passes on
     # A long run, stopped after STEPS steps: no log point, evaluation or checkpoint among them.
+    output_dir = tempfile.TemporaryDirectory(prefix=f"step-cost-{name}-")  # the run's config.json: removed after
     cfg = recipe.Config.parse([*flags, "--max_steps", "1000", "--log_every", "1000", "--tracker", "none",
-                               "--output_dir", tempfile.mkdtemp(prefix=f"step-cost-{name}-"), "--data_on_device"])
+                               "--output_dir", output_dir.name, "--data_on_device"])
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
     # Without a terminal a run prints a line every 30 s, with the loss: a read at its own cadence, like the processes'
     # stop agreement (see worker()), and not part of a step. These counted steps are slow: it would fall among them.
@@ -262,6 +263,7 @@ def count_recipe(name: str, flags: list[str], mixed_precision: str = "no") -> li
             GradientState._reset_state()
         for signum, handler in handlers.items():  # train() took SIGTERM and Ctrl-C for its checkpoint on a stop
             signal.signal(signum, handler)
+        output_dir.cleanup()
     return counts.steps
 
 

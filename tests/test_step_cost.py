@@ -5,6 +5,7 @@ sync cannot be seen otherwise), beside a plain loop over the recipe's own parts.
 from __future__ import annotations
 
 import importlib
+import tempfile
 
 import pytest
 import torch
@@ -86,7 +87,11 @@ def count_steps(options: dict, data, monkeypatch, tmp_path) -> list[dict]:
     # As another test on this worker may have done: each recipe's preprocess() caches its constants on the CPU.
     for name, shape in (("cifar_cnn", (3, 32, 32)), ("resnet18_fmnist", (1, 28, 28)), ("deep_mlp_ckpt", (3, 32, 32))):
         importlib.import_module(f"recipes.{name}").preprocess(torch.zeros(2, *shape, dtype=torch.uint8), True)
+    temporary = tmp_path / "temporary"
+    temporary.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))  # where each counted run's folder is made
     rows = step_cost.measure(list(step_cost.RECIPES), ["--data", str(data), "--batch_size", "2"], options)
+    assert not list(temporary.glob("step-cost-*"))  # and removed: a test run leaves none in /tmp
     assert {(r["recipe"], r["option"]) for r in rows} == {(name, option) for name in step_cost.RECIPES
                                                          for option in options}
     for r in rows:
