@@ -319,7 +319,7 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
         print(f"skipped {len(skipped)} file(s) whose extension names none of the formats read here "
               f"({', '.join(FORMATS)}), or links to folders (not followed), e.g. {printable(skipped[0])}")
 
-    rows, counts, unreadable = [], Counter(), []
+    rows, unreadable = [], []
     k = min(cfg.top_k, len(classes))
     for start in range(0, len(images), cfg.batch_size):
         pixels, paths = [], []
@@ -340,7 +340,6 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
             name = path.relative_to(root) if root.is_dir() else path.name
             rows.append([cell(str(name)), cell(classes[i[0]]), f"{p[0]:.4f}",
                          cell("; ".join(f"{classes[c]} {q:.4f}" for c, q in zip(i, p)))])
-            counts[classes[i[0]]] += 1
 
     if not rows:  # nothing to write: the first file's problem
         raise RecipeError(f"none of the {len(images)} image file(s) of --images could be read: {unreadable[0]}")
@@ -359,6 +358,7 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
     print(f"{recipe.__name__} ({cfg.weights}), {len(classes)} classes, on {state.device}:")
     for row in rows[:5]:
         print(f"  {printable(row[0])}: {printable(row[1])} ({row[2]})")
+    counts = Counter(row[1] for row in rows)  # each image's class
     print("per class: " + ", ".join(f"{printable(name)} {n}" for name, n in counts.most_common()))
     print(f"wrote {printable(output)} ({len(rows)} images)")
 
@@ -390,8 +390,11 @@ def run(cfg: Config) -> None:
     about = describe_weights(cfg)
     recipe = load_recipe(cfg, about)
     classes = cfg.classes.split(",") if cfg.classes else about.get("classes")
-    if not (isinstance(classes, list) and 0 < len(classes) <= 100_000 and all(isinstance(c, str) for c in classes)):
-        raise RecipeError(f"--weights {cfg.weights} names no classes: pass --classes NAME,NAME,... in label order")
+    # A name twice would give two labels one name in the CSV
+    if not (isinstance(classes, list) and all(isinstance(c, str) for c in classes)
+            and 0 < len(set(classes)) == len(classes) <= 100_000):
+        raise RecipeError(f"--weights {cfg.weights} names no classes, or a class twice: pass --classes NAME,NAME,... "
+                          "in label order, each name once")
     (evaluate if cfg.evaluate else predict)(cfg, recipe, about.get("flags") or {}, classes)
 
 

@@ -172,6 +172,7 @@ def test_weights_never_choose_the_code_that_runs(env, run, tmp_path, names):
     ({"flags": {"batch_norm": "yes"}}, "gives batch_norm = 'yes', not a <class 'bool'>"),
     ({"flags": ["--lr", "1"]}, "holds no flags (a dict)"),
     ({"classes": 5}, "names no classes"),
+    ({"classes": [*"abcdefghi", "a"]}, "or a class twice: pass --classes"),  # label 9 would be called a, as 0 is
 ])
 def test_weights_metadata_is_checked_and_never_fetched(env, run, tmp_path, metadata, needle):
     weights = weights_with(tmp_path, run, **metadata)
