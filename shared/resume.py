@@ -44,7 +44,9 @@ from shared.errors import RecipeError, first_line
 from shared.pictures import read_rows
 from shared.tracking import RUN_FILES, write_atomic
 
-DATA_ORDER_KEYS = ("data", "synthetic", "train_size", "seed")  # change one, and the rest of the epoch is another
+# Change one, and the rest of the epoch is another order: each epoch's is (seed, epoch)'s permutation of the training
+# set's size. Another --data of as many images (the same folder by another path, say) continues the same order.
+DATA_ORDER_KEYS = ("train_size", "seed")
 BATCHING_KEYS = ("world_size", "batch_size", "grad_accum")  # these only cut the same order into other batches
 # Not settings of the training: where the run was started from, and which copy of the script ran it.
 NOT_SETTINGS = ("resume", "resumed_step", "resumed_from", "run_id", "overwrite", "output_dir", "versions", "script",
@@ -108,8 +110,9 @@ def recorded_flags(cfg, argv: list[str]):
         if field.name in (*FROM_THE_COMMAND_LINE, *given) or value is None or synthetic:
             continue
         if field.name == "data" and value != field.default and not os.path.exists(os.path.expanduser(str(value))):
-            raise ValueError(f"{path} records --data {str(value)[:200]!r}, which is no folder here: pass --data to "
-                             "continue (a run folder never makes a run fetch what it names)")
+            raise ValueError(f"{path} records --data {str(value)[:200]!r}, which is no folder here (a relative path "
+                             "is read from the folder a run is started in): pass --data to continue (a run folder "
+                             "never makes a run fetch what it names)")
         # one word a flag, `--name=value`: a value that starts with "--" stays a value
         words.append(f"--{'no-' * (not value)}{field.name}" if isinstance(value, bool) else f"--{field.name}={value}")
     return words, path

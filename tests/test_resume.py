@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from shared.checkpoints import Progress
 from shared.data import EpochOrder
@@ -150,6 +151,26 @@ def test_a_changed_seed_says_the_order_is_not_exact_and_a_changed_grad_accum_kee
     assert epochs == {1: 8 / 64, 2: 16 / 64, 3: 24 / 64, 4: 40 / 64, 5: 56 / 64}
 
 
+def test_the_same_data_by_another_path_from_another_folder_continues_the_run_exactly(env, labelled, tmp_path):
+    """A relative --data is read from the folder a run is started in. Resumed from another folder, the run asks for
+    --data; given as another path to the same folder, it was taken for another sample order ("NOT a run's never
+    stopped"), though each epoch's order is (seed, epoch)'s permutation of the training set's size: the run continues
+    exactly, to the weights of the run it branched from."""
+    data, run = labelled[(3, 32, 32)], tmp_path / "run"
+    flags = (*RUN, "--max_steps", "6", "--checkpoint_every", "3")
+    ok(run_here("cifar_cnn", "--data", data.name, "--output_dir", run, *flags, cwd=data.parent))
+    resume = ("--output_dir", run, "--resume", run / "checkpoints" / "step_3")
+    asked = run_here("cifar_cnn", *resume, cwd=tmp_path)
+    assert asked.returncode == 2 and (f"records --data '{data.name}', which is no folder here (a relative path is "
+                                      "read from the folder a run is started in): pass --data") in asked.stderr
+    out = ok(run_here("cifar_cnn", "--data", data, *resume, cwd=tmp_path)).stdout
+    assert f"changed since the checkpoint: data '{data.name}' -> '{data}'\nthe sample order continues exactly\n" in out
+    branched = next((run / "abandoned").iterdir())  # the run's steps 4 to 6, before the resume
+    assert read_json(run / "summary.json")["eval_loss"] == read_json(branched / "summary.json")["eval_loss"]
+    assert all(torch.equal(a, b) for a, b in zip(load_file(run / "model.safetensors").values(),
+                                                  load_file(branched / "model.safetensors").values(), strict=True))
+
+
 def test_a_checkpoint_without_its_config_json_still_resumes_and_says_so(tmp_path, capsys):
     checkpoint = tmp_path / "copied" / "step_16"  # copied out of its run folder: no ../../config.json
     checkpoint.mkdir(parents=True)
@@ -277,8 +298,9 @@ def test_a_stop_while_a_finished_run_is_extended_keeps_its_finished_files(labell
 
 
 @pytest.mark.parametrize("field, value, needle", [
-    ("data", "someone/their_dataset", "records --data 'someone/their_dataset', which is no folder here: pass --data "
-                                      "to continue (a run folder never makes a run fetch what it names)"),
+    ("data", "someone/their_dataset", "records --data 'someone/their_dataset', which is no folder here (a relative "
+                                      "path is read from the folder a run is started in): pass --data to continue (a "
+                                      "run folder never makes a run fetch what it names)"),
     ("data", "x" * 5000, f"records --data '{'x' * 200}', which is no folder here"),  # too long for a path: no traceback
     ("epochs", "ten", "(the flags --resume continues with): argument --epochs: invalid int value: 'ten'"),
     ("lr", [1], "(the flags --resume continues with): argument --lr: invalid float value: '[1]'"),
