@@ -185,7 +185,8 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
     """Load a .safetensors file, a torch.save'd state dict (plain, under 'model'/'state_dict'/'model_state_dict' or
     the one key whose value is one; keys prefixed 'module.' or '_orig_mod.') or an accelerate checkpoint folder into
     `model`, on any device."""
-    path = Path(path) / "model.safetensors" if Path(path).is_dir() else Path(path)
+    path = Path(path)
+    path = path / "model.safetensors" if path.is_dir() else path
     if not path.is_file():  # missing, or a FIFO that would block the read
         # A run folder without its weights yet (stopped, or still running): its newest checkpoint holds them
         newest = list_checkpoints(path.parent / "checkpoints")[-1:] if path.name == "model.safetensors" else []
@@ -358,8 +359,8 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
     print(f"{recipe.__name__} ({cfg.weights}), {len(classes)} classes, on {state.device}:")
     for row in rows[:5]:
         print(f"  {printable(row[0])}: {printable(row[1])} ({row[2]})")
-    counts = Counter(row[1] for row in rows)  # each image's class
-    print("per class: " + ", ".join(f"{printable(name)} {n}" for name, n in counts.most_common()))
+    print("per class: " + ", ".join(f"{printable(name)} {n}"
+                                    for name, n in Counter(row[1] for row in rows).most_common()))
     print(f"wrote {printable(output)} ({len(rows)} images)")
 
 
@@ -390,9 +391,9 @@ def run(cfg: Config) -> None:
     about = describe_weights(cfg)
     recipe = load_recipe(cfg, about)
     classes = cfg.classes.split(",") if cfg.classes else about.get("classes")
-    # A name twice would give two labels one name in the CSV
-    if not (isinstance(classes, list) and all(isinstance(c, str) for c in classes)
-            and 0 < len(set(classes)) == len(classes) <= 100_000):
+    # The count first, then each a name, once: a name twice would give two labels one name in the CSV
+    if not (isinstance(classes, list) and 0 < len(classes) <= 100_000 and all(isinstance(c, str) for c in classes)
+            and len(set(classes)) == len(classes)):
         raise RecipeError(f"--weights {cfg.weights} names no classes, or a class twice: pass --classes NAME,NAME,... "
                           "in label order, each name once")
     (evaluate if cfg.evaluate else predict)(cfg, recipe, about.get("flags") or {}, classes)
