@@ -167,7 +167,8 @@ def test_weights_never_choose_the_code_that_runs(env, run, tmp_path, names):
 
 
 @pytest.mark.parametrize("metadata, needle", [
-    ({"flags": {"data": "someone/a-dataset"}}, "not a folder on this machine: pass --data"),
+    ({"flags": {"data": "someone/a-dataset"}}, "'someone/a-dataset', no folder here (a relative path is read from "
+                                                "the folder predict.py is started in): pass --data"),
     ({"flags": {"lr": -1}}, "do not fit cifar_cnn.Config (--lr must be > 0, got -1)"),
     ({"flags": {"batch_norm": "yes"}}, "gives batch_norm = 'yes', not a <class 'bool'>"),
     ({"flags": ["--lr", "1"]}, "holds no flags (a dict)"),
