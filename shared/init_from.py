@@ -33,7 +33,7 @@ def initial_weights(model, cfg, classes: list[str]) -> str | None:
         fix = (f"the run has not written its weights (stopped, or still running): pass {newest[0]}, its newest "
                "checkpoint") if newest else ("pass a run's model.safetensors, or the run or checkpoint folder that "
                                              "holds one")
-        there = "no .safetensors file there" if Path(cfg.init_from).exists() else "no such file or folder"
+        there = "no regular .safetensors file there" if Path(cfg.init_from).exists() else "no such file or folder"
         raise RecipeError(f"--init_from {cfg.init_from}: {there}: {fix}")
     with open(path, "rb") as f:
         digest = hashlib.file_digest(f, "sha256")  # a piece at a time, whatever the file's size

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -97,14 +98,20 @@ def the_mlps_weights(source: Path, folder: Path) -> Path:
     return folder / "mlp.safetensors"
 
 
+def fifo(source: Path, folder: Path) -> Path:
+    os.mkfifo(folder / "w.safetensors")
+    return folder / "w.safetensors"
+
+
 @pytest.mark.parametrize("make, needle", [
     (only_the_head, "head.safetensors holds another model's weights ('0.weight' is missing in the file, (32, 3, 5, 5) "
      "in the model, and 19 more tensors differ): pass weights of this model"),
     (the_mlps_weights, "mlp.safetensors holds another model's weights ('0.weight' is missing in the file"),
     (nan_weights, "nan.safetensors holds NaN or infinite weights"),
-    (lambda source, folder: folder, "no .safetensors file there: pass a run's model.safetensors"),
-    (lambda source, folder: source / "checkpoints", "no .safetensors file there"),
+    (lambda source, folder: folder, "no regular .safetensors file there: pass a run's model.safetensors"),
+    (lambda source, folder: source / "checkpoints", "no regular .safetensors file there"),
     (lambda source, folder: folder / "typo.safetensors", "typo.safetensors: no such file or folder: pass a run's"),
+    (fifo, "w.safetensors: no regular .safetensors file there: pass a run's"),  # a read of it would block for ever
 ])
 def test_weights_that_do_not_fit_are_one_line(env, source, three_classes, tmp_path, make, needle):
     path = make(source, tmp_path)
@@ -117,8 +124,9 @@ def test_a_run_that_has_not_written_its_weights_names_its_newest_checkpoint(env,
     stopped = tmp_path / "stopped"  # a run folder as a stop leaves it: its checkpoints, no weights yet
     shutil.copytree(source / "checkpoints", stopped / "checkpoints")
     one_line(run_here("cifar_cnn", "--data", three_classes, *SHORT, "--max_steps", "1", "--init_from", stopped,
-                      "--output_dir", tmp_path / "out"), "no .safetensors file there: the run has not written its "
-             f"weights (stopped, or still running): pass {stopped / 'checkpoints' / 'step_2'}, its newest checkpoint")
+                      "--output_dir", tmp_path / "out"), "no regular .safetensors file there: the run has not "
+             f"written its weights (stopped, or still running): pass {stopped / 'checkpoints' / 'step_2'}, its newest "
+             "checkpoint")
 
 
 def test_with_init_partial_what_fits_is_loaded_and_the_rest_refused_as_before(source, three_classes, tmp_path):
