@@ -111,16 +111,18 @@ def check_image_size(size: int, model: str, weights: str, chosen) -> None:
     """finetune.py's --image_size `size`, for torchvision's `model` with its `weights` (a name, or none; `chosen`: the
     WeightsEnum, with none the architecture's DEFAULT): at least the smallest input the architecture takes (its
     weights' min_size: 63 px for alexnet) and 32, at most 4,096. MaxViT's partitions fit one input size, and so do a
-    pretrained ViT's position embeddings: the weights' own. A ViT's input is a whole number of its patches (vit_b_16:
-    of 16 px)."""
-    smallest = max(32, chosen.meta["min_size"][0])
-    one_size = model.startswith("maxvit") or model.startswith("vit_") and weights != "none"
+    pretrained ViT's position embeddings: the weights' own. A new ViT's (--weights none) are made for its size
+    (finetune.py's make_model), so the weights' smallest (224 px) is not its own. A ViT's input is a whole number of
+    its patches (vit_b_16: of 16 px)."""
+    vit = model.startswith("vit_")
+    smallest = 32 if vit and weights == "none" else max(32, chosen.meta["min_size"][0])
+    one_size = model.startswith("maxvit") or vit and weights != "none"
     # At most 4,096 px: torchvision's largest weights take 518, a float32 image of 4,096 px is 200 MB, and 10^9 px
     # overflowed torch's size arithmetic in the resize (a traceback)
     if not smallest <= size <= 4096 or one_size and size != smallest:
         raise ValueError(f"--image_size must be {smallest if one_size else f'{smallest} to 4,096'} for {model} "
                          f"({weights} weights), got {size}")
-    patch = int(model.rsplit("_", 1)[1]) if model.startswith("vit_") else 1
+    patch = int(model.rsplit("_", 1)[1]) if vit else 1
     if size % patch:
         raise ValueError(f"--image_size must be a multiple of {model}'s {patch}-px patches, got {size}")
 

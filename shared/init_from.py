@@ -26,7 +26,8 @@ def initial_weights(model, cfg, classes: list[str]) -> str | None:
     data's (the names it records), unless --keep_classifier. Weights of another model (a tensor missing, or of
     another shape) are refused, unless --init_partial loads what fits. A resumed run takes its weights from the
     checkpoint: the file is only hashed. Returns its sha256 (config.json)."""
-    path = Path(cfg.init_from) / "model.safetensors" if Path(cfg.init_from).is_dir() else Path(cfg.init_from)
+    path = Path(cfg.init_from)
+    path = path / "model.safetensors" if path.is_dir() else path
     if not path.is_file() or path.suffix != ".safetensors":  # a regular file: a FIFO would block the read
         # A run folder without its weights yet (stopped, or still running): its newest checkpoint holds them
         newest = list_checkpoints(path.parent / "checkpoints")[-1:] if path.name == "model.safetensors" else []

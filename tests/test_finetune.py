@@ -157,6 +157,8 @@ def test_without_pretrained_weights_nothing_is_frozen(capsys):
     (["--model", "vit_b_16", "--image_size", "224"], None),
     (["--model", "vit_b_16", "--image_size", "256", "--weights", "none"], None),  # new position embeddings
     (["--model", "vit_b_16", "--image_size", "250", "--weights", "none"], "a multiple of vit_b_16's 16-px patches"),
+    (["--model", "vit_b_16", "--image_size", "64", "--weights", "none"], None),  # was: "must be 224 to 4,096"
+    (["--model", "vit_b_16", "--image_size", "16", "--weights", "none"], "must be 32 to 4,096 for vit_b_16"),
     (["--model", "maxvit_t", "--image_size", "256", "--weights", "none"], "--image_size must be 224 for maxvit_t"),
     (["--model", "swin_t", "--image_size", "256"], None),  # windows of 7 patches, padded at any size
     (["--model", "alexnet", "--image_size", "62"], "--image_size must be 63 to 4,096 for alexnet"),
@@ -173,6 +175,14 @@ def test_an_image_size_the_weights_cannot_take_is_one_line(capsys, flags, refuse
     with pytest.raises(SystemExit):
         finetune.Config.parse(flags)
     assert refused in capsys.readouterr().err
+
+
+def test_a_new_vit_takes_a_side_below_its_weights_own():
+    """--weights none: the ViT's position embeddings are made for --image_size, any whole number of its patches."""
+    cfg = finetune.Config.parse(["--model", "vit_b_16", "--weights", "none", "--image_size", "32"])
+    shape, side, _ = finetune.input_sizes(cfg)
+    images = torch.randint(0, 256, (2, *shape), dtype=torch.uint8)
+    assert side == 32 and finetune.make_model(3, cfg)(finetune.preprocess(images, False, cfg)).shape == (2, 3)
 
 
 def test_synthetic_data_has_the_default_datas_sizes_and_classes(tmp_path, monkeypatch):
