@@ -74,11 +74,13 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(scope="session")
 def env(tmp_path_factory) -> dict:
-    """A clean environment: private caches and home (so no wandb login), no inherited launcher settings."""
+    """A clean environment: private caches, home and temporary folder (so no wandb login, and nothing left in /tmp), no
+    inherited launcher settings."""
     home = tmp_path_factory.mktemp("home")
+    (home / "tmp").mkdir()  # the launched processes' temporary files: torchrun leaves a log folder for each launch
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "ACCELERATE_", "HF_"))}
     clean.update(HOME=str(home), HF_HOME=str(home / "hf"), PYTHONUNBUFFERED="1", HF_HUB_DISABLE_TELEMETRY="1",
-                 OMP_NUM_THREADS=THREADS)
+                 OMP_NUM_THREADS=THREADS, TMPDIR=str(home / "tmp"))
     return clean
 
 

@@ -4,6 +4,7 @@ with each accelerate config it is given for (the slow tier)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import datasets
 import pytest
@@ -99,6 +100,7 @@ def test_2gpu_yaml_as_two_cpu_processes_on_parquet_with_wandb(env, tmp_path):
     assert "2 process(es)" in result.stdout and "global batch 16" in result.stdout
     check_run_files(out, world_size=2, steps=6, test_size=21)
     assert len(list((out / "wandb").glob("offline-run-*"))) == 1
+    assert list(Path(env["TMPDIR"]).glob("torchelastic_*"))  # torchrun's log folder: in the tests' own, not /tmp
 
 
 @pytest.mark.slow  # a launch with the config
