@@ -278,7 +278,7 @@ def test_the_process_group_waits_30_minutes_on_every_backend(tmp_path):
                       "launch.check_launch()\n"
                       "group = torch.distributed.distributed_c10d._get_default_group()  # private: this test only\n"
                       "print(group._get_backend(torch.device('cpu')).options._timeout, flush=True)\n")
-    environment = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    environment = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                              str(script)], capture_output=True, text=True, env=environment, timeout=300)
     # each process's line (the two may interleave)

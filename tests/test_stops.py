@@ -85,10 +85,11 @@ def test_a_resume_of_2_processes_from_a_checkpoint_is_bitwise_exact(env, data, r
     assert steps == list(range(step + 1, 21))  # continued where the checkpoint stopped, each step once
 
 
-def pasted(command: str) -> subprocess.CompletedProcess:
+def pasted(command: str, env: dict) -> subprocess.CompletedProcess:
     """`command` pasted into a shell of a new terminal: the variables of a login, none of the test's (its HF_HOME,
-    ACCELERATE_USE_CPU, ...)."""
+    ACCELERATE_USE_CPU, ...) but its temporary folder (env's TMPDIR: torchrun leaves a folder there)."""
     login = {name: os.environ[name] for name in ("PATH", "HOME", "LANG") if name in os.environ}
+    login["TMPDIR"] = env["TMPDIR"]
     return subprocess.run(["bash", "-c", command], cwd=ROOT, env=login, capture_output=True, text=True, timeout=600)
 
 
@@ -191,7 +192,7 @@ def test_sigterm_saves_the_current_step_exits_0_and_prints_a_working_resume_comm
     resume = stdout.split("continue with:\n")[1].strip().splitlines()[0]
     # The run folder alone: its flags are in its config.json (the data is given: not the recipe's own)
     assert resume.endswith(f"recipes/cifar_cnn.py --data {data} --output_dir {out} --resume latest"), resume
-    ok(pasted(resume))
+    ok(pasted(resume, env))
     assert_bitwise_equal(weights(out), weights(reference))
     # The summary is the whole run's, both pieces: every sample trained on once, the first piece's time included.
     summary, row = read_json(out / "summary.json"), collect(out)[0]
@@ -308,7 +309,7 @@ def test_a_stop_under_the_launcher_of_1_process(env, data, reference, tmp_path, 
     resume = stdout.split("continue with:\n")[1].strip().splitlines()[0]
     words = [word for word in shlex.split(resume) if not re.match(r"[A-Z_]+=", word)]  # after NAME=value settings
     assert words[:5] == ["accelerate", "launch", "-q", "--config_file", "accelerate_configs/cpu.yaml"], resume
-    ok(pasted(resume))
+    ok(pasted(resume, env))
     assert_bitwise_equal(weights(out), weights(reference))
 
 
@@ -349,7 +350,7 @@ def test_a_stop_of_2_processes_between_log_points(env, data, reference_of_two_lo
     # Pasted into a shell without ACCELERATE_USE_CPU=true: the command printed sets it (it failed: no GPUs).
     resume = stdout.split("continue with:\n")[1].strip().splitlines()[0]
     assert "ACCELERATE_USE_CPU=true " in resume and " accelerate launch --config_file " in resume, resume
-    ok(pasted(resume))
+    ok(pasted(resume, env))
     # model.safetensors holds the EMA (--ema), the last checkpoint the trained weights: both as if never stopped.
     assert_bitwise_equal(weights(out), weights(reference_of_two_long))
     assert_bitwise_equal(load_file(out / "checkpoints" / "step_400" / "model.safetensors"),
@@ -379,5 +380,5 @@ def test_kill_9_of_the_launcher_of_2_processes_stops_both_with_a_checkpoint(env,
     # of this tiny run take milliseconds, and the processes agree about once a second), which the resume finishes
     stopped = int(stdout.split("stopped by SIGTERM at step ")[1].split(",")[0])
     assert stopped <= 20 and (out / "checkpoints" / f"step_{stopped}").is_dir()
-    ok(pasted(stdout.split("continue with:\n")[1].strip().splitlines()[0]))
+    ok(pasted(stdout.split("continue with:\n")[1].strip().splitlines()[0], env))
     assert_bitwise_equal(weights(out), weights(reference_of_two))
