@@ -69,7 +69,7 @@ SECRET = re.compile(r"KEY|TOKEN|SECRET|PASS|AUTH|CREDENTIAL|COOKIE", re.IGNORECA
 def is_run(folder: Path) -> bool:
     """Whether `folder` holds a run of these recipes: its config.json, with the run id every run records (8 hex digits;
     wandb continues the run of that id, and refuses one with a character such as / in a traceback)."""
-    config = read_json(Path(folder) / "config.json")
+    config = read_json(folder / "config.json")
     return (isinstance(config, dict) and isinstance(config.get("run_id"), str)
             and RUN_ID.fullmatch(config["run_id"]) is not None and "recipe" in config)
 
@@ -80,10 +80,11 @@ def recorded_flags(cfg, argv: list[str]):
     given in `argv` and those FROM_THE_COMMAND_LINE, each to be parsed as if typed; refused: a run of another recipe,
     and a --data that names no folder here and is not the recipe's own (a run folder never makes a run fetch)."""
     recipe = getattr(sys.modules[type(cfg).__module__], "RECIPE", None)
-    if cfg.resume == "latest" and not cfg.output_dir:  # never a guess at which run the user meant
+    latest = cfg.resume == "latest"
+    if latest and not cfg.output_dir:  # never a guess at which run the user meant
         raise ValueError(f"--resume latest needs the run to continue: add --output_dir runs/{recipe}-<time>")
-    path = Path(cfg.output_dir if cfg.resume == "latest" else cfg.resume) / "config.json"
-    if cfg.resume == "latest" and not path.exists():  # else the recipe's defaults: its hub data, fetched for nothing
+    path = Path(cfg.output_dir if latest else cfg.resume) / "config.json"
+    if latest and not path.exists():  # else the recipe's defaults: its hub data, fetched for nothing
         raise ValueError(f"--resume latest: no run in {path.parent} (looked for {path.absolute()}): pass the run's "
                          "folder, as a full path or from the folder the run was started in")
     recorded = read_json(path)
@@ -102,7 +103,7 @@ def recorded_flags(cfg, argv: list[str]):
         # --resume latest looks in the --checkpoint_dir given: one other than the run's, without its checkpoints,
         # read as a run that saved none
         moved = field.name == "checkpoint_dir" and "checkpoint_dir" in given and value != cfg.checkpoint_dir
-        if moved and cfg.resume == "latest" and not list_checkpoints(Path(cfg.checkpoint_dir)):
+        if moved and latest and not list_checkpoints(Path(cfg.checkpoint_dir)):
             raise ValueError(f"{path} keeps its checkpoints in {str(value or path.parent / 'checkpoints')[:200]!r}, "
                              f"and --checkpoint_dir {cfg.checkpoint_dir} holds none: continue it with "
                              f"{'that --checkpoint_dir' if value else 'no --checkpoint_dir'}, or move them there first")
@@ -171,7 +172,9 @@ def find_checkpoint(folder: Path | None, resume: str, run: str | None = None) ->
         if (where / "custom_checkpoint_0.pkl").is_file() and STEP_DIR.fullmatch(where.name):
             return where
         found = "not a checkpoint folder (expected checkpoints/step_<N> of a run)"
-        if where.name.startswith("partial_step_"):  # renamed step_<N> once whole (Checkpoints.save)
+        if not where.exists():  # a step mistyped, or a checkpoint the run has pruned since
+            found = "no such folder: pass a checkpoint that exists (a run's checkpoints/step_<N>), or --resume latest"
+        elif where.name.startswith("partial_step_"):  # renamed step_<N> once whole (Checkpoints.save)
             found = "a checkpoint whose save did not finish: resume from a complete one, a step_<N> beside it"
         elif is_run(where):
             found = f"a run folder: continue it with --resume latest --output_dir {resume}"

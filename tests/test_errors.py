@@ -640,13 +640,18 @@ def test_resume_asking_for_fewer_steps_than_done(env, data, finished):
 
 def test_resume_given_the_run_folder_names_the_command_that_continues_it(env, data, finished):
     """The run's folder where a checkpoint is expected, or the folder of its checkpoints (which read as 'not a
-    checkpoint folder'): the line gives the flags that continue it."""
+    checkpoint folder'): the line gives the flags that continue it; a checkpoint that does not exist: that it does
+    not."""
     before = snapshot(finished)
     one_line(run_here("cifar_cnn", "--data", str(data), *SHORT, "--resume", str(finished)),
              f"--resume {finished}: a run folder: continue it with --resume latest --output_dir {finished}")
     one_line(run_here("cifar_cnn", "--data", str(data), *SHORT, "--resume", str(finished / "checkpoints")),
              f"--resume {finished / 'checkpoints'}: its run's checkpoints: continue the run with --resume latest "
              f"--output_dir {finished}")
+    # A checkpoint that is not there (a step mistyped, or pruned) was "not a checkpoint folder (expected
+    # checkpoints/step_<N> of a run)", though it was named just so
+    one_line(run_here("cifar_cnn", "--data", str(data), *SHORT, "--resume", str(finished / "checkpoints" / "step_9")),
+             f"--resume {finished / 'checkpoints' / 'step_9'}: no such folder: pass a checkpoint that exists")
     assert snapshot(finished) == before
 
 
