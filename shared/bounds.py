@@ -131,7 +131,7 @@ def walk(folder: Path, skip: Path | None = None) -> Iterator[os.DirEntry]:
     """Every entry below `folder` that is not a folder (files, links, FIFOs, ...), links not followed, and nothing below
     `skip`. Not recursive: rglob and os.walk recurse in Python 3.11, and a tree 1,500 folders deep ended in a
     RecursionError."""
-    folders = [Path(folder)]
+    folders = [folder]
     while folders:
         try:
             entries = os.scandir(folders.pop())
@@ -145,4 +145,4 @@ def walk(folder: Path, skip: Path | None = None) -> Iterator[os.DirEntry]:
                 if not entry.is_dir(follow_symlinks=False):
                     yield entry
                 elif Path(entry.path) != skip:
-                    folders.append(Path(entry.path))
+                    folders.append(entry.path)

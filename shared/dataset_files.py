@@ -389,7 +389,7 @@ def read_idx(path: Path, count_only: bool = False) -> np.ndarray | int:
                                   "00 00 08 and 1 to 3 dimensions): download it again")
             dims = f.read(4 * magic[3])
             whole = len(dims) == 4 * magic[3]  # every size the header names is there
-            shape = tuple(int.from_bytes(dims[i:i + 4], "big") for i in range(0, len(dims), 4))
+            shape = struct.unpack(f">{magic[3]}I", dims) if whole else ()
             size = math.prod(shape)
             if size == 0 and whole:
                 raise RecipeError(f"{path} holds no data (its header says {shape}): download it again")
@@ -406,8 +406,8 @@ def read_idx(path: Path, count_only: bool = False) -> np.ndarray | int:
         raise RecipeError(f"{path} cannot be read ({first_line(error)}): download it again") from None
     if not whole or len(raw) != size or extra:
         size = f"more than {len(magic + dims + raw):,}" if extra else f"{len(magic + dims + raw):,}"
-        raise RecipeError(f"{path} is {size} bytes, not what its header says ({shape}): the file is truncated "
-                          "or damaged; download it again")
+        raise RecipeError(f"{path} is {size} bytes, not what its header says ({shape or 'cut short'}): the file is "
+                          "truncated or damaged; download it again")
     return np.frombuffer(raw, np.uint8).reshape(shape)
 
 

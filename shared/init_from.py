@@ -26,15 +26,15 @@ def initial_weights(model, cfg, classes: list[str]) -> str | None:
     data's (the names it records), unless --keep_classifier. Weights of another model (a tensor missing, or of
     another shape) are refused, unless --init_partial loads what fits. A resumed run takes its weights from the
     checkpoint: the file is only hashed. Returns its sha256 (config.json)."""
-    path = Path(cfg.init_from)
-    path = path / "model.safetensors" if path.is_dir() else path
+    given = Path(cfg.init_from)
+    path = given / "model.safetensors" if given.is_dir() else given
     if not path.is_file() or path.suffix != ".safetensors":  # a regular file: a FIFO would block the read
         # A run folder without its weights yet (stopped, or still running): its newest checkpoint holds them
         newest = list_checkpoints(path.parent / "checkpoints")[-1:] if path.name == "model.safetensors" else []
         fix = (f"the run has not written its weights (stopped, or still running): pass {newest[0]}, its newest "
                "checkpoint") if newest else ("pass a run's model.safetensors, or the run or checkpoint folder that "
                                              "holds one")
-        there = "no regular .safetensors file there" if Path(cfg.init_from).exists() else "no such file or folder"
+        there = "no regular .safetensors file there" if given.exists() else "no such file or folder"
         raise RecipeError(f"--init_from {cfg.init_from}: {there}: {fix}")
     with open(path, "rb") as f:
         digest = hashlib.file_digest(f, "sha256")  # a piece at a time, whatever the file's size

@@ -111,9 +111,14 @@ def recorded_flags(cfg, argv: list[str]):
         if field.name in (*FROM_THE_COMMAND_LINE, *given) or value is None or synthetic:
             continue
         if field.name == "data" and value != field.default and not os.path.exists(os.path.expanduser(str(value))):
-            raise ValueError(f"{path} records --data {str(value)[:200]!r}, which is no folder here (a relative path "
-                             "is read from the folder a run is started in): pass --data to continue (a run folder "
-                             "never makes a run fetch what it names)")
+            # A relative path is read from the folder the run was started in: the run folder given now, less the
+            # --output_dir it recorded (runs/x, given as ~/project/runs/x, was started in ~/project)
+            start = str(path.parent.absolute()).removesuffix(os.sep + str(recorded.get("output_dir")))
+            value = os.path.join(start, str(value))
+            if not os.path.exists(value):
+                raise ValueError(f"{path} records --data {str(recorded['data'])[:200]!r}, which is no folder here "
+                                 "(a relative path is read from the folder a run is started in): pass --data to "
+                                 "continue (a run folder never makes a run fetch what it names)")
         # one word a flag, `--name=value`: a value that starts with "--" stays a value
         words.append(f"--{'no-' * (not value)}{field.name}" if isinstance(value, bool) else f"--{field.name}={value}")
     return words, path
@@ -124,7 +129,7 @@ def check_checkpoint_folder(folder: Path, run: str | None, run_dir: Path) -> lis
     whose id is `run` (the run resumed, or the one --overwrite replaces), which are returned. Anything else is
     refused, since pruning, --resume latest and --overwrite would act on it; so is the run folder or one above it,
     which the run's own files fill (a new run's start found it empty, and its resume refused it)."""
-    if Path(run_dir).resolve().is_relative_to(Path(folder).resolve()):
+    if run_dir.resolve().is_relative_to(Path(folder).resolve()):
         raise RecipeError(f"--checkpoint_dir {folder} holds the run folder {run_dir}: pass a folder of its own (on a "
                           f"scratch disk, say), or leave it out for {Path(run_dir) / 'checkpoints'}")
     if not os.path.lexists(folder):  # made by the first save; a file, or a link to nothing, is refused here, not there
@@ -146,22 +151,22 @@ def check_checkpoint_folder(folder: Path, run: str | None, run_dir: Path) -> lis
 def run_of_checkpoint(cfg) -> Path:
     """--resume PATH, a checkpoint folder: the run folder it continues (its own run's; or --output_dir, a new run or
     the run whose --checkpoint_dir holds it), checked."""
-    output_dir = cfg.output_dir
+    output_dir = Path(cfg.output_dir) if cfg.output_dir else None
     checkpoint = find_checkpoint(None, cfg.resume).resolve()
     its_run = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else None
-    recorded = read_json(Path(output_dir) / "config.json") if output_dir else None
+    recorded = read_json(output_dir / "config.json") if output_dir else None
     kept = str(recorded.get("checkpoint_dir") or "/") if isinstance(recorded, dict) else "/"  # from a file: any value
     if "\0" not in kept and Path(kept).resolve() == checkpoint.parent:  # a NUL: no path (resolve's ValueError)
-        its_run = Path(output_dir).resolve()  # a checkpoint in the run's --checkpoint_dir
+        its_run = output_dir.resolve()  # a checkpoint in the run's --checkpoint_dir
     if output_dir is None and not (its_run and is_run(its_run)):
         raise RecipeError(f"--resume {cfg.resume} is not in a run's checkpoints/ folder, so there is no run to "
                           "continue in: add --output_dir NEW_FOLDER to continue it there as a new run")
     output_dir = output_dir or its_run
     check_entries(checkpoint)
-    if Path(output_dir).resolve() != its_run and (Path(output_dir) / "config.json").exists():
+    if output_dir.resolve() != its_run and (output_dir / "config.json").exists():
         raise RecipeError(f"--resume {cfg.resume} is not a checkpoint of {output_dir}, which holds another run: "
                           "pass a new --output_dir to continue the checkpoint there (two histories never mix)")
-    return Path(output_dir)
+    return output_dir
 
 
 def find_checkpoint(folder: Path | None, resume: str, run: str | None = None) -> Path:
@@ -171,10 +176,10 @@ def find_checkpoint(folder: Path | None, resume: str, run: str | None = None) ->
         where = Path(resume)
         if (where / "custom_checkpoint_0.pkl").is_file() and STEP_DIR.fullmatch(where.name):
             return where
-        found = "not a checkpoint folder (expected checkpoints/step_<N> of a run)"
-        if not where.exists():  # a step mistyped, or a checkpoint the run has pruned since
-            found = "no such folder: pass a checkpoint that exists (a run's checkpoints/step_<N>), or --resume latest"
-        elif where.name.startswith("partial_step_"):  # renamed step_<N> once whole (Checkpoints.save)
+        # Not there: a step mistyped, or a checkpoint the run has pruned since
+        found = "not a checkpoint folder (expected checkpoints/step_<N> of a run)" if where.exists() else (
+            "no such folder: pass a checkpoint that exists (a run's checkpoints/step_<N>), or --resume latest")
+        if where.name.startswith("partial_step_"):  # renamed step_<N> once whole (Checkpoints.save)
             found = "a checkpoint whose save did not finish: resume from a complete one, a step_<N> beside it"
         elif is_run(where):
             found = f"a run folder: continue it with --resume latest --output_dir {resume}"
@@ -193,7 +198,7 @@ def check_resume(checkpoint: Path, config: dict, progress) -> None:
     """Refuse a resume with no step left to run (`progress`: the restored Progress). Otherwise print where the run
     continues, what changed since the checkpoint (the config.json saved in it), and what that does to the sample
     order, exactness and schedule."""
-    checkpoint, total_steps = Path(checkpoint), config["total_steps"]
+    total_steps = config["total_steps"]
     if checkpoint.name != f"step_{progress.step}":  # the name orders a run's checkpoints: --resume latest, pruning
         raise RecipeError(f"--resume {checkpoint} holds step {progress.step}: its folder was renamed or copied; "
                           f"name it step_{progress.step} or move it aside, then resume")
@@ -210,7 +215,7 @@ def check_resume(checkpoint: Path, config: dict, progress) -> None:
         return print(f"resuming from {checkpoint}: its last step ({total_steps}), the run stopped before writing its "
                      "weights: evaluating and writing them now")
     before = read_json(checkpoint / "config.json")  # the configuration that wrote the checkpoint, saved in it
-    epoch, left = progress.epoch + 1, config["train_size"] - progress.samples_into_epoch
+    epoch = progress.epoch + 1
     # The position is in the checkpoint's epoch: of its data's size (another --data may hold fewer samples)
     # What a config.json from anywhere holds is cut to a length where it is printed (`!s:.100`: 100 characters)
     print(f"resuming from {checkpoint}: step {progress.step}, epoch {epoch} after {progress.samples_into_epoch} of its "
@@ -234,9 +239,10 @@ def check_resume(checkpoint: Path, config: dict, progress) -> None:
               f"changed): the rest of epoch {epoch} follows another order, so some of its samples are trained on "
               "twice and others not at all")
     elif any(key in BATCHING_KEYS for key in changed):
-        print(f"the sample order continues exactly: the rest of epoch {epoch} is the {left} samples not yet trained "
-              f"on, in global batches of {config['global_batch_size']} (a remainder smaller than one is dropped, "
-              "as at the end of every epoch)")
+        print(f"the sample order continues exactly: the rest of epoch {epoch} is the "
+              f"{config['train_size'] - progress.samples_into_epoch} samples not yet trained on, in global batches "
+              f"of {config['global_batch_size']} (a remainder smaller than one is dropped, as at the end of every "
+              "epoch)")
     else:
         print("the sample order continues exactly")
     if "total_steps" in changed:
@@ -464,9 +470,8 @@ def check_run_folder(run_dir: Path, cfg, recipe: str) -> None:
     for name in RUN_FILES:  # a folder where the run writes a file, or a file where it makes a folder: a traceback
         path = run_dir / name
         if path.exists() and path.is_dir() != ("." not in name):
-            kind = "a folder" if path.is_dir() else "no folder"
-            raise RecipeError(f"{path} is {kind}, where a run keeps its {name}: rename it, or pass another "
-                              "--output_dir")
+            raise RecipeError(f"{path} is {'a folder' if path.is_dir() else 'no folder'}, where a run keeps its "
+                              f"{name}: rename it, or pass another --output_dir")
     check_entries(run_dir)  # from anywhere: checked before a file in it is read or written
 
 
