@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import csv
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -263,6 +264,8 @@ def test_predict_bad_input_is_one_line_and_keeps_what_is_on_disk(env, run, folde
     shutil.copytree(out / "checkpoints", stopped / "checkpoints")
     shutil.copy(out / "config.json", stopped / "config.json")
     mine = {"recipe": "cifar_cnn"}
+    fifo = tmp_path / "fifo.pt"
+    os.mkfifo(fifo)
     cases = [
         ((weights, root, existing), mine, f"{existing} exists: pass --overwrite to replace it, or another --output"),
         ((weights, broken, tmp_path / "new.csv"), mine, f"{broken / 'photo.png'} is not a readable image"),
@@ -281,6 +284,9 @@ def test_predict_bad_input_is_one_line_and_keeps_what_is_on_disk(env, run, folde
          f"run has not written it (stopped, or still running): pass --weights {stopped / 'checkpoints' / 'step_12'}"),
         ((stopped / "checkpoints", root, tmp_path / "new.csv"), {}, f"--weights {stopped / 'checkpoints'} is a folder "
          f"of checkpoints: pass one, e.g. {stopped / 'checkpoints' / 'step_12'}, the newest"),  # was: which recipe?
+        # a FIFO (its read would block): it was "no such file", though it was there
+        ((fifo, root, tmp_path / "new.csv"), {"recipe": "cifar_cnn", "classes": ",".join(CLASSES[:10])},
+         f"--weights {fifo}: not a regular file: pass a model.safetensors"),
     ]
     for (weights_path, images, output), flags, needle in cases:  # in this process: torch starts once
         with pytest.raises(RecipeError) as error:
