@@ -10,6 +10,7 @@ trains on say which samples it used. 1 process: 8 steps an epoch; 2 processes: 4
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -176,20 +177,21 @@ def test_a_relative_data_is_found_from_another_folder_by_the_run_folder_alone(en
     --resume latest --output_dir ~/project/runs/x (what its folder alone says): it asked for --data. The folder it was
     started in is the run folder given, less the --output_dir it recorded; the data is read from there, the change
     said, and recorded whole for the next resume. A run folder renamed since gives no such folder: asked, as before."""
-    data = labelled[(3, 32, 32)]
-    flags = (*RUN, "--data", data.name, "--max_steps", "3")
-    ok(run_here("cifar_cnn", *flags, "--output_dir", "runs/x", cwd=data.parent))
-    run, elsewhere = data.parent / "runs" / "x", tmp_path / "elsewhere"
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    data = shutil.copytree(labelled[(3, 32, 32)], project / "photos")
     elsewhere.mkdir()
+    flags = (*RUN, "--data", "photos", "--max_steps", "3")
+    ok(run_here("cifar_cnn", *flags, "--output_dir", "runs/x", cwd=project))
+    run = project / "runs" / "x"
     out = ok(run_here("cifar_cnn", "--output_dir", run, "--resume", "latest", "--max_steps", "6", cwd=elsewhere)).stdout
-    assert f"data '{data.name}' -> '{data}'" in out and "the sample order continues exactly\n" in out, out
+    assert f"data 'photos' -> '{data}'" in out and "the sample order continues exactly\n" in out, out
     assert read_json(run / "summary.json")["steps"] == 6 and read_json(run / "config.json")["data"] == str(data)
     # Renamed: the run folder given no longer ends with the one recorded, so nothing is guessed
-    ok(run_here("cifar_cnn", *flags, "--output_dir", "runs/y", cwd=data.parent))
+    ok(run_here("cifar_cnn", *flags, "--output_dir", "runs/y", cwd=project))
     renamed = run.parent / "z"
     (run.parent / "y").rename(renamed)
     asked = run_here("cifar_cnn", "--output_dir", renamed, "--resume", "latest", "--max_steps", "6", cwd=elsewhere)
-    assert asked.returncode == 2 and f"records --data '{data.name}', which is no folder here" in asked.stderr
+    assert asked.returncode == 2 and "records --data 'photos', which is no folder here" in asked.stderr
 
 
 def test_a_checkpoint_without_its_config_json_still_resumes_and_says_so(tmp_path, capsys):
