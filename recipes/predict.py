@@ -244,7 +244,7 @@ def find_images(root: Path) -> tuple[list[Path], list[Path]]:
     if root.is_file():
         return [root], []
     if not root.is_dir():
-        raise RecipeError(f"--images {root}: no such file or folder")
+        raise RecipeError(f"--images {root}: {'not a regular file' if root.exists() else 'no such file or folder'}")
     from shared.bounds import walk  # a folder from anywhere, walked whatever its depth: an opt-in module
 
     # Links too: one to a folder is not followed (a loop, or a walk outside --images), but said with the other files

@@ -287,6 +287,8 @@ def test_predict_bad_input_is_one_line_and_keeps_what_is_on_disk(env, run, folde
         # a FIFO (its read would block): it was "no such file", though it was there
         ((fifo, root, tmp_path / "new.csv"), {"recipe": "cifar_cnn", "classes": ",".join(CLASSES[:10])},
          f"--weights {fifo}: not a regular file: pass a model.safetensors"),
+        ((weights, tmp_path / "nothing", tmp_path / "new.csv"), mine, f"--images {tmp_path / 'nothing'}: no such file"),
+        ((weights, fifo, tmp_path / "new.csv"), mine, f"--images {fifo}: not a regular file"),  # was: no such file
     ]
     for (weights_path, images, output), flags, needle in cases:  # in this process: torch starts once
         with pytest.raises(RecipeError) as error:
