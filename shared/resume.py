@@ -131,7 +131,7 @@ def check_checkpoint_folder(folder: Path, run: str | None, run_dir: Path) -> lis
     which the run's own files fill (a new run's start found it empty, and its resume refused it)."""
     if run_dir.resolve().is_relative_to(Path(folder).resolve()):
         raise RecipeError(f"--checkpoint_dir {folder} holds the run folder {run_dir}: pass a folder of its own (on a "
-                          f"scratch disk, say), or leave it out for {Path(run_dir) / 'checkpoints'}")
+                          f"scratch disk, say), or leave it out for {run_dir / 'checkpoints'}")
     if not os.path.lexists(folder):  # made by the first save; a file, or a link to nothing, is refused here, not there
         return []
     check_entries(folder)
