@@ -123,7 +123,7 @@ def save_pictures(accelerator, run_dir: Path, test_set, predictions: torch.Tenso
     figure.canvas.draw()  # drawn once: the PNG and the trackers' image are these pixels (savefig would draw again)
     pixels = np.asarray(figure.canvas.buffer_rgba())[..., :3].copy()  # (H, W, 3) uint8
     plt.close(figure)
-    with replacing(Path(run_dir) / "confusion_matrix.png") as partial:
+    with replacing(run_dir / "confusion_matrix.png") as partial:
         Image.fromarray(pixels).save(partial, format="PNG")
     for tracker in accelerator.trackers:
         if tracker.name == "wandb":

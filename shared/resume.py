@@ -111,9 +111,11 @@ def recorded_flags(cfg, argv: list[str]):
         if field.name in (*FROM_THE_COMMAND_LINE, *given) or value is None or synthetic:
             continue
         if field.name == "data" and value != field.default and not os.path.exists(os.path.expanduser(str(value))):
-            # A relative path is read from the folder the run was started in: the run folder given now, less the
-            # --output_dir it recorded (runs/x, given as ~/project/runs/x, was started in ~/project)
-            start = str(path.parent.absolute()).removesuffix(os.sep + str(recorded.get("output_dir")))
+            # A relative path is read from the folder the run was started in: the run folder given now (a
+            # checkpoint's: <run>/checkpoints/step_<N>), less the --output_dir it recorded (runs/x, given as
+            # ~/project/runs/x, was started in ~/project)
+            run = path.absolute().parent
+            start = str(run if latest else run.parent.parent).removesuffix(os.sep + str(recorded.get("output_dir")))
             value = os.path.join(start, str(value))
             if not os.path.exists(value):
                 raise ValueError(f"{path} records --data {str(recorded['data'])[:200]!r}, which is no folder here "
@@ -124,18 +126,19 @@ def recorded_flags(cfg, argv: list[str]):
     return words, path
 
 
-def check_checkpoint_folder(folder: Path, run: str | None, run_dir: Path) -> list[Path]:
+def check_checkpoint_folder(folder: str | Path, run: str | None, run_dir: Path) -> list[Path]:
     """A --checkpoint_dir, before anything is written: it may hold only checkpoints (complete or partial) of the run
     whose id is `run` (the run resumed, or the one --overwrite replaces), which are returned. Anything else is
     refused, since pruning, --resume latest and --overwrite would act on it; so is the run folder or one above it,
     which the run's own files fill (a new run's start found it empty, and its resume refused it)."""
-    if run_dir.resolve().is_relative_to(Path(folder).resolve()):
+    folder = Path(folder)
+    if run_dir.resolve().is_relative_to(folder.resolve()):
         raise RecipeError(f"--checkpoint_dir {folder} holds the run folder {run_dir}: pass a folder of its own (on a "
                           f"scratch disk, say), or leave it out for {run_dir / 'checkpoints'}")
     if not os.path.lexists(folder):  # made by the first save; a file, or a link to nothing, is refused here, not there
         return []
     check_entries(folder)
-    entries = sorted(Path(folder).iterdir())
+    entries = sorted(folder.iterdir())
     for entry in entries:
         if entry.name == ".shared_check":  # left by a start of several nodes killed within its check (check_shared)
             continue
@@ -206,7 +209,7 @@ def check_resume(checkpoint: Path, config: dict, progress) -> None:
         raise RecipeError(f"--resume {checkpoint} is at step {progress.step}, past the {total_steps} steps asked for: "
                           "raise --max_steps or --epochs, or resume from an earlier checkpoint")
     finishing = progress.step == total_steps  # the last step's checkpoint; the weights, unless the run was stopped
-    if finishing and (Path(config["output_dir"]) / "model.safetensors").exists():
+    if finishing and os.path.exists(f"{config['output_dir']}/model.safetensors"):
         raise RecipeError(f"{config['output_dir']} already finished its {total_steps} steps: "
                           "raise --max_steps or --epochs to train on")
     if not PartialState().is_main_process:
@@ -479,7 +482,7 @@ def check_entries(folder: Path) -> None:
     """Refuse a folder from elsewhere (a colleague's run, a download) that holds a symbolic link or a special file:
     written through, a link changes a file outside the run; read, a FIFO blocks forever. wandb/ must be a folder, and
     what is in it is wandb's: it links its logs there, and replaces its links (a rename) instead of writing through."""
-    for entry in walk(folder, skip=Path(folder) / "wandb"):
+    for entry in walk(folder, skip=folder / "wandb"):
         if not entry.is_file(follow_symlinks=False):
             kind = "a symbolic link" if entry.is_symlink() else "a FIFO, socket or device, not a regular file"
             raise RecipeError(f"{entry.path!r} is {kind}: nothing in a run folder is written or read through one (it "

@@ -174,9 +174,10 @@ def test_the_same_data_by_another_path_from_another_folder_continues_the_run_exa
 
 def test_a_relative_data_is_found_from_another_folder_by_the_run_folder_alone(env, labelled, tmp_path):
     """A run started in ~/project with --data photos and --output_dir runs/x, continued from another folder with
-    --resume latest --output_dir ~/project/runs/x (what its folder alone says): it asked for --data. The folder it was
-    started in is the run folder given, less the --output_dir it recorded; the data is read from there, the change
-    said, and recorded whole for the next resume. A run folder renamed since gives no such folder: asked, as before."""
+    --resume latest --output_dir ~/project/runs/x (what its folder alone says), or with --resume of one of its
+    checkpoints: it asked for --data. The folder it was started in is the run folder given (a checkpoint's:
+    runs/x/checkpoints/step_<N>), less the --output_dir it recorded; the data is read from there, the change said, and
+    recorded whole for the next resume. A run folder renamed since gives no such folder: asked, as before."""
     project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
     data = shutil.copytree(labelled[(3, 32, 32)], project / "photos")
     elsewhere.mkdir()
@@ -186,6 +187,11 @@ def test_a_relative_data_is_found_from_another_folder_by_the_run_folder_alone(en
     out = ok(run_here("cifar_cnn", "--output_dir", run, "--resume", "latest", "--max_steps", "6", cwd=elsewhere)).stdout
     assert f"data 'photos' -> '{data}'" in out and "the sample order continues exactly\n" in out, out
     assert read_json(run / "summary.json")["steps"] == 6 and read_json(run / "config.json")["data"] == str(data)
+    # --resume of a checkpoint, which records the first run's --data photos: read from its run folder the same way
+    checkpoint = run / "checkpoints" / "step_3"
+    out = ok(run_here("cifar_cnn", "--resume", checkpoint, "--output_dir", "branch", "--max_steps", "6",
+                      cwd=elsewhere)).stdout
+    assert f"data 'photos' -> '{data}'" in out and read_json(elsewhere / "branch" / "config.json")["data"] == str(data)
     # Renamed: the run folder given no longer ends with the one recorded, so nothing is guessed
     ok(run_here("cifar_cnn", *flags, "--output_dir", "runs/y", cwd=project))
     renamed = run.parent / "z"
