@@ -315,10 +315,8 @@ class DatasetFiles:
         count = (sum(read_idx(self.files[split][0], count_only=True) for split in IDX_SPLITS) if self.kind == "idx"
                  else sum(file.stat().st_size for split in IDX_SPLITS for file in self.files[split]) // 3072)
         check_decoded_size(source, count, image_shape)
-        if self.kind == "idx":
-            splits, classes = read_idx_splits(self.files)
-        else:
-            splits, classes = read_cifar_splits(self.kind, self.files)
+        splits, classes = (read_idx_splits(self.files) if self.kind == "idx"
+                           else read_cifar_splits(self.kind, self.files))
         seen = {"channels": {images.shape[1] for images, _ in splits.values()},  # the published arrays: one size
                 "sizes": {tuple(images.shape[2:]) for images, _ in splits.values()}}
         return {split: (fit(to_channels(pixels, image_shape[0]), *image_shape[1:], f"{source} '{split}'",
@@ -471,17 +469,9 @@ class CifarUnpickler(pickle.Unpickler):
     numpy.ndarray itself, which would allocate any size), but for stand-ins that check what they are given."""
 
     def find_class(self, module, name):
-        if (module, name) in (("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct")):
-            return PickledArray  # how NumPy pickles an array (numpy 2 moved numpy.core to numpy._core)
-        if (module, name) == ("numpy", "ndarray"):
-            return NDArrayName
-        if (module, name) == ("numpy", "dtype"):
-            return PickledDtype
-        if (module, name) == ("_codecs", "encode"):  # how Python 3 pickles bytes at protocol 2
-            return latin1_bytes
-        if (module, name) in (("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer")):
-            return array_from_buffer  # how NumPy pickles an array at protocol 5 (Python 3.14's default)
-        raise pickle.UnpicklingError(f"it would call {module}.{name}")
+        if (module, name) not in STAND_INS:
+            raise pickle.UnpicklingError(f"it would call {module}.{name}")
+        return STAND_INS[module, name]
 
 
 class NDArrayName:
@@ -530,6 +520,19 @@ class PickledArray:
                 and all(type(n) is int and 0 <= n <= len(raw) for n in shape) and len(raw) == math.prod(shape)):
             raise pickle.UnpicklingError("an array that is not uint8 bytes of its own shape")
         self.array = np.frombuffer(raw, np.uint8).reshape(shape)
+
+
+# Every name a CIFAR pickle may call, and the stand-in CifarUnpickler gives it (numpy 2 moved numpy.core to numpy._core)
+STAND_INS = {
+    ("numpy.core.multiarray", "_reconstruct"): PickledArray,  # how NumPy pickles an array
+    ("numpy._core.multiarray", "_reconstruct"): PickledArray,
+    ("numpy", "ndarray"): NDArrayName,
+    ("numpy", "dtype"): PickledDtype,
+    ("_codecs", "encode"): latin1_bytes,  # how Python 3 pickles bytes at protocol 2
+    # how NumPy pickles an array at protocol 5 (Python 3.14's default)
+    ("numpy.core.numeric", "_frombuffer"): array_from_buffer,
+    ("numpy._core.numeric", "_frombuffer"): array_from_buffer,
+}
 
 
 def read_pickled_batch(path: Path) -> dict:

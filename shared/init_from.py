@@ -37,9 +37,9 @@ def initial_weights(model, cfg, classes: list[str]) -> str | None:
         there = "no regular .safetensors file there" if given.exists() else "no such file or folder"
         raise RecipeError(f"--init_from {cfg.init_from}: {there}: {fix}")
     with open(path, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256")  # a piece at a time, whatever the file's size
+        sha256 = hashlib.file_digest(f, "sha256").hexdigest()  # a piece at a time, whatever the file's size
     if cfg.resume:
-        return digest.hexdigest()
+        return sha256
     expected = model.state_dict()
     head = next(reversed(expected)).rsplit(".", 1)[0] + "."  # the classifier: the model's last layer
     try:  # safetensors: a header of names, shapes and offsets, checked against the file; no code
@@ -75,7 +75,7 @@ def initial_weights(model, cfg, classes: list[str]) -> str | None:
            "keeps it)") if other_classes else ""
     PartialState().print(f"--init_from {path}: {len(loaded)} of {len(expected)} tensors loaded; new: "
                          f"{', '.join(new) if new else 'none'}{why}")
-    return digest.hexdigest()
+    return sha256
 
 
 def torchvision_weights(weights) -> tuple[Path, dict]:

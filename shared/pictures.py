@@ -66,8 +66,8 @@ def plot_curves(rows: Iterable[dict], path: Path, title: str) -> None:
                 seen[key] += 1
                 # train_<name> and eval_<name> of each of metric_sums, from the training and evaluation points: not
                 # the summary's train_s (the run's training time), which is no metric
-                metric = key.startswith(("train_", "eval_")) and "loss" not in key and key != "eval_samples"
-                if is_point(row) and metric:
+                if (is_point(row) and key.startswith(("train_", "eval_")) and "loss" not in key
+                        and key != "eval_samples"):
                     metrics.add(key)
     names = sorted({key.split("_", 1)[1] for key in metrics})  # acc, top5, ...: a line style each
     steps, epochs = map(np.array, zip(*series["epoch"])) if series["epoch"] else ([], [])
@@ -105,13 +105,13 @@ def save_pictures(accelerator, run_dir: Path, test_set, predictions: torch.Tenso
         return
     plt = pyplot()
     # On the CPU whatever device each came from (--data_on_device keeps the test set on the GPU), for NumPy and PNGs.
-    labels, predictions, classes, k = test_set.labels.cpu(), predictions.cpu(), test_set.classes, len(test_set.classes)
+    labels, predictions, k = test_set.labels.cpu(), predictions.cpu(), len(test_set.classes)
     counts = torch.bincount(labels * k + predictions, minlength=k * k).reshape(k, k).double()
     fractions = (counts / counts.sum(dim=1, keepdim=True).clamp(min=1)).numpy()  # rows: true class
     figure, ax = plt.subplots(figsize=(4 + 0.5 * min(k, 20),) * 2)
     ax.imshow(fractions, cmap="Blues", vmin=0, vmax=1)
     if k <= 20:  # readable names and numbers; 100 classes would only be noise
-        names = [label(name) for name in classes]
+        names = [label(name) for name in test_set.classes]
         ax.set_xticks(range(k), names, rotation=90)
         ax.set_yticks(range(k), names)
         for (i, j), fraction in np.ndenumerate(fractions):

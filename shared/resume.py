@@ -226,6 +226,9 @@ def check_resume(checkpoint: Path, config: dict, progress) -> None:
     if not isinstance(before, dict):
         return print(f"no readable config.json in {checkpoint}: what changed since it cannot be listed")
     changed = changes(before, config)
+    # A flag of the checkpoint's run that this recipe does not have (another version of it, an edited copy): gone
+    changed |= {key: f"{key:.60} {before[key]!r:.100} -> no such flag" for key in before
+                if key not in config and key not in NOT_SETTINGS and key.isidentifier()}
     # Another release of torch or its libraries may compute the same step to other last bits (a GPU's kernels most)
     versions = before.get("versions") if isinstance(before.get("versions"), dict) else {}
     # A library one of the two runs did not import is no change (None: datasets, which accelerate imports on several

@@ -211,6 +211,22 @@ def test_a_checkpoint_without_its_config_json_still_resumes_and_says_so(tmp_path
         f"no readable config.json in {checkpoint}: what changed since it cannot be listed"]
 
 
+def test_a_flag_the_recipe_no_longer_has_is_said_not_called_the_same_configuration(tmp_path, capsys):
+    """A checkpoint of a run whose recipe had a flag this one has not (another version of it, an edited copy): it said
+    "same configuration: the run continues exactly", and the flag was gone unsaid. A key that is no name is no flag,
+    and not printed (the file may come from anywhere: an escape sequence would reach the terminal)."""
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_5"
+    checkpoint.mkdir(parents=True)
+    now = {"train_size": 60, "data": "d", "total_steps": 8, "versions": {}}
+    (checkpoint / "config.json").write_text(json.dumps({**now, "label_smoothing": 0.1, "run_id": "ab12",
+                                                        "\x1b[2J": 1}))
+    progress = Progress()
+    progress.step = 5
+    check_resume(checkpoint, now, progress)
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        "changed since the checkpoint: label_smoothing 0.1 -> no such flag", "the sample order continues exactly"]
+
+
 def test_a_resume_onto_less_data_counts_its_position_in_the_checkpoints_epoch(tmp_path, capsys):
     """It said "epoch 1 after 640 of its 60 samples": the checkpoint's position against the new data's size."""
     checkpoint = tmp_path / "run" / "checkpoints" / "step_5"
