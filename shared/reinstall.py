@@ -36,9 +36,8 @@ def torchvision_for_this_torch(folder: Path, library: Path) -> str:
     found = re.search(r"^__version__ = '([^']+)'", text, re.MULTILINE)
     version = found.group(1) if found else "(of an unknown version)"
     release, _, build = torch.__version__.partition("+")
-    index = ""
-    if build.startswith(("cpu", "cu", "rocm")):  # a build from PyTorch's own index: the same index's
-        index = f" --index-url https://download.pytorch.org/whl/{build}"
+    # A build from PyTorch's own index: the same index's
+    index = f" --index-url https://download.pytorch.org/whl/{build}" if build.startswith(("cpu", "cu", "rocm")) else ""
     fix = f"pip uninstall -y torchvision && pip install torch=={release} torchvision{index}"
     return (f"torchvision {version} was not built for torch {torch.__version__}: its compiled operators "
             f"({library.name}) do not load; install the torchvision built for it: {fix}")

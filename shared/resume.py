@@ -226,8 +226,9 @@ def check_resume(checkpoint: Path, config: dict, progress) -> None:
     if not isinstance(before, dict):
         return print(f"no readable config.json in {checkpoint}: what changed since it cannot be listed")
     changed = changes(before, config)
-    # A flag of the checkpoint's run that this recipe does not have (another version of it, an edited copy): gone
-    changed |= {key: f"{key:.60} {before[key]!r:.100} -> no such flag" for key in before
+    # A flag of the checkpoint's run that this recipe does not have (another version of it, an edited copy): gone.
+    # Among its first 1,000 keys (a run records about 60): a file from anywhere may hold a million
+    changed |= {key: f"{key:.60} {before[key]!r:.100} -> no such flag" for key in list(before)[:1000]
                 if key not in config and key not in NOT_SETTINGS and key.isidentifier()}
     # Another release of torch or its libraries may compute the same step to other last bits (a GPU's kernels most)
     versions = before.get("versions") if isinstance(before.get("versions"), dict) else {}
@@ -240,11 +241,11 @@ def check_resume(checkpoint: Path, config: dict, progress) -> None:
         return print("same configuration: " + ("the sample order continues exactly" if moved else
                                                "the run continues exactly, to the same weights as a run never stopped"))
     print("changed since the checkpoint: " + ", ".join(changed.values()))
-    if any(key in DATA_ORDER_KEYS for key in changed):
+    if changed.keys() & DATA_ORDER_KEYS:
         print(f"the sample order is NOT a run's never stopped ({', '.join(k for k in changed if k in DATA_ORDER_KEYS)} "
               f"changed): the rest of epoch {epoch} follows another order, so some of its samples are trained on "
               "twice and others not at all")
-    elif any(key in BATCHING_KEYS for key in changed):
+    elif changed.keys() & BATCHING_KEYS:
         print(f"the sample order continues exactly: the rest of epoch {epoch} is the "
               f"{config['train_size'] - progress.samples_into_epoch} samples not yet trained on, in global batches "
               f"of {config['global_batch_size']} (a remainder smaller than one is dropped, as at the end of every "

@@ -119,6 +119,10 @@ def test_a_torchvision_built_for_another_torch_is_one_line_naming_the_pair(tmp_p
         exec(compile(init.read_text(), str(init), "exec"), {})
     assert explain(failed.value) == line
     assert explain(RuntimeError("operator torchvision::nms does not exist")) is None  # raised elsewhere: code's
+    monkeypatch.setattr(torch, "__version__", "2.13.0")  # PyPI's build: no index of its own to name
+    assert torchvision_mismatch().endswith("for torch 2.13.0: its compiled operators (_C.so) do not load; install the "
+                                           "torchvision built for it: pip uninstall -y torchvision && pip install "
+                                           "torch==2.13.0 torchvision")
 
 
 @pytest.mark.slow  # launched: the import it stops fails in the process

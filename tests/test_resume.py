@@ -214,7 +214,8 @@ def test_a_checkpoint_without_its_config_json_still_resumes_and_says_so(tmp_path
 def test_a_flag_the_recipe_no_longer_has_is_said_not_called_the_same_configuration(tmp_path, capsys):
     """A checkpoint of a run whose recipe had a flag this one has not (another version of it, an edited copy): it said
     "same configuration: the run continues exactly", and the flag was gone unsaid. A key that is no name is no flag,
-    and not printed (the file may come from anywhere: an escape sequence would reach the terminal)."""
+    and not printed (the file may come from anywhere: an escape sequence would reach the terminal), nor are keys
+    past its first 1,000."""
     checkpoint = tmp_path / "run" / "checkpoints" / "step_5"
     checkpoint.mkdir(parents=True)
     now = {"train_size": 60, "data": "d", "total_steps": 8, "versions": {}}
@@ -225,6 +226,12 @@ def test_a_flag_the_recipe_no_longer_has_is_said_not_called_the_same_configurati
     check_resume(checkpoint, now, progress)
     assert capsys.readouterr().out.splitlines()[1:] == [
         "changed since the checkpoint: label_smoothing 0.1 -> no such flag", "the sample order continues exactly"]
+    # A file of 100,000 such keys: a line of the first 1,000 keys' (a run records about 60), not of every one
+    (checkpoint / "config.json").write_text(json.dumps({**now, **{f"flag_{i}": i for i in range(100_000)}}))
+    check_resume(checkpoint, now, progress)
+    listed = capsys.readouterr().out.splitlines()[1]
+    assert listed.startswith("changed since the checkpoint: flag_0 0 -> no such flag, flag_1 1 -> no such flag, ")
+    assert listed.count(" -> no such flag") == 1000 - len(now), len(listed)
 
 
 def test_a_resume_onto_less_data_counts_its_position_in_the_checkpoints_epoch(tmp_path, capsys):
