@@ -114,8 +114,8 @@ def recorded_flags(cfg, argv: list[str]):
             # A relative path is read from the folder the run was started in: the run folder given now (a
             # checkpoint's: <run>/checkpoints/step_<N>), less the --output_dir it recorded (runs/x, given as
             # ~/project/runs/x, was started in ~/project)
-            run = path.absolute().parent
-            start = str(run if latest else run.parent.parent).removesuffix(os.sep + str(recorded.get("output_dir")))
+            where = path.absolute().parent  # the run folder, or a checkpoint in it
+            start = str(where if latest else where.parent.parent).removesuffix(os.sep + str(recorded.get("output_dir")))
             value = os.path.join(start, str(value))
             if not os.path.exists(value):
                 raise ValueError(f"{path} records --data {str(recorded['data'])[:200]!r}, which is no folder here "
