@@ -308,12 +308,14 @@ class DatasetFiles:
         images the files hold (IDX: the headers; CIFAR: at most one per 3,072 bytes)."""
         for file in self.all_files():
             check_regular(file, "the downloaded file")
+        stored = 0  # the bytes of both splits' files
         for split in ("train", "test"):  # its files together, before any is read: they become one array
             files = self.files[split]
-            check_size(files[0] if len(files) == 1 else files[0].parent / f"{split} files",
-                       sum(file.stat().st_size for file in files))
+            size = sum(file.stat().st_size for file in files)
+            check_size(files[0] if len(files) == 1 else files[0].parent / f"{split} files", size)
+            stored += size
         count = (sum(read_idx(self.files[split][0], count_only=True) for split in IDX_SPLITS) if self.kind == "idx"
-                 else sum(file.stat().st_size for split in IDX_SPLITS for file in self.files[split]) // 3072)
+                 else stored // 3072)
         check_decoded_size(source, count, image_shape)
         splits, classes = (read_idx_splits(self.files) if self.kind == "idx"
                            else read_cifar_splits(self.kind, self.files))
@@ -364,14 +366,14 @@ def idx_files(folder: Path) -> DatasetFiles | None:
 def cifar_files(folder: Path) -> DatasetFiles | None:
     if folder.name not in CIFAR_BINARY and folder.name not in CIFAR_PICKLED:
         return None
-    splits, names, *_ = CIFAR_BINARY.get(folder.name) or CIFAR_PICKLED[folder.name]
+    splits, names_file, *_ = CIFAR_BINARY.get(folder.name) or CIFAR_PICKLED[folder.name]
     files = {split: [folder / name for name in names] for split, names in splits.items()}
-    files["names"] = [folder / names]
+    files["names"] = [folder / names_file]
+    found = DatasetFiles(folder.name, files)
     # A file there that is no regular one (a FIFO) is not missing: DatasetFiles.read refuses it (check_regular)
-    missing = [file.name for file in files["names"] + files["train"] + files["test"] if not file.exists()]
-    if missing:
+    if missing := [file.name for file in found.all_files() if not file.exists()]:
         raise RecipeError(f"{folder} lacks {', '.join(missing)}: download the dataset again")
-    return DatasetFiles(folder.name, files)
+    return found
 
 
 def read_idx(path: Path, count_only: bool = False) -> np.ndarray | int:

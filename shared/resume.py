@@ -94,28 +94,32 @@ def recorded_flags(cfg, argv: list[str]):
         raise ValueError(f"{path} is a run of {str(recorded['recipe'])[:60]}, not of {recipe}: resume it with the "
                          "recipe that wrote it")
     given = {word[2:].split("=")[0].removeprefix("no-") for word in argv if word.startswith("--")}
+    kept = recorded.get("checkpoint_dir")  # where the run's checkpoints go: a run writes only where told
+    if kept and "checkpoint_dir" not in given:
+        raise ValueError(f"{path} keeps its checkpoints in {str(kept)[:200]!r}: pass --checkpoint_dir with that "
+                         "folder to continue it")
+    # --resume latest looks in the --checkpoint_dir given: one other than the run's, without its checkpoints, read as
+    # a run that saved none
+    if latest and "checkpoint_dir" in given and kept != cfg.checkpoint_dir and not list_checkpoints(
+            Path(cfg.checkpoint_dir)):
+        raise ValueError(f"{path} keeps its checkpoints in {str(kept or path.parent / 'checkpoints')[:200]!r}, and "
+                         f"--checkpoint_dir {cfg.checkpoint_dir} holds none: continue it with "
+                         f"{'that --checkpoint_dir' if kept else 'no --checkpoint_dir'}, or move them there first")
     words = []
     for field in dataclasses.fields(cfg):
         value = recorded.get(field.name)
-        if field.name == "checkpoint_dir" and value and "checkpoint_dir" not in given:  # a run writes only where told
-            raise ValueError(f"{path} keeps its checkpoints in {str(value)[:200]!r}: pass --checkpoint_dir with that "
-                             "folder to continue it")
-        # --resume latest looks in the --checkpoint_dir given: one other than the run's, without its checkpoints,
-        # read as a run that saved none
-        moved = field.name == "checkpoint_dir" and "checkpoint_dir" in given and value != cfg.checkpoint_dir
-        if moved and latest and not list_checkpoints(Path(cfg.checkpoint_dir)):
-            raise ValueError(f"{path} keeps its checkpoints in {str(value or path.parent / 'checkpoints')[:200]!r}, "
-                             f"and --checkpoint_dir {cfg.checkpoint_dir} holds none: continue it with "
-                             f"{'that --checkpoint_dir' if value else 'no --checkpoint_dir'}, or move them there first")
         synthetic = field.name == "data" and recorded.get("synthetic") is True  # recorded as "SYNTHETIC data"
         if field.name in (*FROM_THE_COMMAND_LINE, *given) or value is None or synthetic:
             continue
         if field.name == "data" and value != field.default and not os.path.exists(os.path.expanduser(str(value))):
-            # A relative path is read from the folder the run was started in: the run folder given now (a
-            # checkpoint's: <run>/checkpoints/step_<N>), less the --output_dir it recorded (runs/x, given as
-            # ~/project/runs/x, was started in ~/project)
-            where = path.absolute().parent  # the run folder, or a checkpoint in it
-            start = str(where if latest else where.parent.parent).removesuffix(os.sep + str(recorded.get("output_dir")))
+            # A relative path is read from the folder the run was started in: the run folder, less the --output_dir
+            # it recorded (runs/x, given as ~/project/runs/x, was started in ~/project). The run folder: a
+            # checkpoint's two folders up (<run>/checkpoints/step_<N>), else the --output_dir given (--resume latest's,
+            # or the run that a checkpoint in its --checkpoint_dir continues)
+            checkpoints = path.absolute().parent.parent
+            in_run = not latest and checkpoints.name == "checkpoints"
+            run = checkpoints.parent if in_run else Path(cfg.output_dir or "").absolute()
+            start = str(run).removesuffix(os.sep + str(recorded.get("output_dir")))
             value = os.path.join(start, str(value))
             if not os.path.exists(value):
                 raise ValueError(f"{path} records --data {str(recorded['data'])[:200]!r}, which is no folder here "

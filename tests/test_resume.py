@@ -177,7 +177,8 @@ def test_a_relative_data_is_found_from_another_folder_by_the_run_folder_alone(en
     --resume latest --output_dir ~/project/runs/x (what its folder alone says), or with --resume of one of its
     checkpoints: it asked for --data. The folder it was started in is the run folder given (a checkpoint's:
     runs/x/checkpoints/step_<N>), less the --output_dir it recorded; the data is read from there, the change said, and
-    recorded whole for the next resume. A run folder renamed since gives no such folder: asked, as before."""
+    recorded whole for the next resume; of a checkpoint in a --checkpoint_dir, the --output_dir given. A run folder
+    renamed since gives no such folder: asked, as before."""
     project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
     data = shutil.copytree(labelled[(3, 32, 32)], project / "photos")
     elsewhere.mkdir()
@@ -192,6 +193,14 @@ def test_a_relative_data_is_found_from_another_folder_by_the_run_folder_alone(en
     out = ok(run_here("cifar_cnn", "--resume", checkpoint, "--output_dir", "branch", "--max_steps", "6",
                       cwd=elsewhere)).stdout
     assert f"data 'photos' -> '{data}'" in out and read_json(elsewhere / "branch" / "config.json")["data"] == str(data)
+    # A checkpoint in a --checkpoint_dir of its own, on a scratch disk that holds a photos/ of its own too: its run is
+    # the --output_dir given, not the checkpoint's two folders up (the scratch disk's photos/ was read)
+    scratch = tmp_path / "scratch"
+    shutil.copytree(data, scratch / "photos")
+    ok(run_here("cifar_cnn", *flags, "--output_dir", "runs/w", "--checkpoint_dir", scratch / "ck", cwd=project))
+    out = ok(run_here("cifar_cnn", "--resume", scratch / "ck" / "step_3", "--checkpoint_dir", scratch / "ck",
+                      "--output_dir", project / "runs" / "w", "--max_steps", "6", cwd=elsewhere)).stdout
+    assert f"data 'photos' -> '{data}'" in out, out
     # Renamed: the run folder given no longer ends with the one recorded, so nothing is guessed
     ok(run_here("cifar_cnn", *flags, "--output_dir", "runs/y", cwd=project))
     renamed = run.parent / "z"
