@@ -414,16 +414,18 @@ def predictions(run_dir: Path) -> list[Path]:
 
 
 def resume_command(stop) -> str:
-    """The command that continues a stopped run (`stop`: its Checkpoints): the variables of its launch that a resume
-    needs, the same launcher and script, the run folder and --resume latest (the run's flags are in its config.json),
-    and what a resume never takes from a run folder: where the checkpoints go, and a --data that is not the recipe's
-    own. Then the variables left out, if any."""
+    """The command that continues a stopped run (`stop`: its Checkpoints): in the folder it was started in, the
+    variables of its launch that a resume needs, the same launcher and script, the run folder and --resume latest
+    (the run's flags are in its config.json), and what a resume never takes from a run folder: where the checkpoints
+    go, and a --data that is not the recipe's own. Then the variables left out, if any."""
     environment, left_out = launch_environment(stop.started_in)
     kept = [word for name in ("checkpoint_dir", "data") if getattr(stop.cfg, name) != getattr(type(stop.cfg), name)
             for word in (f"--{name}", str(getattr(stop.cfg, name)))]
-    launcher = stop.launcher or [sys.orig_argv[0]]  # else the interpreter, as it was started
-    words = [*launcher, sys.argv[0], *kept, "--output_dir", str(stop.run_dir), "--resume", "latest"]
-    command = " ".join([*environment, *map(shell_word, words)])
+    # The launcher and its flags (accelerate launch), else the interpreter, as it was started
+    words = [*(stop.launcher or [sys.orig_argv[0]]), sys.argv[0], *kept, "--output_dir", str(stop.run_dir), "--resume",
+             "latest"]
+    # From the folder the run was started in, where its relative paths lead: the same run, pasted in any folder
+    command = f"cd {shell_word(os.getcwd())} && " + " ".join([*environment, *map(shell_word, words)])
     if left_out:
         command += f"\n  (left out: {' '.join(left_out)}; set them again if the run needs them)"
     return command
@@ -437,8 +439,9 @@ def launch_environment(environment: dict) -> tuple[list[str], list[str]]:
     kept, left_out = [], []
     for name, value in environment.items():
         if name in RESUME_ENVIRONMENT or name.startswith("ACCELERATE_"):
-            safe = re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) and not SECRET.search(name) and value.isprintable()
-            if safe and not re.search(r"://[^/]*@", value):
+            # a name a shell takes, no secret's, a printable value, no URL with a user or password
+            if (re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) and not SECRET.search(name) and value.isprintable()
+                    and not re.search(r"://[^/]*@", value)):
                 kept.append(f"{name}={shlex.quote(value)}")
             else:
                 left_out.append(shell_word(name))

@@ -71,16 +71,23 @@ def test_the_resume_command_keeps_only_the_launchs_own_variables_and_no_secret(s
 
 
 def test_the_resume_command_runs_nothing_when_pasted_and_prints_no_control_character(stopped, tmp_path):
-    with mock.patch.object(sys, "argv", ["recipes/cifar_cnn.py"]):
+    """In the folder the run was started in (`cd <folder> && ...`), whose name came from anywhere too."""
+    started_in = tmp_path / "project\x1b[2J $(touch M)"
+    started_in.mkdir()
+    with mock.patch.object(sys, "argv", ["recipes/cifar_cnn.py"]), mock.patch.object(os, "getcwd",
+                                                                                   return_value=str(started_in)):
         command, note = resume_command(stopped).split("\n")  # the command, then what it left out
     assert command.isprintable() and note.isprintable() and "hunter2" not in command + note, (command, note)
     assert note.startswith("  (left out: ") and all(name in note for name in LEFT_OUT), note
-    # Pasted into a shell that prints each word instead of running the recipe, in a folder where `touch M` would show
-    pasted = subprocess.run(["bash", "-c", f"recipe() {{ printf '%s\\n' \"$@\"; env; }}; recipe {command}"],
+    cd, launch = command.split(" && ")
+    # Pasted into a shell that prints each word and its folder instead of running the recipe, in a folder where
+    # `touch M` would show
+    pasted = subprocess.run(["bash", "-c", f"recipe() {{ printf '%s\\n' \"$@\"; pwd; env; }}; {cd} && recipe {launch}"],
                             cwd=tmp_path, capture_output=True, text=True, errors="surrogateescape")
-    assert pasted.returncode == 0 and not (tmp_path / "M").exists(), pasted.stderr
+    assert pasted.returncode == 0 and not (tmp_path / "M").exists() and not (started_in / "M").exists(), pasted.stderr
     words = pasted.stdout.split("\n")
     assert "my photos\n$(touch M)" in pasted.stdout and str(stopped.run_dir) in words, words
+    assert str(started_in) in words, words  # pwd: the shell's folder when the recipe ran
 
 
 @pytest.mark.parametrize("word", ["plain", "a b", "it's", "\x1b]0;title\x07", "\udcff", "tab\there", "back\\slash\n",

@@ -86,11 +86,13 @@ def test_a_resume_of_2_processes_from_a_checkpoint_is_bitwise_exact(env, data, r
 
 
 def pasted(command: str, env: dict) -> subprocess.CompletedProcess:
-    """`command` pasted into a shell of a new terminal: the variables of a login, none of the test's (its HF_HOME,
-    ACCELERATE_USE_CPU, ...) but its temporary folder (env's TMPDIR: torchrun leaves a folder there)."""
+    """`command` pasted into a shell of a new terminal, in another folder than the run was started in (its relative
+    paths, the script's and the config's, lead nowhere there): the variables of a login, none of the test's (its
+    HF_HOME, ACCELERATE_USE_CPU, ...) but its temporary folder (env's TMPDIR: torchrun leaves a folder there)."""
     login = {name: os.environ[name] for name in ("PATH", "HOME", "LANG") if name in os.environ}
     login["TMPDIR"] = env["TMPDIR"]
-    return subprocess.run(["bash", "-c", command], cwd=ROOT, env=login, capture_output=True, text=True, timeout=600)
+    return subprocess.run(["bash", "-c", command], cwd=env["TMPDIR"], env=login, capture_output=True, text=True,
+                          timeout=600)
 
 
 def start(env, *args) -> subprocess.Popen:
@@ -308,7 +310,8 @@ def test_a_stop_under_the_launcher_of_1_process(env, data, reference, tmp_path, 
     # The command printed is the launcher's own, its flags (-q, the config file) included
     resume = stdout.split("continue with:\n")[1].strip().splitlines()[0]
     words = [word for word in shlex.split(resume) if not re.match(r"[A-Z_]+=", word)]  # after NAME=value settings
-    assert words[:5] == ["accelerate", "launch", "-q", "--config_file", "accelerate_configs/cpu.yaml"], resume
+    assert words[:8] == ["cd", str(ROOT), "&&", "accelerate", "launch", "-q", "--config_file",
+                         "accelerate_configs/cpu.yaml"], resume
     ok(pasted(resume, env))
     assert_bitwise_equal(weights(out), weights(reference))
 
