@@ -325,8 +325,9 @@ def load(checkpoints, progress) -> Path:
 
 def branch(checkpoints, checkpoint: Path, step: int) -> None:
     """Resumed from a checkpoint older than the run's newest: move the later history (its checkpoints, final
-    weights, summary and pictures, a copy of its metrics) aside into abandoned/, so that it is neither deleted
-    nor ever continued by --resume latest or mixed into this history's files."""
+    weights, summary, pictures and predict.py's predictions, a copy of its metrics) aside into abandoned/, so that it
+    is neither deleted nor ever continued by --resume latest or mixed into this history's files (predictions of the
+    abandoned weights, left, read as the new ones')."""
     later = [p for p in list_checkpoints(checkpoints.folder, checkpoints.owner()) if int(p.name.split("_")[1]) > step]
     if checkpoints.accelerator.is_main_process and later:
         # -2, -3 after the name for branches from one step in one second; a read-only abandoned/ (a run folder
@@ -336,9 +337,8 @@ def branch(checkpoints, checkpoint: Path, step: int) -> None:
             for name in ("metrics.jsonl", "config.json"):
                 if (checkpoints.run_dir / name).exists():
                     shutil.copy2(checkpoints.run_dir / name, aside / name)
-            for path in later + [checkpoints.run_dir / name for name in FINISHED_FILES]:
-                if path.exists():
-                    os.replace(path, aside / path.name)
+            for path in later + finished_files(checkpoints.run_dir):
+                os.replace(path, aside / path.name)
         except OSError as error:
             raise RecipeError(f"moving the run's later history aside into {aside} failed ({error.strerror}): "
                               f"{aside.parent} must be a folder you can write in (and the run's folders too), "
@@ -396,14 +396,20 @@ def set_finished_aside(run_dir: Path) -> None:
     steps = summary.get("steps") if isinstance(summary, dict) else None
     name = f"{steps}_steps" if type(steps) is int else "earlier"
     aside = Path(new_folder(f"{run_dir}/finished/{name}"))
-    for path in [*(run_dir / file for file in FINISHED_FILES if (run_dir / file).exists()), *predictions(run_dir)]:
+    for path in finished_files(run_dir):
         os.replace(path, aside / path.name)
+
+
+def finished_files(run_dir: Path) -> list[Path]:
+    """A finished run's files (FINISHED_FILES) that are there, and predict.py's predictions of its weights: what goes
+    wherever its weights go (finished/ when it is extended, abandoned/ when an older checkpoint branches it)."""
+    return [path for path in run_dir.iterdir() if path.name in FINISHED_FILES] + predictions(run_dir)
 
 
 def predictions(run_dir: Path) -> list[Path]:
     """The CSVs recipes/predict.py wrote in a run folder, known by their first line: the predictions of the run's
-    weights, which go with them (a finished run extended, a run replaced by --overwrite) and which predict.py
-    replaces; never a file of yours that happens to have such a name."""
+    weights, which go with them (a finished run extended or branched, a run replaced by --overwrite) and which
+    predict.py replaces; never a file of yours that happens to have such a name."""
     found = []
     for path in run_dir.glob("predictions-*.csv"):
         if path.is_file():  # a FIFO would block the read

@@ -156,10 +156,13 @@ def test_the_same_data_by_another_path_from_another_folder_continues_the_run_exa
     """A relative --data is read from the folder a run is started in. Resumed from another folder, the run asks for
     --data; given as another path to the same folder, it was taken for another sample order ("NOT a run's never
     stopped"), though each epoch's order is (seed, epoch)'s permutation of the training set's size: the run continues
-    exactly, to the weights of the run it branched from."""
+    exactly, to the weights of the run it branched from. predict.py's predictions of the finished run's weights go
+    with them into abandoned/ (they stayed beside the branch's weights, read as theirs); a file of yours stays."""
     data, run = labelled[(3, 32, 32)], tmp_path / "run"
     flags = (*RUN, "--max_steps", "6", "--checkpoint_every", "3")
     ok(run_here("cifar_cnn", "--data", data.name, "--output_dir", run, *flags, cwd=data.parent))
+    (run / "predictions-photos.csv").write_text("path,class,confidence,top_3\r\na.png,cat,0.9,cat 0.9\r\n")
+    (run / "predictions-mine.csv").write_text("my notes\n")
     resume = ("--output_dir", run, "--resume", run / "checkpoints" / "step_3")
     asked = run_here("cifar_cnn", *resume, cwd=tmp_path)
     assert asked.returncode == 2 and (f"records --data '{data.name}', which is no folder here (a relative path is "
@@ -167,6 +170,8 @@ def test_the_same_data_by_another_path_from_another_folder_continues_the_run_exa
     out = ok(run_here("cifar_cnn", "--data", data, *resume, cwd=tmp_path)).stdout
     assert f"changed since the checkpoint: data '{data.name}' -> '{data}'\nthe sample order continues exactly\n" in out
     branched = next((run / "abandoned").iterdir())  # the run's steps 4 to 6, before the resume
+    assert (branched / "predictions-photos.csv").is_file() and not (run / "predictions-photos.csv").exists()
+    assert (run / "predictions-mine.csv").read_text() == "my notes\n"
     assert read_json(run / "summary.json")["eval_loss"] == read_json(branched / "summary.json")["eval_loss"]
     assert all(torch.equal(a, b) for a, b in zip(load_file(run / "model.safetensors").values(),
                                                   load_file(branched / "model.safetensors").values(), strict=True))
