@@ -146,20 +146,17 @@ def check_parquet_files(files: list[Path]) -> None:
         limit = min(MAX_INFLATE_RATIO * size + 2**26, free)
         try:
             meta = pq.read_metadata(file)
+            # What its pages claim once decompressed; within the limit, what its values take once read
             claimed = sum(meta.row_group(i).column(j).total_uncompressed_size
                           for i in range(meta.num_row_groups) for j in range(meta.num_columns))
-            values = 0 if claimed > limit else read_size(file, meta, limit)
+            need = claimed if claimed > limit else read_size(file, meta, limit)
         except Exception as error:
             raise RecipeError(f"{file} is not a readable parquet file ({type(error).__name__}: "
                               f"{first_line(error)[:100]}): write it again") from None
-        if claimed > limit:
-            raise RecipeError(f"{file} claims {claimed:,} bytes once decompressed, from {size:,} on disk (over "
-                              f"{MAX_INFLATE_RATIO} times its size plus 64 MiB, or the {free / 2**30:.1f} GiB of free "
-                              "memory): a damaged or hostile file; write it again")
-        if values > limit:
-            raise RecipeError(f"{file} holds over {values:,} bytes of values once read, from {size:,} on disk (over "
-                              f"{MAX_INFLATE_RATIO} times its size plus 64 MiB, or the {free / 2**30:.1f} GiB of free "
-                              "memory): a damaged or hostile file; write it again")
+        if need > limit:
+            raise RecipeError(f"{file} takes {need:,} bytes or more once read (decompressed, then its values), from "
+                              f"{size:,} on disk (over {MAX_INFLATE_RATIO} times its size plus 64 MiB, or the "
+                              f"{free / 2**30:.1f} GiB of free memory): a damaged or hostile file; write it again")
 
 
 def read_size(file: Path, meta, limit: int) -> int:

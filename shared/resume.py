@@ -206,16 +206,19 @@ def check_resume(checkpoint: Path, config: dict, progress) -> None:
     continues, what changed since the checkpoint (the config.json saved in it), and what that does to the sample
     order, exactness and schedule."""
     total_steps = config["total_steps"]
+    # The flag that makes the run longer: a --max_steps the run has wins over --epochs (a larger --epochs alone
+    # changes nothing, so naming both misled)
+    longer = f"--max_steps (its {config['max_steps']} wins over --epochs)" if config.get("max_steps") else "--epochs"
     if checkpoint.name != f"step_{progress.step}":  # the name orders a run's checkpoints: --resume latest, pruning
         raise RecipeError(f"--resume {checkpoint} holds step {progress.step}: its folder was renamed or copied; "
                           f"name it step_{progress.step} or move it aside, then resume")
     if progress.step > total_steps:
         raise RecipeError(f"--resume {checkpoint} is at step {progress.step}, past the {total_steps} steps asked for: "
-                          "raise --max_steps or --epochs, or resume from an earlier checkpoint")
+                          f"raise {longer}, or resume from an earlier checkpoint")
     finishing = progress.step == total_steps  # the last step's checkpoint; the weights, unless the run was stopped
     if finishing and os.path.exists(f"{config['output_dir']}/model.safetensors"):
         raise RecipeError(f"{config['output_dir']} already finished its {total_steps} steps: "
-                          "raise --max_steps or --epochs to train on")
+                          f"raise {longer} to train on")
     if not PartialState().is_main_process:
         return
     if finishing:  # stopped after its last checkpoint, before its weights: the recipe evaluates and writes them

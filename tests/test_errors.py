@@ -634,12 +634,24 @@ def test_the_flags_a_synthetic_run_did_not_change_are_not_named(env, tmp_path):
 
 
 def test_resume_asking_for_fewer_steps_than_done(env, data, finished):
+    """The flag to raise is the one that sets the run's length: its --max_steps, which wins over --epochs (a user who
+    had raised --epochs was asked to raise --max_steps or --epochs), else --epochs."""
     before = snapshot(finished)
     args = ("--data", str(data), "--output_dir", str(finished), *SHORT, "--resume", "latest")
     one_line(run_here("cifar_cnn", *args, "--max_steps", "3"),
-             "step_4 is at step 4, past the 3 steps asked for", "raise --max_steps or --epochs")
-    one_line(run_here("cifar_cnn", *args), "already finished its 4 steps", "raise --max_steps")
+             "step_4 is at step 4, past the 3 steps asked for: raise --max_steps (its 3 wins over --epochs), or resume "
+             "from an earlier checkpoint")
+    one_line(run_here("cifar_cnn", *args, "--epochs", "50"),
+             "already finished its 4 steps: raise --max_steps (its 4 wins over --epochs) to train on")
     assert snapshot(finished) == before
+
+
+def test_a_finished_run_of_epochs_is_asked_for_more_epochs(env, data, tmp_path):
+    run = tmp_path / "run"
+    ok(run_here("cifar_cnn", "--data", data, "--output_dir", run, "--batch_size", "32", "--epochs", "1", "--tracker",
+                "none"))
+    one_line(run_here("cifar_cnn", "--output_dir", run, "--resume", "latest"),
+             f"{run} already finished its 2 steps: raise --epochs to train on")
 
 
 def test_resume_given_the_run_folder_names_the_command_that_continues_it(env, data, finished):

@@ -324,7 +324,8 @@ def test_a_run_is_continued_by_its_folder_alone_and_an_extension_keeps_the_finis
     finished = {name: (run / name).read_bytes() for name in names}
     again = run_here("cifar_cnn", "--resume", "latest", "--output_dir", run)
     assert again.returncode == 1
-    assert f"{run} already finished its 4 steps: raise --max_steps or --epochs" in again.stderr
+    assert f"{run} already finished its 4 steps: raise --max_steps (its 4 wins over --epochs) to train on" in (
+        again.stderr)
     out = ok(run_here("cifar_cnn", "--resume", "latest", "--output_dir", run, "--max_steps", "6")).stdout
     assert "changed since the checkpoint: max_steps 4 -> 6, total_steps 4 -> 6\n" in out  # nothing else
     extending = "extending the finished run to 6 steps: its model.safetensors and summary.json stay until this run"
