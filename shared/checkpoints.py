@@ -300,17 +300,17 @@ class Checkpoints(StopOnSignals):
         return initial_weights(model, cfg, classes)
 
 
-def new_folder(base: str) -> str:
+def new_folder(base: str) -> Path:
     """`base`, or `base`-2, -3, ...: the first that did not exist, made here. mkdir is atomic, so two runs started in
-    the same second get a folder each (with the same name, the second found the first's lock). Where nothing can be
-    made, `base`: the write check after says why, in one line."""
+    the same second get a folder each (with the same name, the second found the first's lock). Where one cannot be
+    made, the name tried: the write check after says why, in one line."""
     for n in itertools.count(1):
-        name = base if n == 1 else f"{base}-{n}"
+        name = Path(base if n == 1 else f"{base}-{n}")
         try:
-            Path(name).mkdir(parents=True)
+            name.mkdir(parents=True)
             return name
         except FileExistsError:
             continue
         except OSError:
-            return base
+            return name
 

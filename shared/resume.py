@@ -259,8 +259,9 @@ def check_resume(checkpoint: Path, config: dict, progress) -> None:
               "epoch)")
     else:
         print("the sample order continues exactly")
-    if "total_steps" in changed:
-        print(f"length {before.get('total_steps')!s:.100} -> {total_steps} steps, learning rate: "
+    # A larger --epochs where the run's --max_steps wins changes no length, and says so
+    if "total_steps" in changed or "epochs" in changed:
+        print(f"length {before.get('total_steps')!s:.100} -> {total_steps} steps, set by {longer}, learning rate: "
               f"{config['lr_schedule']}")
 
 
@@ -335,7 +336,7 @@ def branch(checkpoints, checkpoint: Path, step: int) -> None:
     if checkpoints.accelerator.is_main_process and later:
         # -2, -3 after the name for branches from one step in one second; a read-only abandoned/ (a run folder
         # from elsewhere) makes nothing, and the first move fails, before anything moved
-        aside = Path(new_folder(f"{checkpoints.run_dir}/abandoned/after_step_{step}-{time.strftime('%Y%m%d-%H%M%S')}"))
+        aside = new_folder(f"{checkpoints.run_dir}/abandoned/after_step_{step}-{time.strftime('%Y%m%d-%H%M%S')}")
         try:  # the copies first, which need room on the disk; then the moves, renames within it, which need none
             for name in ("metrics.jsonl", "config.json"):
                 if (checkpoints.run_dir / name).exists():
@@ -398,7 +399,7 @@ def set_finished_aside(run_dir: Path) -> None:
     summary = read_json(run_dir / "summary.json")
     steps = summary.get("steps") if isinstance(summary, dict) else None
     name = f"{steps}_steps" if type(steps) is int else "earlier"
-    aside = Path(new_folder(f"{run_dir}/finished/{name}"))
+    aside = new_folder(f"{run_dir}/finished/{name}")
     for path in finished_files(run_dir):
         os.replace(path, aside / path.name)
 

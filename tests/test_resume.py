@@ -98,7 +98,7 @@ def test_longer_and_on_another_number_of_processes(env, labelled, tmp_path, reci
     assert ("the sample order continues exactly: the rest of epoch 2 is the 32 samples not yet trained on, "
             "in global batches of 16") in b
     assert "written by 1 process(es), this run has 2" in b and "bitwise equality holds only on the same world size" in b
-    assert f"length 12 -> 20 steps, learning rate: {SCHEDULE_RULE}" in b
+    assert f"length 12 -> 20 steps, set by --max_steps (its 20 wins over --epochs), learning rate: {SCHEDULE_RULE}" in b
     peak_b = config.get("effective_lr", peak_a)
     if recipe == "resnet18_fmnist":  # --lr_scaling sqrt follows the global batch: 8 -> 16
         assert peak_b == pytest.approx(peak_a * 2 ** 0.5) and "effective_lr" in b
@@ -246,6 +246,26 @@ def test_a_flag_the_recipe_no_longer_has_is_said_not_called_the_same_configurati
     listed = capsys.readouterr().out.splitlines()[1]
     assert listed.startswith("changed since the checkpoint: flag_0 0 -> no such flag, flag_1 1 -> no such flag, ")
     assert listed.count(" -> no such flag") == 1000 - len(now), len(listed)
+
+
+def test_a_larger_epochs_where_max_steps_wins_says_the_length_is_unchanged(tmp_path, capsys):
+    """A run of --max_steps 4 resumed with --epochs 50: "changed since the checkpoint: epochs 30 -> 50", and no word
+    that the run stays 4 steps long, its --max_steps winning over --epochs. Without --max_steps, --epochs sets it."""
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_2"
+    checkpoint.mkdir(parents=True)
+    before = {"train_size": 64, "epochs": 30, "max_steps": 4, "total_steps": 4, "lr_schedule": "one cycle",
+              "versions": {}}
+    (checkpoint / "config.json").write_text(json.dumps(before))
+    progress = Progress()
+    progress.step, progress.samples_into_epoch = 2, 16
+    check_resume(checkpoint, {**before, "epochs": 50}, progress)
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        "changed since the checkpoint: epochs 30 -> 50", "the sample order continues exactly",
+        "length 4 -> 4 steps, set by --max_steps (its 4 wins over --epochs), learning rate: one cycle"]
+    (checkpoint / "config.json").write_text(json.dumps({**before, "max_steps": None}))
+    check_resume(checkpoint, {**before, "max_steps": None, "epochs": 50, "total_steps": 400}, progress)
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last == "length 4 -> 400 steps, set by --epochs, learning rate: one cycle"
 
 
 def test_a_resume_onto_less_data_counts_its_position_in_the_checkpoints_epoch(tmp_path, capsys):

@@ -595,5 +595,5 @@ def test_runs_started_in_the_same_second_get_a_folder_each(tmp_path):
     from shared.checkpoints import new_folder
 
     base = str(tmp_path / "runs" / "cifar_cnn-20261127-080000")
-    assert [new_folder(base) for _ in range(3)] == [base, f"{base}-2", f"{base}-3"]
-    assert all(Path(name).is_dir() for name in (base, f"{base}-2", f"{base}-3"))
+    made = [new_folder(base) for _ in range(3)]
+    assert made == [Path(base), Path(f"{base}-2"), Path(f"{base}-3")] and all(path.is_dir() for path in made)
