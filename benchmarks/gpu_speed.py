@@ -215,7 +215,7 @@ class Speed:
     def speed(self, name: str, setting: str, precision: str, ema: bool = False, flag: str | None = None,
               compile: str | None = None) -> dict:
         flags = [*(GPU_SETTING["flags"] if setting == "gpu" else []), *([flag] if flag else [])]
-        steps, every = (4, 2) if self.args.dry_run else (150, 25)
+        steps, every = (2, 1) if self.args.dry_run else (150, 25)
         flags = [*self.small(flags), *self.data(), "--max_steps", steps, "--log_every", every]
         flags += (["--ema", "0.99"] if ema else []) + (["--compile"] if compile else [])
         module_compile = torch.nn.Module.compile
@@ -235,10 +235,10 @@ class Speed:
                 / samples_per_s, "flag": flag, "compile": compile, "windows": windows}
 
     def profile(self) -> dict:
-        """20 steps of the ResNet in the GPU setting under torch.profiler, after 10 to warm up (the dry run: 3 after
+        """20 steps of the ResNet in the GPU setting under torch.profiler, after 10 to warm up (the dry run: 1 after
         2)."""
         cuda = torch.cuda.is_available()
-        wait, warmup, active = (1, 1, 3) if self.args.dry_run else (5, 5, 20)
+        wait, warmup, active = (1, 1, 1) if self.args.dry_run else (5, 5, 20)
         found = {}
 
         def summarize(profiler):  # once the active steps are recorded
