@@ -76,10 +76,11 @@ def one_line_errors():
     try:
         with redirect_stdout(PrintableLines(sys.stdout)):
             yield
-    except KeyboardInterrupt:  # Ctrl-C before StopOnSignals takes it over: while the data, the model, ... load
+    except KeyboardInterrupt:  # Ctrl-C before StopOnSignals takes it over (the data, the model load), or in predict.py
         if is_main_process():
-            print("stopped by Ctrl-C, with nothing to save yet (a training run saves from its first step on): run the "
-                  "same command again", file=sys.stderr, flush=True)
+            print("stopped by Ctrl-C before there was anything to save (a training run saves a checkpoint from its "
+                  "first step on, predict.py its CSV once every image is read): run the same command again",
+                  file=sys.stderr, flush=True)
         sys.exit(130)
     except (RecipeError, MemoryError, torch.OutOfMemoryError, RuntimeError, OSError, ImportError) as error:
         if isinstance(error, RecipeError):

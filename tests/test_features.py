@@ -151,6 +151,30 @@ def test_predict_writes_a_row_per_image_and_agrees_with_the_runs_evaluation(env,
     assert "per class: " in result.stdout
 
 
+def test_ctrl_c_while_predict_reads_the_images_is_one_line_and_keeps_the_csv_it_would_replace(env, run, folder,
+                                                                                              tmp_path, monkeypatch):
+    """predict.py stopped by Ctrl-C (here, at its third image): one line that names what predict.py writes and when,
+    exit status 130, and the CSV that --overwrite would have replaced as it was."""
+    out, _ = run
+    root, _ = folder
+    csv_path = tmp_path / "predictions.csv"
+    csv_path.write_text("yesterday's predictions\n")
+    read_image, images_read = predict_script.read_image, []
+
+    def interrupted(*args):
+        images_read.append(args[0])
+        if len(images_read) == 3:
+            raise KeyboardInterrupt
+        return read_image(*args)
+
+    monkeypatch.setattr(predict_script, "read_image", interrupted)
+    result = predict(env, "--weights", out / "model.safetensors", "--images", root, "--output", csv_path, "--overwrite")
+    assert result.returncode == 130 and len(images_read) == 3, result.stderr
+    assert result.stderr.splitlines() == [
+        "stopped by Ctrl-C before there was anything to save (a training run saves a checkpoint from its first step "
+        "on, predict.py its CSV once every image is read): run the same command again"]
+    assert csv_path.read_text() == "yesterday's predictions\n" and os.listdir(tmp_path) == ["predictions.csv"]
+
 
 def test_predict_images_with_tta_is_the_mean_of_the_logits_of_an_image_and_its_mirror(env, run, folder, tmp_path):
     """--images --tta: each photo's class and confidence from the mean of its logits and its mirror's, as --evaluate

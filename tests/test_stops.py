@@ -248,8 +248,8 @@ def test_ctrl_c_before_the_first_step_is_one_line_and_leaves_no_run_folder(env, 
     os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
     stdout, stderr = process.communicate(timeout=60)
     assert process.returncode == 130 and stderr.strip().splitlines() == [
-        "stopped by Ctrl-C, with nothing to save yet (a training run saves from its first step on): run the same "
-        "command again"], stderr[-3000:]
+        "stopped by Ctrl-C before there was anything to save (a training run saves a checkpoint from its first step "
+        "on, predict.py its CSV once every image is read): run the same command again"], stderr[-3000:]
     assert not (tmp_path / "run").exists()  # made by this start, and empty: removed
 
 
