@@ -189,12 +189,16 @@ def test_the_readmes_first_run_prints_what_the_readme_shows(env, tmp_path):
                 pattern += re.escape(piece)
             elif piece.startswith("<") or piece == "...":
                 pattern += ".+?"
-            elif piece.endswith(" s"):
-                pattern += r"[\d.]+ s"
+            elif piece.endswith(" s"):  # the estimate says 90 s and more in minutes
+                pattern += r"[\d.]+ (?:s|min)"
             else:
                 pattern, numbers = pattern + r"([\d.]+)", numbers + [piece]
         found = re.fullmatch(pattern, got)
         assert found, f"README: {line}\nprinted: {got}"
-        for want, value in zip(numbers, found.groups(), strict=True):
+        for n, (want, value) in enumerate(zip(numbers, found.groups(), strict=True)):
             metric = "eval_" in line and "." in want  # a test loss or accuracy
-            assert value == want or metric and abs(float(value) - float(want)) <= 0.02, (line, got)
+            # The estimate's steps end 20 after the first or at 10 s of training, whichever comes first: earlier where
+            # a step takes over 0.5 s (0.623 s on CI's 2-core CPU without AVX-512, three workers busy: steps 2-18)
+            window_end = line.startswith("about ") and n == len(numbers) - 1
+            assert value == want or metric and abs(float(value) - float(want)) <= 0.02 or window_end and int(
+                numbers[-2]) < int(value) <= int(want), (line, got)
