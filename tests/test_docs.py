@@ -189,8 +189,8 @@ def test_the_readmes_first_run_prints_what_the_readme_shows(env, tmp_path):
                 pattern += re.escape(piece)
             elif piece.startswith("<") or piece == "...":
                 pattern += ".+?"
-            elif piece.endswith(" s"):  # the estimate says 90 s and more in minutes
-                pattern += r"[\d.]+ (?:s|min)"
+            elif piece.endswith(" s"):  # the estimate's time left: 90 s and more in minutes
+                pattern += r"[\d.]+ (?:s|min)" if pattern == re.escape("about ") else r"[\d.]+ s"
             else:
                 pattern, numbers = pattern + r"([\d.]+)", numbers + [piece]
         found = re.fullmatch(pattern, got)
