@@ -27,8 +27,10 @@ from conftest import ok, run_here
 from tiny_data import cifar_binary_dataset, imagefolder_dataset
 
 HOSTILE_ENVIRONMENT = {
-    # kept: what the resume needs
+    # kept: what the resume needs; the kernels' settings too, or the pasted command sums in another order
     "ACCELERATE_USE_CPU": "true", "CUDA_VISIBLE_DEVICES": "0,1", "OMP_NUM_THREADS": "1", "HF_HOME": "/data/my hf",
+    "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "NVIDIA_TF32_OVERRIDE": "0",
+    "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
     # not needed by a resume: never printed, whatever they hold
     "WANDB_BASE_URL": "https://user:hunter2@wandb.example", "HF_ENDPOINT": "https://u:p@hub.example",
     "WANDB_PASSWORD": "hunter2", "HF_API_SECRET": "s", "WANDB_AUTH": "a", "TORCH_HUB_AUTH": "t",
@@ -65,8 +67,10 @@ def stopped(tmp_path):
 
 def test_the_resume_command_keeps_only_the_launchs_own_variables_and_no_secret(stopped):
     kept, left_out = launch_environment(stopped.started_in)
-    assert dict(word.split("=", 1) for word in kept) == {"ACCELERATE_USE_CPU": "true", "CUDA_VISIBLE_DEVICES": "0,1",
-                                                         "OMP_NUM_THREADS": "1", "HF_HOME": "'/data/my hf'"}
+    assert dict(word.split("=", 1) for word in kept) == {
+        "ACCELERATE_USE_CPU": "true", "CUDA_VISIBLE_DEVICES": "0,1", "OMP_NUM_THREADS": "1", "HF_HOME": "'/data/my hf'",
+        "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "NVIDIA_TF32_OVERRIDE": "0",
+        "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     assert set(left_out) == LEFT_OUT
 
 
@@ -105,13 +109,17 @@ def test_a_stop_of_a_real_run_names_what_it_left_out(env, data, tmp_path):
     out = tmp_path / "run"
     command = [sys.executable, "recipes/cifar_cnn.py", "--data", str(data), "--max_steps", "1", "--output_dir",
                str(out), "--tracker", "none", "--batch_size", "4"]
-    faulty = dict(env, WANDB_PASSWORD="hunter2", ACCELERATE_SECRET_THING="hunter2",
+    # ATEN_CPU_CAPABILITY: the kernels this run computed with (every x86 CPU has `default`, unvectorized), which the
+    # pasted command must keep: without it, its own kernels sum in another order (tests/test_stops.py's exact
+    # resumes, run with this variable, differed by up to 0.78)
+    faulty = dict(env, WANDB_PASSWORD="hunter2", ACCELERATE_SECRET_THING="hunter2", ATEN_CPU_CAPABILITY="default",
                   PYTHONPATH=str(Path(__file__).parent / "faults"), FAULT_SIGTERM_IN_TRAINING="1")
     ran = subprocess.run(command, cwd=Path(__file__).parents[1], env=faulty, capture_output=True,
                          text=True, timeout=300)
     assert ran.returncode == 0 and "hunter2" not in ran.stdout + ran.stderr, ran.stderr[-2000:]
     resume, left_out = ran.stdout.split("continue with:\n")[1].splitlines()[:2]
     assert resume.strip().endswith(f"recipes/cifar_cnn.py --data {data} --output_dir {out} --resume latest"), resume
+    assert " ATEN_CPU_CAPABILITY=default " in resume, resume
     assert left_out.strip() == "(left out: ACCELERATE_SECRET_THING; set them again if the run needs them)"
     assert os.path.isdir(out / "checkpoints" / "step_1")
 
