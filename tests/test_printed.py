@@ -28,9 +28,9 @@ from tiny_data import cifar_binary_dataset, imagefolder_dataset
 
 HOSTILE_ENVIRONMENT = {
     # kept: what the resume needs; the kernels' settings too, or the pasted command sums in another order
-    "ACCELERATE_USE_CPU": "true", "CUDA_VISIBLE_DEVICES": "0,1", "OMP_NUM_THREADS": "1", "HF_HOME": "/data/my hf",
-    "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "NVIDIA_TF32_OVERRIDE": "0",
-    "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+    "ACCELERATE_USE_CPU": "true", "CUDA_VISIBLE_DEVICES": "0,1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+    "OMP_NUM_THREADS": "1", "HF_HOME": "/data/my hf", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "NVIDIA_TF32_OVERRIDE": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
     # not needed by a resume: never printed, whatever they hold
     "WANDB_BASE_URL": "https://user:hunter2@wandb.example", "HF_ENDPOINT": "https://u:p@hub.example",
     "WANDB_PASSWORD": "hunter2", "HF_API_SECRET": "s", "WANDB_AUTH": "a", "TORCH_HUB_AUTH": "t",
@@ -68,9 +68,9 @@ def stopped(tmp_path):
 def test_the_resume_command_keeps_only_the_launchs_own_variables_and_no_secret(stopped):
     kept, left_out = launch_environment(stopped.started_in)
     assert dict(word.split("=", 1) for word in kept) == {
-        "ACCELERATE_USE_CPU": "true", "CUDA_VISIBLE_DEVICES": "0,1", "OMP_NUM_THREADS": "1", "HF_HOME": "'/data/my hf'",
-        "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "NVIDIA_TF32_OVERRIDE": "0",
-        "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+        "ACCELERATE_USE_CPU": "true", "CUDA_VISIBLE_DEVICES": "0,1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "OMP_NUM_THREADS": "1", "HF_HOME": "'/data/my hf'", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "NVIDIA_TF32_OVERRIDE": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     assert set(left_out) == LEFT_OUT
 
 
