@@ -61,11 +61,12 @@ MOST = {"max_eval_acc": 1, "pieces": 10**6, "train_s": 10**9, "wall_s": 10**9}  
 # in wandb's log): accelerate's settings, the GPUs seen (CUDA_VISIBLE_DEVICES counts in CUDA_DEVICE_ORDER's order),
 # torch's threads and the kernels' settings (another thread count, CPU instruction set, TF32 or cuBLAS workspace sums
 # in another order: the resume is no longer bitwise; docs/resume.md sets CUBLAS_WORKSPACE_CONFIG for bitwise GPU runs),
+# the GPU memory allocator's (a run that fits only with expandable_segments, as torch's out-of-memory error advises),
 # where the data and weights were found, and wandb's mode and project.
 RESUME_ENVIRONMENT = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "OMP_NUM_THREADS", "ATEN_CPU_CAPABILITY",
-                      "ONEDNN_MAX_CPU_ISA", "NVIDIA_TF32_OVERRIDE", "CUBLAS_WORKSPACE_CONFIG", "HF_HOME",
-                      "HF_DATASETS_CACHE", "HF_HUB_OFFLINE", "TORCH_HOME", "WANDB_MODE", "WANDB_PROJECT",
-                      "WANDB_ENTITY", "WANDB_DIR")
+                      "ONEDNN_MAX_CPU_ISA", "NVIDIA_TF32_OVERRIDE", "CUBLAS_WORKSPACE_CONFIG",
+                      "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "HF_HOME", "HF_DATASETS_CACHE",
+                      "HF_HUB_OFFLINE", "TORCH_HOME", "WANDB_MODE", "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_DIR")
 RUN_ID = re.compile(r"[0-9A-Za-z]{1,64}")  # a run id is one name in wandb's folders and URLs
 SECRET = re.compile(r"KEY|TOKEN|SECRET|PASS|AUTH|CREDENTIAL|COOKIE", re.IGNORECASE)  # in a variable's name
 

@@ -31,6 +31,7 @@ HOSTILE_ENVIRONMENT = {
     "ACCELERATE_USE_CPU": "true", "CUDA_VISIBLE_DEVICES": "0,1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
     "OMP_NUM_THREADS": "1", "HF_HOME": "/data/my hf", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
     "NVIDIA_TF32_OVERRIDE": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+    "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "PYTORCH_ALLOC_CONF": "expandable_segments:True",
     # not needed by a resume: never printed, whatever they hold
     "WANDB_BASE_URL": "https://user:hunter2@wandb.example", "HF_ENDPOINT": "https://u:p@hub.example",
     "WANDB_PASSWORD": "hunter2", "HF_API_SECRET": "s", "WANDB_AUTH": "a", "TORCH_HUB_AUTH": "t",
@@ -70,7 +71,8 @@ def test_the_resume_command_keeps_only_the_launchs_own_variables_and_no_secret(s
     assert dict(word.split("=", 1) for word in kept) == {
         "ACCELERATE_USE_CPU": "true", "CUDA_VISIBLE_DEVICES": "0,1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
         "OMP_NUM_THREADS": "1", "HF_HOME": "'/data/my hf'", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
-        "NVIDIA_TF32_OVERRIDE": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+        "NVIDIA_TF32_OVERRIDE": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "PYTORCH_ALLOC_CONF": "expandable_segments:True"}
     assert set(left_out) == LEFT_OUT
 
 
@@ -109,9 +111,9 @@ def test_a_stop_of_a_real_run_names_what_it_left_out(env, data, tmp_path):
     out = tmp_path / "run"
     command = [sys.executable, "recipes/cifar_cnn.py", "--data", str(data), "--max_steps", "1", "--output_dir",
                str(out), "--tracker", "none", "--batch_size", "4"]
-    # ATEN_CPU_CAPABILITY: the kernels this run computed with (every x86 CPU has `default`, unvectorized), which the
-    # pasted command must keep: without it, its own kernels sum in another order (tests/test_stops.py's exact
-    # resumes, run with this variable, differed by up to 0.78)
+    # ATEN_CPU_CAPABILITY: the kernels this run computed with (`default`, unvectorized, is one on every CPU), which
+    # the pasted command must keep: without it, the machine's own kernels sum in another order (tests/test_stops.py
+    # with ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 on a CPU with AVX-512: resumes up to 0.78 off)
     faulty = dict(env, WANDB_PASSWORD="hunter2", ACCELERATE_SECRET_THING="hunter2", ATEN_CPU_CAPABILITY="default",
                   PYTHONPATH=str(Path(__file__).parent / "faults"), FAULT_SIGTERM_IN_TRAINING="1")
     ran = subprocess.run(command, cwd=Path(__file__).parents[1], env=faulty, capture_output=True,
