@@ -102,7 +102,8 @@ def sweep(cfg: Config) -> None:
         out.mkdir(parents=True, exist_ok=True)
         filled = any(out.iterdir())
     except OSError as error:
-        raise RecipeError(f"cannot write to {out} ({error.strerror}): pass --output_dir to a writable folder") from None
+        raise RecipeError(f"cannot write to {out} ({error.strerror}): pass --output_dir a writable folder, not a file "
+                          "or a path inside one") from None
     if filled:  # an earlier sweep's files, or your own: never replaced
         raise RecipeError(f"{out} already holds files, which a sweep would replace: pass a new or empty --output_dir")
     set_seed(cfg.seed)

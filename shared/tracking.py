@@ -94,8 +94,8 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
             (run_dir / ".write_test").touch()
             (run_dir / ".write_test").unlink()
         except OSError as error:
-            raise RecipeError(f"cannot write to {run_dir} ({error.strerror}): pass --output_dir to a writable folder"
-                              ) from None
+            raise RecipeError(f"cannot write to {run_dir} ({error.strerror}): pass --output_dir a writable folder, "
+                              "not a file or a path inside one") from None
     state.wait_for_everyone()
     if state.num_processes != int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes)):  # several machines
         from shared.nodes import check_shared  # only the runs of several nodes: an opt-in module

@@ -471,10 +471,12 @@ def test_empty_split_that_loads():
 
 # ------------------------------------------------------------------ outputs and checkpoints
 def test_output_dir_not_writable(env, data, tmp_path):
+    """A path through a file, or a file itself: its "(File exists)" read as a run folder already there."""
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
-    one_line(run_here("cifar_cnn", "--data", str(data), "--output_dir", str(blocker / "run"), *SHORT),
-             "cannot write to", "--output_dir")
+    for output_dir, reason in ((blocker / "run", "Not a directory"), (blocker, "File exists")):
+        one_line(run_here("cifar_cnn", "--data", str(data), "--output_dir", str(output_dir), *SHORT),
+                 f"cannot write to {output_dir} ({reason}): pass --output_dir a writable folder, not a file")
     assert blocker.read_text() == "not a folder"
 
 
