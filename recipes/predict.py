@@ -192,7 +192,7 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
         newest = list_checkpoints(path.parent / "checkpoints")[-1:] if path.name == "model.safetensors" else []
         fix = (f"the run has not written it (stopped, or still running): pass --weights {newest[0]}, its newest "
                "checkpoint, or finish the run with --resume latest") if newest else (
-               "pass a model.safetensors, a .pt/.pth file or a checkpoint folder")
+               "pass a model.safetensors (a run writes it as it finishes), a .pt/.pth file or a checkpoint folder")
         raise RecipeError(f"--weights {path}: {'not a regular file' if path.exists() else 'no such file'}: {fix}")
     from shared.pickles import load_pickled  # a .pt/.pth from anywhere, checked: an opt-in module
 

@@ -32,8 +32,8 @@ def initial_weights(model, cfg, classes: list[str]) -> str | None:
         # A run folder without its weights yet (stopped, or still running): its newest checkpoint holds them
         newest = list_checkpoints(path.parent / "checkpoints")[-1:] if path.name == "model.safetensors" else []
         fix = (f"the run has not written its weights (stopped, or still running): pass {newest[0]}, its newest "
-               "checkpoint") if newest else ("pass a run's model.safetensors, or the run or checkpoint folder that "
-                                             "holds one")
+               "checkpoint") if newest else ("pass a run's model.safetensors (written as it finishes), "
+                                             "or the run or checkpoint folder that holds one")
         there = "no regular .safetensors file there" if given.exists() else "no such file or folder"
         raise RecipeError(f"--init_from {cfg.init_from}: {there}: {fix}")
     with open(path, "rb") as f:

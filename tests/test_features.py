@@ -287,6 +287,9 @@ def test_predict_bad_input_is_one_line_and_keeps_what_is_on_disk(env, run, folde
     stopped = tmp_path / "stopped"  # a run folder as a stop leaves it: checkpoints, no weights yet
     shutil.copytree(out / "checkpoints", stopped / "checkpoints")
     shutil.copy(out / "config.json", stopped / "config.json")
+    started = tmp_path / "started"  # a run folder before its end and its first checkpoint: its config.json alone
+    started.mkdir()
+    shutil.copy(out / "config.json", started / "config.json")
     mine = {"recipe": "cifar_cnn"}
     fifo = tmp_path / "fifo.pt"
     os.mkfifo(fifo)
@@ -306,6 +309,8 @@ def test_predict_bad_input_is_one_line_and_keeps_what_is_on_disk(env, run, folde
          "beside them), and --classes, where given, with as many names as their classes"),  # was silent on --classes
         ((stopped, root, tmp_path / "new.csv"), mine, f"--weights {stopped / 'model.safetensors'}: no such file: the "
          f"run has not written it (stopped, or still running): pass --weights {stopped / 'checkpoints' / 'step_12'}"),
+        ((started, root, tmp_path / "new.csv"), {}, f"--weights {started / 'model.safetensors'}: no such file: pass a "
+         "model.safetensors (a run writes it as it finishes)"),  # it named no reason a file a run makes is missing
         ((stopped / "checkpoints", root, tmp_path / "new.csv"), {}, f"--weights {stopped / 'checkpoints'} is a folder "
          f"of checkpoints: pass one, e.g. {stopped / 'checkpoints' / 'step_12'}, the newest"),  # was: which recipe?
         # a FIFO (its read would block): it was "no such file", though it was there

@@ -108,7 +108,9 @@ def fifo(source: Path, folder: Path) -> Path:
      "in the model, and 19 more tensors differ): pass weights of this model"),
     (the_mlps_weights, "mlp.safetensors holds another model's weights ('0.weight' is missing in the file"),
     (nan_weights, "nan.safetensors holds NaN or infinite weights"),
-    (lambda source, folder: folder, "no regular .safetensors file there: pass a run's model.safetensors"),
+    # a run folder before its end and its first checkpoint: the folder its model.safetensors will be in
+    (lambda source, folder: folder, "no regular .safetensors file there: pass a run's model.safetensors (written as "
+     "it finishes), or the run or checkpoint folder that holds one"),
     (lambda source, folder: source / "checkpoints", "no regular .safetensors file there"),
     (lambda source, folder: folder / "typo.safetensors", "typo.safetensors: no such file or folder: pass a run's"),
     (fifo, "w.safetensors: no regular .safetensors file there: pass a run's"),  # a read of it would block for ever
