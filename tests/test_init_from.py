@@ -108,7 +108,7 @@ def fifo(source: Path, folder: Path) -> Path:
      "in the model, and 19 more tensors differ): pass weights of this model"),
     (the_mlps_weights, "mlp.safetensors holds another model's weights ('0.weight' is missing in the file"),
     (nan_weights, "nan.safetensors holds NaN or infinite weights"),
-    # a run folder before its end and its first checkpoint: the folder its model.safetensors will be in
+    # a folder of no weights and no checkpoints, as a run's is before its end and its first checkpoint
     (lambda source, folder: folder, "no regular .safetensors file there: pass a run's model.safetensors (written as "
      "it finishes), or the run or checkpoint folder that holds one"),
     (lambda source, folder: source / "checkpoints", "no regular .safetensors file there"),
