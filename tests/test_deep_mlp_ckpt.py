@@ -165,7 +165,8 @@ def test_sweep_writes_markdown_csv_and_png(env, tmp_path):
     (tmp_path / "file").write_text("not a folder")
     for folder, needle in ((out, f"{out} already holds files, which a sweep would replace: pass a new or empty"),
                            (tmp_path / "file" / "sweep", f"cannot write to {tmp_path / 'file' / 'sweep'} (Not a "
-                                                         "directory): pass --output_dir a writable folder, not a")):
+                                                         "directory): pass --output_dir a writable folder, not a "
+                                                         "file or a path inside one")):
         result = run_here("deep_mlp_sweep", "--batch", "32", "--repeats", "1", "--segments", "8", "--output_dir",
                           folder)
         assert result.returncode == 1 and result.stderr.startswith(f"error: {needle}")

@@ -476,7 +476,8 @@ def test_output_dir_not_writable(env, data, tmp_path):
     blocker.write_text("not a folder")
     for output_dir, reason in ((blocker / "run", "Not a directory"), (blocker, "File exists")):
         one_line(run_here("cifar_cnn", "--data", str(data), "--output_dir", str(output_dir), *SHORT),
-                 f"cannot write to {output_dir} ({reason}): pass --output_dir a writable folder, not a file")
+                 f"cannot write to {output_dir} ({reason}): pass --output_dir a writable folder, not a file or a "
+                 "path inside one")
     assert blocker.read_text() == "not a folder"
 
 
