@@ -77,8 +77,8 @@ class Config(RunConfig):
                              "resnet18, resnet50, efficientnet_b0, convnext_tiny, vit_b_16; googlenet and inception_v3 "
                              "return several outputs in training)")
         choices = torchvision.models.get_model_weights(self.model).__members__
-        if self.weights not in ("DEFAULT", "none", *choices):
-            raise ValueError(f"--weights {self.weights}: {self.model} has {', '.join(choices)} (or DEFAULT, none)")
+        if self.weights not in ("none", *choices):  # choices: the enum's names, DEFAULT included
+            raise ValueError(f"--weights {self.weights}: {self.model} has {', '.join(choices)} or none")
         # Without pretrained layers nothing is worth freezing or sparing: every layer is new and trains at --lr.
         pretrained = self.weights != "none" or self.init_from is not None
         if not pretrained and (self.freeze_epochs or self.backbone_lr_scale not in (None, 1)):

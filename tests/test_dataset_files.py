@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -93,6 +94,8 @@ def test_the_tests_cifar_binary_folder_holds_the_images_of_their_saved_dataset(t
 
 def test_download_folders_are_found_from_their_root(tmp_path, data_module):
     # torchvision: <root>/FashionMNIST/raw/ with each .gz beside the file it unpacked; <root>/cifar-100-binary/.
+    from shared.errors import RecipeError
+
     splits = random_splits((28, 28))
     idx_folder(tmp_path / "fmnist" / "FashionMNIST" / "raw", splits, suffix="")
     idx_folder(tmp_path / "fmnist" / "FashionMNIST" / "raw", splits, suffix=".gz")
@@ -104,6 +107,12 @@ def test_download_folders_are_found_from_their_root(tmp_path, data_module):
     cifar_folder(tmp_path / "c100" / "cifar-100-binary", hundred, [f"c{i}" for i in range(100)], hundred=True)
     train, _ = data_module.load_image_data(str(tmp_path / "c100"), (3, 32, 32))
     assert torch.equal(train.labels, torch.from_numpy(hundred["train"][1])) and len(train.classes) == 100
+    # Two datasets below one root: which one to train on is not guessed
+    idx_folder(tmp_path / "fmnist" / "MNIST" / "raw", splits)
+    with pytest.raises(RecipeError, match=re.escape(
+            f"--data {tmp_path / 'fmnist'} holds more than one dataset ({tmp_path / 'fmnist/FashionMNIST/raw'}, "
+            f"{tmp_path / 'fmnist/MNIST/raw'}): pass --data one of these folders")):
+        data_module.load_image_data(str(tmp_path / "fmnist"), (1, 28, 28))
 
 
 class RunsCode:
@@ -157,6 +166,10 @@ def test_a_cifar_pickle_that_would_run_code_is_refused_in_one_line(env, tmp_path
                     "data_batch_3 is not a plain CIFAR pickle, refused (it would call", "system)",
                     "download the dataset again, or use its binary version")
     assert not bomb.marker.exists(), line
+    # A pickle of another type than a batch (a dict), read as Python 2 wrote it
+    (folder / "data_batch_3").write_bytes(pickle.dumps([1, 2, 3], protocol=2))
+    one_line(run_here("cifar_cnn", "--data", tmp_path / "root", "--tracker", "none"),
+             f"{folder / 'data_batch_3'} holds a list, not a CIFAR batch (a dict): download it again")
 
 
 def test_a_folder_with_both_cifar_versions_reads_the_binary_one(tmp_path, data_module):
@@ -200,6 +213,11 @@ def missing_file(folder: Path) -> str:
     return "but not all four"
 
 
+def two_sets(folder: Path) -> str:  # which is the dataset is not guessed
+    shutil.copy(folder / "train-images-idx3-ubyte.gz", folder / "old-train-images-idx3-ubyte.gz")
+    return "holds several IDX sets (old-train-images-idx3-ubyte, train-images-idx3-ubyte): keep one per folder"
+
+
 def test_an_imagefolder_with_its_metadata_in_parquet_is_read_as_an_imagefolder(tmp_path):
     """A local folder is read as parquet when it holds parquet files, but an imagefolder's metadata.parquet (its
     labels, by file name) is not one: the images are the data."""
@@ -234,13 +252,13 @@ def test_a_class_with_no_training_image_is_named(tmp_path, data_module, capsys, 
     assert capsys.readouterr().out == ""
 
 
-@pytest.mark.parametrize("damage", [truncated_gz, truncated_raw, not_idx, label_count, missing_file])
+@pytest.mark.parametrize("damage", [truncated_gz, truncated_raw, not_idx, label_count, missing_file, two_sets])
 def test_damaged_idx_files_are_one_line_each(tmp_path, data_module, damage):
     from shared.errors import RecipeError
 
     folder = idx_folder(tmp_path / "idx", random_splits((28, 28)))
     needle = damage(folder)
-    with pytest.raises(RecipeError, match="again|not all four") as error:
+    with pytest.raises(RecipeError, match="again|not all four|keep one") as error:
         data_module.load_image_data(str(folder), (1, 28, 28))
     assert needle in str(error.value) and "\n" not in str(error.value)
 

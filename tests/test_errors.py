@@ -9,7 +9,10 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import json
+import math
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -161,8 +164,10 @@ def test_a_mistyped_flag_is_named_with_the_flag_it_was_meant_to_be(capsys, recip
 def flag_error(capsys, recipe: str, *args: str) -> str:
     """The line `python recipes/<recipe>.py args` prints for a bad flag, from the recipe's own Config.parse in this
     process: the same parser, which test_unknown_flag runs in a process of each recipe (one line, exit status 2)."""
+    from shared.config import parse_config
+
     with pytest.raises(SystemExit) as stopped:
-        importlib.import_module(f"recipes.{recipe}").Config.parse(list(args))
+        parse_config(importlib.import_module(f"recipes.{recipe}").Config, list(args))
     lines = capsys.readouterr().err.strip().splitlines()
     assert stopped.value.code == 2 and len(lines) == 1, lines
     return lines[0]
@@ -181,6 +186,23 @@ def flag_error(capsys, recipe: str, *args: str) -> str:
 ])
 def test_flag_of_the_wrong_type_or_out_of_range(capsys, args, needle):
     assert needle in flag_error(capsys, "resnet18_fmnist", *args)
+
+
+@pytest.mark.parametrize("recipe, args, needle", [
+    ("predict", ("--weights", "w.safetensors"), "pass --weights PATH and either --images FOLDER or --evaluate"),
+    ("predict", ("--weights", "w.safetensors", "--images", "photos", "--evaluate"),
+     "pass --weights PATH and either --images FOLDER or --evaluate"),
+    ("predict", ("--weights", "w.safetensors", "--evaluate", "--top_k", "0"),
+     "--top_k and --batch_size must be > 0, got 0 and 256"),
+    ("finetune", ("--weights", "IMAGENET1K_V2"), "--weights IMAGENET1K_V2: resnet18 has IMAGENET1K_V1, DEFAULT or "
+                                                 "none"),  # it said DEFAULT twice
+    ("deep_mlp_ckpt", ("--dropout", "1"), "--dropout must be in [0, 1), got 1.0"),
+    ("deep_mlp_sweep", ("--batch", "0"), "--batch and --repeats must be > 0, got 0 and 3"),
+    ("deep_mlp_sweep", ("--segments", "2,73"), "--segments takes comma-separated counts from 1 to 72, got '2,73'"),
+], ids=["predict with neither", "predict with both", "predict --top_k", "finetune --weights", "mlp --dropout",
+        "sweep --batch", "sweep --segments"])
+def test_a_flag_value_the_other_scripts_cannot_use_is_one_line(capsys, recipe, args, needle):
+    assert flag_error(capsys, recipe, *args).endswith(f"error: {needle} (see --help)")
 
 
 @pytest.mark.parametrize("recipe, flag", [("cifar_cnn", "--data"), ("cifar_cnn", "--resume"),
@@ -469,6 +491,13 @@ def test_empty_split_that_loads():
         pick_splits(splits, "hub/x")
 
 
+def test_a_dataset_without_a_train_split_names_the_splits_it_has(env, tmp_path):
+    splits = image_splits()
+    datasets.DatasetDict(training=splits["train"], test=splits["test"]).save_to_disk(str(tmp_path / "d"))
+    one_line(run_here("cifar_cnn", "--data", str(tmp_path / "d"), "--tracker", "none"),
+             f"{tmp_path / 'd'} has no 'train' split (splits: training, test): name the training split 'train'")
+
+
 # ------------------------------------------------------------------ outputs and checkpoints
 def test_output_dir_not_writable(env, data, tmp_path):
     """A path through a file, or a file itself: its "(File exists)" read as a run folder already there."""
@@ -730,6 +759,23 @@ def test_loss_becomes_nan_keeps_the_last_good_checkpoint(env, data, tmp_path):
     for checkpoint in checkpoints:
         assert all(torch.isfinite(t).all() for t in load_file(checkpoint / "model.safetensors").values())
     assert not (run / "model.safetensors").exists()
+
+
+def test_a_loss_that_becomes_nan_between_checkpoints_is_one_line_at_its_log_point(env, data, tmp_path):
+    """Without a checkpoint at each step (above), the loss is what shows the divergence first: the step after the
+    weights became infinite."""
+    run = tmp_path / "run"
+    line = one_line(run_here("cifar_cnn", "--data", str(data), "--output_dir", str(run), "--lr", "1e12",
+                             "--batch_size", "8", "--max_steps", "20", "--log_every", "1", "--checkpoint_every", "0",
+                             "--tracker", "none"))
+    stopped = re.fullmatch(r"error: the training loss became nan by step (\d+): lower --lr; checkpoints already on "
+                           r"disk hold finite weights", line)
+    assert stopped, line
+    rows = [json.loads(row) for row in (run / "metrics.jsonl").read_text().splitlines()]
+    # Each step before it was logged, finite; nothing was saved
+    assert [row["step"] for row in rows] == list(range(1, int(stopped[1]))) and all(
+        math.isfinite(row["train_loss"]) for row in rows)
+    assert not (run / "checkpoints").exists() and not (run / "model.safetensors").exists()
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from recipes import cifar_cnn, deep_mlp_ckpt, resnet18_fmnist
 from recipes import predict as predict_script
@@ -293,6 +293,14 @@ def test_predict_bad_input_is_one_line_and_keeps_what_is_on_disk(env, run, folde
     mine = {"recipe": "cifar_cnn"}
     fifo = tmp_path / "fifo.pt"
     os.mkfifo(fifo)
+    damaged = tmp_path / "damaged"  # a checkpoint whose weights file was cut short
+    shutil.copytree(out / "checkpoints" / "step_12", damaged)
+    (damaged / "model.safetensors").write_bytes((out / "model.safetensors").read_bytes()[:5000])
+    unparsed = tmp_path / "unparsed.safetensors"  # metadata that is not the recipes' JSON: the weights name nothing
+    save_file(load_file(weights), unparsed, metadata={"recipe": "cifar_cnn", "flags": "{not JSON"})
+    unimportable, no_recipe = tmp_path / "unimportable.py", tmp_path / "no_recipe.py"
+    unimportable.write_text("import a_package_not_installed\n")
+    no_recipe.write_text("RECIPE = 'cifar_cnn'\n")
     cases = [
         ((weights, root, existing), mine, f"{existing} exists: pass --overwrite to replace it, or another --output"),
         ((weights, broken, tmp_path / "new.csv"), mine, f"{broken / 'photo.png'} is not a readable image"),
@@ -318,6 +326,16 @@ def test_predict_bad_input_is_one_line_and_keeps_what_is_on_disk(env, run, folde
          f"--weights {fifo}: not a regular file: pass a model.safetensors"),
         ((weights, tmp_path / "nothing", tmp_path / "new.csv"), mine, f"--images {tmp_path / 'nothing'}: no such file"),
         ((weights, fifo, tmp_path / "new.csv"), mine, f"--images {fifo}: not a regular file"),  # was: no such file
+        ((damaged, root, tmp_path / "new.csv"), {}, f"--weights {damaged / 'model.safetensors'} cannot be read ("
+         "SafetensorError: "),
+        ((unparsed, root, tmp_path / "new.csv"), {}, f"--weights {unparsed}: which recipe builds the model?"),
+        ((weights, root, tmp_path / "new.csv"), {"recipe": "no_such"}, "--recipe no_such: no such recipe: pass the "
+         "path of the script that trained the weights, or one of cifar_cnn, deep_mlp_ckpt, "),
+        ((weights, root, tmp_path / "new.csv"), {"recipe": str(unimportable)}, f"--recipe {unimportable} cannot be "
+         "imported (ModuleNotFoundError: No module named 'a_package_not_installed'): run predict.py where the "
+         "recipe's own imports work"),
+        ((weights, root, tmp_path / "new.csv"), {"recipe": str(no_recipe)}, f"--recipe {no_recipe} does not define "
+         "Config, make_model, preprocess, IMAGE_SHAPE, load_data, evaluate: pass a recipe script"),
     ]
     for (weights_path, images, output), flags, needle in cases:  # in this process: torch starts once
         with pytest.raises(RecipeError) as error:
@@ -402,6 +420,12 @@ def test_evaluate_on_data_whose_class_names_differ_from_the_weights_says_so(data
     assert warning == (f"warning: {data} names its classes {', '.join(CLASSES[:3])}, ..., the weights kind 0, kind 1, "
                        "kind 2, ...: the accuracy below compares label numbers only")
     assert json.loads(result)["eval_samples"] == 40
+    # Weights of another number of classes than the data's: no accuracy to compare, one line
+    torch.save(resnet18_fmnist.make_model(3, resnet18_fmnist.Config()).state_dict(), weights)
+    with pytest.raises(RecipeError, match=re.escape(f"{data} has 10 classes, the weights 3: pass --data of the kind "
+                                                    "they were trained on")):
+        predict_script.run(predict_script.Config(str(weights), evaluate=True, data=str(data),
+                                                 recipe="resnet18_fmnist", classes="a,b,c"))
 
 
 @pytest.mark.parametrize("file", ["", "model.safetensors"])

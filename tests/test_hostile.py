@@ -1152,6 +1152,19 @@ def test_a_saved_dataset_is_read_only_inside_its_folder(env, tmp_path, file, key
             needle=f"{file} names {name!r}, which is not a name inside its folder")
 
 
+@pytest.mark.parametrize("file, text", [("dataset_dict.json", '{"splits": "train"}'),  # a str, not a list
+                                        ("dataset_dict.json", '["train", "test"]'),  # a list, not a dict
+                                        ("train/state.json", '{"_data_files": 3}'), ("train/state.json", '{"_data')])
+def test_a_saved_dataset_whose_json_is_not_as_save_to_disk_writes_it_is_one_line(env, tmp_path, file, text):
+    """The JSON files that name a save_to_disk folder's splits and files are read before datasets reads them: one
+    that is not what save_to_disk writes (another type, a file cut short) is refused in a line naming it."""
+    data = save_to_disk_dataset(tmp_path / "data", sizes={"train": 16, "test": 8})
+    (data / file).write_text(text)
+    refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--output_dir", tmp_path / "out",
+            needle=f"{data / file} is missing, damaged or over 16,777,216 bytes, not as save_to_disk writes it: write "
+                   "the dataset again with save_to_disk")
+
+
 def test_a_saved_dataset_that_names_its_file_twice_is_refused(env, tmp_path):
     """load_from_disk read the file as often as state.json named it: the training set doubled, silently (and a list
     of one name can be millions long)."""
