@@ -161,10 +161,10 @@ def find_source(source: str) -> Source:
         readers = inspect.getsource(dataset_files)  # they name the classes kept in the cache too
         return Source(source, "files-" + hashlib.sha256(json.dumps([stamps, readers]).encode()).hexdigest()[:16],
                       files=files)
-    import datasets
-
     train, test = pick_splits(open_hub(source) if local is None else local, source)
     image_column, label_column, classes = find_columns(train, source)
+    import datasets  # after open_hub's checks: a folder that is not there is one line, before datasets' import
+
     splits = {name: split.cast_column(image_column, datasets.Image(decode=False))  # decoded here, one at a time
               for name, split in (("train", train), ("test", test))}
     # datasets' own hash of each split's data (it has no public name)
