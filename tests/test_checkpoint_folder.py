@@ -4,16 +4,17 @@ else is refused before anything is written, in one line that says what was found
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 from test_errors import one_line, snapshot  # one line on stderr, exit 1; every file's hash
 
-from shared.checkpoints import list_checkpoints, run_id
+from shared.checkpoints import Checkpoints, list_checkpoints, run_id
 from shared.errors import RecipeError
 from shared.resume import check_checkpoint_folder
 
-from conftest import ok, read_json, run_here
+from conftest import hooked, ok, read_json, run_here
 from tiny_data import cifar_binary_dataset
 
 RUN = ("--batch_size", "4", "--tracker", "none")
@@ -51,6 +52,28 @@ def test_another_run_is_refused_a_checkpoint_folder_in_use_and_nothing_is_lost(d
     one_line(result, f"--checkpoint_dir {checkpoints} holds 'step_4', a checkpoint of run "
                     f"'{read_json(a / 'config.json')['run_id']}'")
     assert snapshot(checkpoints) == before and not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("name", ["step_4", "partial_step_4"])
+def test_a_run_that_starts_writing_into_the_folder_after_this_ones_start_is_named_and_kept(data, tmp_path, name):
+    """The start's check (above) cannot see a run started later with the same --checkpoint_dir: its checkpoint, where
+    this run is about to save one, is found at the save; nothing of either run is overwritten."""
+    checkpoints = tmp_path / "shared"
+
+    def another_run_first(save):
+        def hooked_save(self, model, step):
+            if step == 4:  # the other run's checkpoint of this step, just written
+                (checkpoints / name).mkdir()
+                (checkpoints / name / "config.json").write_text('{"run_id": "0ther000", "recipe": "cifar_cnn"}')
+            return save(self, model, step)
+        return hooked_save
+
+    with hooked(Checkpoints, "save", another_run_first):
+        result = run(data, tmp_path / "a", checkpoints, "--max_steps", "6", "--checkpoint_every", "2")
+    one_line(result, f"{checkpoints / name} exists but this run did not write it: is another run writing to "
+                     f"{checkpoints}? Nothing overwritten; pass another ")
+    assert run_id(checkpoints / name) == "0ther000" and sorted(os.listdir(checkpoints)) == sorted(["step_2", name])
+    assert run_id(checkpoints / "step_2") == read_json(tmp_path / "a" / "config.json")["run_id"]
 
 
 def test_a_file_for_a_checkpoint_folder_is_refused_before_the_training(data, tmp_path):
