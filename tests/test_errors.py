@@ -162,8 +162,9 @@ def test_a_mistyped_flag_is_named_with_the_flag_it_was_meant_to_be(capsys, recip
 
 
 def flag_error(capsys, recipe: str, *args: str) -> str:
-    """The line `python recipes/<recipe>.py args` prints for a bad flag, from the recipe's own Config.parse in this
-    process: the same parser, which test_unknown_flag runs in a process of each recipe (one line, exit status 2)."""
+    """The line `python recipes/<recipe>.py args` prints for a bad flag, from parse_config of the recipe's Config in
+    this process (its Config.parse; deep_mlp_sweep calls it directly): the same parser, which test_unknown_flag runs
+    in a process of each recipe (one line, exit status 2)."""
     from shared.config import parse_config
 
     with pytest.raises(SystemExit) as stopped:
