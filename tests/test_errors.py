@@ -859,6 +859,26 @@ def test_an_error_in_a_two_process_run_stops_both_promptly_printed_once(env, tmp
     assert 'recipes/cifar_cnn.py", line' not in result.stderr and "[rank1]" not in result.stderr
 
 
+@pytest.mark.slow  # two processes
+@pytest.mark.parametrize("script, needle", [
+    ("predict", "error: predict.py --images runs in one process: start it with `python recipes/predict.py"),
+    ("deep_mlp_sweep", "error: the sweep measures a single process: launch it with cpu.yaml, 1gpu.yaml or bf16.yaml"),
+])
+def test_a_script_of_one_process_launched_on_two_says_so_once_and_writes_nothing(env, finished, tmp_path, script,
+                                                                                  needle):
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    Image.new("RGB", (40, 30), (200, 10, 10)).save(photos / "a.png")
+    args = {"predict": ("--weights", finished / "model.safetensors", "--images", photos, "--output",
+                        tmp_path / "out" / "predictions.csv"),
+            "deep_mlp_sweep": ("--batch", "16", "--repeats", "1", "--segments", "2", "--output_dir", tmp_path / "out")}
+    (tmp_path / "out").mkdir()
+    result = launch(env, script, *map(str, args[script]), config="2gpu", use_cpu=True)
+    assert result.returncode != 0
+    printed_once_and_last(result.stderr, needle)
+    assert f'recipes/{script}.py", line' not in result.stderr and not any((tmp_path / "out").iterdir())
+
+
 def test_under_torchrun_an_error_is_the_cause_its_summary_shows(tmp_path):
     """The file torchrun reads each failed process's cause from (TORCHELASTIC_ERROR_FILE), read by torch's own
     reader: a quick test, so both ends of the torch range run it."""
