@@ -866,17 +866,19 @@ def test_an_error_in_a_two_process_run_stops_both_promptly_printed_once(env, tmp
 ])
 def test_a_script_of_one_process_launched_on_two_says_so_once_and_writes_nothing(env, finished, tmp_path, script,
                                                                                   needle):
-    photos = tmp_path / "photos"
+    """Without its refusal, each of the two ran on both processes and exited 0: both write the same files (predict.py's
+    CSV, the sweep's reports), and the sweep's step times are measured beside the other process."""
+    photos, out = tmp_path / "photos", tmp_path / "out"
     photos.mkdir()
+    out.mkdir()
     Image.new("RGB", (40, 30), (200, 10, 10)).save(photos / "a.png")
     args = {"predict": ("--weights", finished / "model.safetensors", "--images", photos, "--output",
-                        tmp_path / "out" / "predictions.csv"),
-            "deep_mlp_sweep": ("--batch", "16", "--repeats", "1", "--segments", "2", "--output_dir", tmp_path / "out")}
-    (tmp_path / "out").mkdir()
+                        out / "predictions.csv"),
+            "deep_mlp_sweep": ("--batch", "16", "--repeats", "1", "--segments", "2", "--output_dir", out)}
     result = launch(env, script, *map(str, args[script]), config="2gpu", use_cpu=True)
     assert result.returncode != 0
     printed_once_and_last(result.stderr, needle)
-    assert f'recipes/{script}.py", line' not in result.stderr and not any((tmp_path / "out").iterdir())
+    assert f'recipes/{script}.py", line' not in result.stderr and not any(out.iterdir())
 
 
 def test_under_torchrun_an_error_is_the_cause_its_summary_shows(tmp_path):
