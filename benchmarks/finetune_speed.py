@@ -29,7 +29,7 @@ import torchvision
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from recipes.finetune import Config, input_sizes
-from shared.tracking import read_rows
+from shared.pictures import read_rows
 
 CACHED = "resnet18-f37072fd.pth"  # the file torchvision's ResNet18_Weights.IMAGENET1K_V1 is cached as
 
