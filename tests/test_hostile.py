@@ -8,6 +8,7 @@ those are in the slow tier."""
 
 from __future__ import annotations
 
+import codecs
 import errno
 import gzip
 import hashlib
@@ -734,6 +735,9 @@ def laughs(depth: int = 60):
     pytest.param(b"data", Call(np.ndarray, (2**40,)), "it would call numpy.ndarray", marks=LAUNCHED),  # 1 TiB
     pytest.param(b"data", ShapedArray((2**20, 3072), b"\0" * 3072), "an array that is not uint8 bytes of its own shape",
                  marks=LAUNCHED),  # 3 GiB
+    # The names a CIFAR pickle may call, called otherwise: bytes in another encoding, an array of another class
+    (b"data", Call(codecs.encode, "x" * 3072, "utf-16"), "a _codecs.encode that is not bytes written as latin-1 text"),
+    (b"data", Call(np.empty(0).__reduce__()[0], np.dtype, (0,), b"b"), "it would build an array of another class"),
     (b"labels", laughs(), "its 'labels' are not"),
     (b"labels", [2**70] * 10, "its 'labels' are not"),
     (b"labels", list(range(2_100_000)), "more than 2,000,000 pickle operations"),
@@ -953,6 +957,18 @@ def test_a_torch_file_in_the_old_format_claiming_6_gib_allocates_nothing_first(t
     assert peak < 2**24, f"{peak / 2**20:.0f} MB allocated"
 
 
+def test_a_checkpoint_pickle_that_would_run_code_is_refused_before_accelerate_loads_it(env, data, run, tmp_path):
+    """accelerate loads the pickles of the objects registered for checkpointing (the progress counters, --ema's
+    model) with weights_only=False, which calls any function a pickle names: each is read with weights_only=True
+    first, and a checkpoint from anywhere that names one (os.system here) is refused, the one before it named."""
+    out = unfinished(run, tmp_path)
+    pickled = out / "checkpoints" / "step_4" / "custom_checkpoint_0.pkl"
+    torch.save({**torch.load(pickled, weights_only=True), "step": Call(os.system, "touch MARKER")}, pickled)
+    refused(env, tmp_path, "cifar_cnn", "--data", data, *SHORT, "--output_dir", out, "--resume", "latest", cwd=tmp_path,
+            needle=f"custom_checkpoint_0.pkl is corrupt or holds more than tensors and numbers (UnpicklingError): "
+                   f"resume from the one before it: --resume {out / 'checkpoints' / 'step_3'}", decoded=True)
+
+
 @pytest.mark.parametrize("data_pkl, needle", [
     (colliding_keys(30_000), "a data.pkl of more than 1,024 bytes for each of its 0 tensors"),
     (b"\x80\x02}r" + struct.pack("<I", 2**27) + b".", "more than 2,000,000 pickle operations or memo entries"),
@@ -1134,6 +1150,7 @@ SAVED_NAMES = {  # a save_to_disk folder whose JSON names a file or a split outs
     "an absolute data file": ("train/state.json", "_data_files", "ABSOLUTE"),
     "a data file above": ("train/state.json", "_data_files", "../../x.arrow"),
     "a split above": ("dataset_dict.json", "splits", "../x"),
+    "an absolute data file of a Dataset saved alone": ("state.json", "_data_files", "ABSOLUTE"),
 }
 
 
@@ -1145,6 +1162,8 @@ def test_a_saved_dataset_is_read_only_inside_its_folder(env, tmp_path, file, key
     (arrow,) = (data / "train").glob("*.arrow")
     shutil.copy(arrow, tmp_path / "x.arrow")
     shutil.copytree(data / "train", tmp_path / "x")
+    if file == "state.json":  # a Dataset saved alone, not a DatasetDict: its folder is the split's
+        data = data / "train"
     name = str(tmp_path / "x.arrow") if name == "ABSOLUTE" else name
     saved = json.loads((data / file).read_text())
     (data / file).write_text(json.dumps({**saved, key: ["train", name] if key == "splits" else [{"filename": name}]}))
@@ -1726,15 +1745,16 @@ def test_a_broken_environment_is_one_line_within_seconds(env, data, tmp_path, va
             needle=needle, decoded=True, variables=changed, launched=bool({"WORLD_SIZE", "HF_HOME"} & set(variables)))
 
 
-@pytest.mark.parametrize("labels", ["ClassLabel", "integers"])
-def test_holding_out_a_test_split_writes_nothing_into_the_data_folder(env, tmp_path, labels):
+@pytest.mark.parametrize("saved", ["ClassLabel", "integers", "one Dataset"])
+def test_holding_out_a_test_split_writes_nothing_into_the_data_folder(env, tmp_path, saved):
     """datasets' train_test_split wrote its indices (cache-*.arrow) beside the split's files: into --data; and so did
-    its unique(), counting the held-out split's classes (integer labels)."""
+    its unique(), counting the held-out split's classes (integer labels). A Dataset saved alone (its state.json at the
+    top, no dataset_dict.json) is its train split."""
     data = tmp_path / "data"
     splits = image_splits(sizes={"train": 20})
-    if labels == "integers":
+    if saved == "integers":
         splits = splits.cast_column("label", datasets.Value("int64"))
-    splits.save_to_disk(str(data))
+    (splits["train"] if saved == "one Dataset" else splits).save_to_disk(str(data))
     before = snapshot(data)
     result = ok(run_here("cifar_cnn", "--data", data, *SHORT, "--output_dir", tmp_path / "out"))
     assert "holding out 10% of 'train'" in result.stdout and snapshot(data) == before
