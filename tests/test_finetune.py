@@ -1,7 +1,7 @@
 """recipes/finetune.py: a torchvision model fine-tuned on a folder of photos, its pretrained weights read from
 torchvision's cache ($TORCH_HOME/hub/checkpoints/), where the test puts a file of torchvision's layout (ImageNet
 weights cannot be downloaded here). Frozen first (no backward through the pretrained layers), then the whole network;
-exact resume at the boundary, on 1 and 2 processes; the weights' own preprocessing;
+exact resume at the boundary, on 1 and 2 processes; 2 processes' frozen epoch as 1's; the weights' own preprocessing;
 predict.py on the result; offline without the file: one line."""
 
 from __future__ import annotations
@@ -98,19 +98,27 @@ def test_a_resume_at_the_end_of_the_frozen_epoch_is_exact(photos, torch_home, re
 @pytest.mark.slow
 def test_two_processes_cross_the_boundary_and_resume_exactly_at_it(env, photos, torch_home, tmp_path):
     """DDP all-reduces no gradient of a frozen layer (no_sync, the classifier's averaged by hand), then all of them:
-    2 processes over gloo train through the boundary, and a run resumed at it ends on the same weights."""
+    2 processes over gloo, each accumulating 2 batches of 2, train through the boundary, and a run resumed at it ends
+    on the same weights. The frozen epoch is the arithmetic of 1 process at batch 8 (BatchNorm frozen too, no
+    augmentation, no clip): a classifier gradient summed over the processes instead of averaged, or one process's
+    alone, fails here and nowhere else."""
     env = dict(env, TORCH_HOME=str(torch_home))
-    flags = ("--data", str(photos), *RUN, "--batch_size", "4", "--keep_checkpoints", "5")  # 3 steps an epoch
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    ok(launch(env, "finetune", *flags, "--output_dir", str(full), config="2gpu", use_cpu=True))
+    flags = ("--data", str(photos), *RUN, "--no-augment", "--max_grad_norm", "inf", "--keep_checkpoints", "5")
+    two = (*flags, "--batch_size", "2", "--grad_accum", "2")  # global batch 8: 3 steps an epoch
+    one, full, resumed = tmp_path / "one", tmp_path / "full", tmp_path / "resumed"
+    ok(launch(env, "finetune", *two, "--output_dir", str(full), config="2gpu", use_cpu=True))
+    ok(run_here("finetune", *flags, "--output_dir", one, env={"TORCH_HOME": str(torch_home)}))  # batch 8 (RUN)
     pretrained = torch.load(torch_home / "hub" / "checkpoints" / CACHED, weights_only=True)
-    assert torch.equal(weights(full / "checkpoints" / "step_3")["layer1.0.conv1.weight"],
-                       pretrained["layer1.0.conv1.weight"])
+    frozen = weights(full / "checkpoints" / "step_3")
+    assert torch.equal(frozen["layer1.0.conv1.weight"], pretrained["layer1.0.conv1.weight"])
+    for name in ("fc.weight", "fc.bias"):
+        reference = weights(one / "checkpoints" / "step_3")[name]
+        assert (frozen[name] - reference).abs().max() <= 1e-6, name
     assert not torch.equal(weights(full)["layer1.0.conv1.weight"], pretrained["layer1.0.conv1.weight"])
     shutil.copytree(full, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_6")
     (resumed / "model.safetensors").unlink()
-    ok(launch(env, "finetune", *flags, "--output_dir", str(resumed), "--resume", "latest", config="2gpu",
+    ok(launch(env, "finetune", *two, "--output_dir", str(resumed), "--resume", "latest", config="2gpu",
               use_cpu=True))
     assert_bitwise_equal(weights(resumed), weights(full))
 
