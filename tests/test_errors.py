@@ -33,6 +33,7 @@ from shared.errors import RecipeError
 from conftest import (
     ROOT,
     assert_bitwise_equal,
+    hooked,
     launch,
     ok,
     printed_once_and_last,
@@ -501,7 +502,8 @@ def test_a_dataset_without_a_train_split_names_the_splits_it_has(env, tmp_path):
 
 # ------------------------------------------------------------------ outputs and checkpoints
 def test_output_dir_not_writable(env, data, tmp_path):
-    """A path through a file, or a file itself: its "(File exists)" read as a run folder already there."""
+    """A path through a file, or a file itself: its "(File exists)" read as a run folder already there. The default
+    folder too, through a file named runs."""
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
     for output_dir, reason in ((blocker / "run", "Not a directory"), (blocker, "File exists")):
@@ -509,6 +511,10 @@ def test_output_dir_not_writable(env, data, tmp_path):
                  f"cannot write to {output_dir} ({reason}): pass --output_dir a writable folder, not a file or a "
                  "path inside one")
     assert blocker.read_text() == "not a folder"
+    (tmp_path / "runs").write_text("mine")  # without --output_dir: runs/<recipe>-<time>, through a file
+    one_line(run_here("cifar_cnn", "--data", str(data), *SHORT, cwd=tmp_path), "cannot write to runs/cifar_cnn-",
+             "(Not a directory): pass --output_dir a writable folder")
+    assert (tmp_path / "runs").read_text() == "mine"
 
 
 @pytest.fixture(scope="module")
@@ -777,6 +783,36 @@ def test_a_loss_that_becomes_nan_between_checkpoints_is_one_line_at_its_log_poin
     assert [row["step"] for row in rows] == list(range(1, int(stopped[1]))) and all(
         math.isfinite(row["train_loss"]) for row in rows)
     assert not (run / "checkpoints").exists() and not (run / "model.safetensors").exists()
+
+
+def test_out_of_gpu_memory_is_one_line_and_the_checkpoints_stay(data, tmp_path):
+    """The commonest error on a GPU, raised here at step 3 in torch's own words (its caching allocator's message, one
+    line of about 500 characters): one line with the fix, and the checkpoints of steps 1 and 2 kept."""
+    from recipes import cifar_cnn
+
+    said = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.72 GiB of which 1.19 "
+            "GiB is free. Including non-PyTorch memory, this process has 138.52 GiB memory in use. Of the allocated "
+            "memory 135.90 GiB is allocated by PyTorch, and 1.96 GiB is reserved by PyTorch but unallocated. If "
+            "reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to "
+            "avoid fragmentation.  See documentation for Memory Management  "
+            "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)")
+    calls = []
+
+    def out_of_memory_at_step_3(loss_fn):
+        def loss(logits, labels, reduction="mean"):
+            calls.append(reduction)
+            if calls.count("mean") == 3:  # the third training batch's (evaluation sums)
+                raise torch.OutOfMemoryError(said)
+            return loss_fn(logits, labels, reduction)
+        return loss
+
+    run = tmp_path / "run"
+    with hooked(cifar_cnn, "loss_fn", out_of_memory_at_step_3):
+        line = one_line(run_here("cifar_cnn", "--data", data, "--output_dir", run, "--batch_size", "8", "--max_steps",
+                                 "6", "--checkpoint_every", "1", "--tracker", "none"))
+    assert line == f"error: out of GPU memory ({said[:120]}): lower --batch_size"
+    assert sorted(path.name for path in (run / "checkpoints").iterdir()) == ["step_1", "step_2"]
+    assert not (run / "model.safetensors").exists()
 
 
 @pytest.fixture

@@ -149,6 +149,13 @@ def test_predict_writes_a_row_per_image_and_agrees_with_the_runs_evaluation(env,
         about = f.metadata()
     assert accuracy == pytest.approx(float(about["eval_acc_ema" if about["weights"] == "ema" else "eval_acc"]))
     assert "per class: " in result.stdout
+    # One file as --images: its row, named by the file's name, as among the folder's
+    ok(predict(env, "--weights", out / "model.safetensors", "--images", root / "gray_50x70.jpg", "--output",
+               tmp_path / "one.csv"))
+    (alone,) = csv.DictReader((tmp_path / "one.csv").open())
+    (among,) = [row for row in rows if row["path"] == "gray_50x70.jpg"]
+    assert alone["path"] == among["path"] and alone["class"] == among["class"]
+    assert float(alone["confidence"]) == pytest.approx(float(among["confidence"]), abs=1e-4)
 
 
 def test_ctrl_c_while_predict_reads_the_images_is_one_line_and_keeps_the_csv_it_would_replace(env, run, folder,

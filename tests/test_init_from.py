@@ -98,6 +98,13 @@ def the_mlps_weights(source: Path, folder: Path) -> Path:
     return folder / "mlp.safetensors"
 
 
+def cut_short(source: Path, folder: Path) -> Path:
+    """The weights as a copy or download stopped halfway leaves them."""
+    weights = (source / "model.safetensors").read_bytes()
+    (folder / "cut.safetensors").write_bytes(weights[:len(weights) // 2])
+    return folder / "cut.safetensors"
+
+
 def fifo(source: Path, folder: Path) -> Path:
     os.mkfifo(folder / "w.safetensors")
     return folder / "w.safetensors"
@@ -108,6 +115,8 @@ def fifo(source: Path, folder: Path) -> Path:
      "in the model, and 19 more tensors differ): pass weights of this model"),
     (the_mlps_weights, "mlp.safetensors holds another model's weights ('0.weight' is missing in the file"),
     (nan_weights, "nan.safetensors holds NaN or infinite weights"),
+    (cut_short, "cut.safetensors cannot be read (SafetensorError: Error while deserializing header: incomplete "
+     "metadata, file not fully covered): pass a model.safetensors written by a run"),
     # a folder of no weights and no checkpoints, as a run's is before its end and its first checkpoint
     (lambda source, folder: folder, "no regular .safetensors file there: pass a run's model.safetensors (written as "
      "it finishes), or the run or checkpoint folder that holds one"),

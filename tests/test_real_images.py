@@ -4,6 +4,7 @@ copied recipe read the user's own images: other sizes, grayscale into colour and
 
 from __future__ import annotations
 
+import io
 import math
 
 import datasets
@@ -106,6 +107,24 @@ def test_conversion_keeps_the_content(tmp_path, monkeypatch):
         assert torch.equal(gray.images[i], TF.center_crop(TF.resize(luma, [28], antialias=True), [28, 28]))
     assert torch.equal(colour.images[2], torch.from_numpy(arrays[2]).permute(2, 0, 1))  # the right size: untouched
 
+
+
+@pytest.mark.parametrize("orientation, turns, mirrored", [(6, -1, False), (8, 1, False), (3, 2, False),
+                                                          (2, 0, True)])
+def test_a_photo_is_turned_as_its_exif_orientation_says(orientation, turns, mirrored):
+    """A phone stores a photo as its sensor read it, and says in EXIF how to show it (6: a quarter turn clockwise,
+    the portrait photo a phone held upright takes). datasets' Image feature turns it, and so does decode, for
+    training and predict.py alike: what is learned and predicted is the photo as its owner sees it."""
+    from shared.images import decode
+
+    pixels = np.random.default_rng(0).integers(0, 256, (4, 8, 3), dtype=np.uint8)  # 4 high, 8 wide
+    exif = Image.Exif()
+    exif[0x0112] = orientation  # the Orientation tag
+    file = io.BytesIO()
+    Image.fromarray(pixels).save(file, "PNG", exif=exif)
+    decoded, _ = decode(file.getvalue(), 3, "photo.png")
+    shown = pixels[:, ::-1] if mirrored else np.rot90(pixels, turns)
+    assert torch.equal(decoded.permute(1, 2, 0), torch.from_numpy(shown.copy()))
 
 
 def two_photos(folder) -> str:
