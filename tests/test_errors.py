@@ -801,7 +801,7 @@ def test_out_of_gpu_memory_is_one_line_and_the_checkpoints_stay(data, tmp_path):
     def out_of_memory_at_step_3(loss_fn):
         def loss(logits, labels, reduction="mean"):
             calls.append(reduction)
-            if calls.count("mean") == 3:  # the third training batch's (evaluation sums)
+            if calls.count("mean") == 3:  # the third training batch (evaluation asks for sums)
                 raise torch.OutOfMemoryError(said)
             return loss_fn(logits, labels, reduction)
         return loss
