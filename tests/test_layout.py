@@ -345,6 +345,11 @@ def test_every_name_imported_from_the_project_exists():
             if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("shared", "recipes", "tools"):
                 module = importlib.import_module(node.module)
                 missing += [f"{path.relative_to(ROOT)}:{node.lineno}: {node.module}.{alias.name}"
-                            for alias in node.names if not (hasattr(module, alias.name) or hasattr(
-                                module, "__path__") and importlib.util.find_spec(f"{node.module}.{alias.name}"))]
+                            for alias in node.names if not names_something(module, alias.name)]
     assert not missing, missing
+
+
+def names_something(module, name: str) -> bool:
+    """`from module import name` finds an attribute of the module, or a submodule of a package."""
+    return hasattr(module, name) or hasattr(module, "__path__") and importlib.util.find_spec(
+        f"{module.__name__}.{name}") is not None
