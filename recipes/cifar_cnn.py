@@ -247,13 +247,12 @@ def train(cfg: Config) -> None:
     step = loop.CapturedStep(train_step, optimizer, loop.graph_setting(accelerator, cfg))
     progress.pieces += 1  # this launch is one more piece of the run (saved with each checkpoint, in the summary)
     window = tracking.TrainWindow(accelerator, progress)  # train_* points, and the run's time across its pieces
-    show_bar = accelerator.is_local_main_process and sys.stderr.isatty()
     while True:  # the rest of an epoch, then an evaluation; resumed at the run's last step, only the evaluation
         model.train()
         order.set_position(progress.epoch, progress.samples_into_epoch)  # this epoch's order, from the first unseen one
-        bar = tqdm(train_loader, desc=f"epoch {progress.epoch + 1}/{math.ceil(run_epochs)}", disable=not show_bar,
+        bar = tqdm(train_loader, desc=f"epoch {progress.epoch + 1}/{math.ceil(run_epochs)}",
                    total=min(len(train_loader), (total_steps - progress.step) * cfg.grad_accum),  # --max_steps
-                   leave=False)
+                   leave=False, disable=not (accelerator.is_local_main_process and window.terminal))
         for images, labels in bar:
             if progress.step == total_steps:
                 break

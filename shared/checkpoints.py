@@ -105,14 +105,10 @@ class StopOnSignals:
                     os._exit(128 + signal.SIGINT)
                 if signum == signal.SIGINT and first is None:
                     first = time.monotonic()
-                    # Ctrl-C ends `accelerate launch` of one process at once (accelerate #929), and the shell's prompt
-                    # is back: a second Ctrl-C no longer reaches this process
-                    again = "Ctrl-C again to stop at once, without saving" if not self.launcher or (
-                        self.accelerator.num_processes > 1) else (
-                        f"accelerate launch ends now, in its own traceback; this process, {os.getpid()}, saves after "
-                        f"it: wait for its 'stopped by' line, or stop it at once with kill -INT {os.getpid()}")
                     if self.accelerator.is_main_process:
-                        os.write(1, f"Ctrl-C: stopping after this step with a checkpoint ({again})\n".encode())
+                        from shared.resume import interrupted  # only the runs a Ctrl-C stops: an opt-in module
+
+                        os.write(1, interrupted(self).encode())
 
     def after_step(self, model, step: int, at_log_point: bool) -> bool:
         """After each optimizer step: checkpoint every --checkpoint_every steps (without it, about every CHECKPOINT_S

@@ -125,10 +125,11 @@ def cpu_has_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
 def stop_with_launcher() -> None:
     """From now on the kernel sends this process SIGTERM when its launcher dies: before the first step it ends the
     process, after it the stop saves a checkpoint (with several processes, they agree on it as on any stop).
-    `accelerate launch` of one process starts this script and waits: it forwards no signal (accelerate #929), so a
-    SIGTERM to it (Kubernetes stops a container's first process; a user kills the pid they see) would leave this
-    process training on, never saving. torchrun (several processes) forwards a signal, but killed (kill -9, an OOM
-    kill) it leaves its processes training on, orphaned, to the run's end. Asked as the run starts, not before its
+    `accelerate launch` of one process starts this script and waits: before accelerate 1.16 it forwards no signal
+    (accelerate #929), so a SIGTERM to it (Kubernetes stops a container's first process; a user kills the pid they
+    see) would leave this process training on, never saving. torchrun (several processes), and from 1.16 the launcher
+    of one, forward a signal, but killed (kill -9, an OOM kill) they leave their processes training on, orphaned, to
+    the run's end. Asked as the run starts, not before its
     first step: a launcher killed while the data loaded (minutes, on a large dataset's first decode) left its process
     to train the whole run, unseen, since the kernel sends nothing for a parent already dead. A script run with
     `python` has no launcher to lose."""

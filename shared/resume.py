@@ -15,7 +15,8 @@ write a checkpoint (an opt-in module).
   does to the sample order, exactness and schedule); from an older checkpoint than the newest, the later history
   moved aside (`branch`); `cut_metrics`: metrics.jsonl cut back to the checkpoint's step (RunFiles);
   `set_finished_aside`: a finished run's files moved aside when a resume extends it (Checkpoints.save_weights);
-- `resume_command`: the command that continues a run, printed when a signal stops it (StopOnSignals);
+- `interrupted`: the line a first Ctrl-C prints, and `resume_command`: the command that continues a run, printed
+  when a signal stops it (StopOnSignals);
   `write_failed`: the line that names the checkpoint to continue from when a checkpoint or the weights could not be
   written (Checkpoints).
 """
@@ -34,8 +35,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from accelerate import PartialState
+from accelerate.utils import compare_versions, set_seed
 from accelerate.utils import load as accelerate_load  # torch.load(weights_only=True) + NumPy RNG types
-from accelerate.utils import set_seed
 
 from shared.bounds import walk
 from shared.checkpoints import STEP_DIR, list_checkpoints, new_folder, run_id
@@ -426,6 +427,21 @@ def predictions(run_dir: Path) -> list[Path]:
                 if re.fullmatch(rb"path,class,confidence,top_\d+\r?\n", f.readline(64)):
                     found.append(path)
     return found
+
+
+def interrupted(stop) -> str:
+    """The line a first Ctrl-C prints (`stop`: the run's Checkpoints): what a second one does. `accelerate launch` of
+    one process before accelerate 1.16 ends at once, forwarding nothing (accelerate #929), and the shell's prompt is
+    back: a second Ctrl-C no longer reaches this process. From 1.16 it sends this process a SIGTERM, waits 5 s for it,
+    then kills it (at once on a second Ctrl-C)."""
+    again = "Ctrl-C again to stop at once, without saving"
+    if stop.launcher and stop.accelerator.num_processes == 1:
+        if compare_versions("accelerate", ">=", "1.16"):
+            again += "; accelerate launch allows the save 5 s, then kills this process"
+        else:
+            again = (f"accelerate launch ends now, in its own traceback; this process, {os.getpid()}, saves after it: "
+                     f"wait for its 'stopped by' line, or stop it at once with kill -INT {os.getpid()}")
+    return f"Ctrl-C: stopping after this step with a checkpoint ({again})\n"
 
 
 def resume_command(stop) -> str:

@@ -284,6 +284,10 @@ class TrainWindow:
         self.wall_before = progress.wall_s
         self.first_step_at = None  # time.time() at this launch's first batch
         self.first, self.estimated = None, False  # (step, time.perf_counter()) after this launch's first step
+        # On a terminal the recipe draws a progress bar (tqdm, on stderr), else heartbeat() prints a line every
+        # HEARTBEAT_S. stdout counts too: from accelerate 1.16, `accelerate launch` of one process passes its
+        # process's stderr through a pipe of its own (to keep its end for an error), onto the terminal.
+        self.terminal = sys.stderr.isatty() or sys.stdout.isatty()
 
     def add(self, loss: torch.Tensor, metric_sums: dict, samples: int, grad_norm: torch.Tensor | None = None):
         """One batch of this process: its mean loss, the recipe's metrics summed over it, and its size; and the norm of
@@ -335,7 +339,7 @@ class TrainWindow:
                 tqdm.write(f"about {f'{left / 60:.0f} min' if left >= 90 else f'{left:.0f} s'} of training left to "
                            f"step {total_steps}, at {seconds:.3g} s a step (steps {self.first[0] + 1}-{step}; "
                            "evaluations and checkpoints come on top)")
-        if now - self.last_line < HEARTBEAT_S or sys.stderr.isatty() or not self.accelerator.is_main_process:
+        if now - self.last_line < HEARTBEAT_S or self.terminal or not self.accelerator.is_main_process:
             return
         self.last_line = now
         print(f"step {step}/{total_steps}  train_loss {total(self.losses).item() / max(self.batches, 1):.4f}  "

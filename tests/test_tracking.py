@@ -558,21 +558,23 @@ def test_the_curves_of_a_metrics_file_of_any_length_keep_evenly_spaced_points_wi
 
 
 @pytest.mark.slow  # a terminal: a process of its own
-def test_the_progress_bar_on_a_terminal_counts_the_batches_the_run_will_train(env, tmp_path):
+@pytest.mark.parametrize("launcher", [(), ("-m", "accelerate.commands.accelerate_cli", "launch", "-q", "--config_file",
+                                           "accelerate_configs/cpu.yaml")], ids=["python", "accelerate launch"])
+def test_the_progress_bar_on_a_terminal_counts_the_batches_the_run_will_train(env, tmp_path, launcher):
     """On a terminal, a bar with the loss, accuracy and speed (without one, lines: the tensorboard test), and for a
-    run of --max_steps 4 in an epoch of 8 batches, 4 batches to go (it showed 8)."""
+    run of --max_steps 4 in an epoch of 8 batches, 4 batches to go (it showed 8). Under `accelerate launch` too,
+    which from accelerate 1.16 passes its process's stderr through a pipe (the bar was gone there)."""
     import fcntl
     import pty
     import termios
 
     data = cifar_binary_dataset(tmp_path / "data", sizes={"train": 64, "test": 16})
-    primary, secondary = pty.openpty()  # stderr a terminal: the bar is drawn there
+    primary, secondary = pty.openpty()  # stdout and stderr a terminal, as in a shell: the bar is drawn there
     fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("4H", 24, 160, 0, 0))  # 0 columns: tqdm draws nothing
-    process = subprocess.Popen([sys.executable, "recipes/cifar_cnn.py", "--data", str(data), "--batch_size", "8",
-                                "--max_steps", "4", "--log_every", "2", "--tracker", "none", "--output_dir",
-                                str(tmp_path / "run")],
-                               cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                               stderr=secondary)
+    process = subprocess.Popen([sys.executable, *launcher, "recipes/cifar_cnn.py", "--data", str(data),
+                                "--batch_size", "8", "--max_steps", "4", "--log_every", "2", "--tracker", "none",
+                                "--output_dir", str(tmp_path / "run")],
+                               cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=secondary, stderr=secondary)
     os.close(secondary)
     drawn = b""
     while True:
