@@ -129,9 +129,8 @@ def stop_with_launcher() -> None:
     (accelerate #929), so a SIGTERM to it (Kubernetes stops a container's first process; a user kills the pid they
     see) would leave this process training on, never saving. torchrun (several processes), and from 1.16 the launcher
     of one, forward a signal, but killed (kill -9, an OOM kill) they leave their processes training on, orphaned, to
-    the run's end. Asked as the run starts, not before its
-    first step: a launcher killed while the data loaded (minutes, on a large dataset's first decode) left its process
-    to train the whole run, unseen, since the kernel sends nothing for a parent already dead. A script run with
-    `python` has no launcher to lose."""
+    the run's end. Asked as the run starts, not before its first step: a launcher killed while the data loaded
+    (minutes, on a large dataset's first decode) left its process to train the whole run, unseen, since the kernel
+    sends nothing for a parent already dead. A script run with `python` has no launcher to lose."""
     if sys.platform == "linux" and (launcher_command() or "TORCHELASTIC_RUN_ID" in os.environ):
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
