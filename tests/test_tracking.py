@@ -464,6 +464,7 @@ def test_without_a_terminal_a_line_comes_at_least_every_30_s(monkeypatch, capsys
     clock = [1000.0]
     monkeypatch.setattr(tracking.time, "perf_counter", lambda: clock[0])
     window = TrainWindow(Accelerator(cpu=True), Progress())
+    assert not window.terminal  # pytest's captured stdout and stderr
     window.add(torch.tensor(0.5), {"acc": torch.tensor(1)}, 310)  # 310 samples in the 31 s below
     clock[0] += 29
     window.heartbeat(1, 10)
@@ -471,7 +472,7 @@ def test_without_a_terminal_a_line_comes_at_least_every_30_s(monkeypatch, capsys
     clock[0] += 2
     window.heartbeat(2, 10)
     assert capsys.readouterr().out == "step 2/10  train_loss 0.5000  10 samples/s (since the last log point)\n"
-    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a terminal has the progress bar instead
+    window.terminal = True  # a terminal has the progress bar instead (TrainWindow: stderr's or stdout's, at its start)
     clock[0] += 60
     window.heartbeat(3, 10)  # and once, ESTIMATE_S after the first step, the time the rest takes, on a terminal too
     assert capsys.readouterr().out == ("about 4 min of training left to step 10, at 31 s a step (steps 2-3; "
@@ -479,6 +480,9 @@ def test_without_a_terminal_a_line_comes_at_least_every_30_s(monkeypatch, capsys
     clock[0] += 60
     window.heartbeat(4, 10)
     assert capsys.readouterr().out == ""
+    # stdout a terminal, stderr not: `accelerate launch` of one process from accelerate 1.16 pipes its stderr
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    assert TrainWindow(Accelerator(cpu=True), Progress()).terminal
 
 
 
