@@ -302,13 +302,14 @@ def test_a_stop_under_the_launcher_of_1_process(env, data, reference, tmp_path, 
         os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
     else:
         process.send_signal(signal.SIGTERM)  # to the launcher's pid, as Kubernetes or `kill <pid>` would
-    stdout, stderr = process.communicate(timeout=120)  # the pipes close when the orphaned trainer exits
+    stdout, stderr = process.communicate(timeout=120)  # the pipes close when the trainer exits (orphaned before 1.16)
     name = "SIGINT" if ctrl_c else "SIGTERM"
     # Before 1.16 the launcher died and the trainer saved after it; from 1.16 the launcher waited for the save
     status = 128 + getattr(signal, name) if LAUNCHER_WAITS else -getattr(signal, name)
     assert process.returncode == status, stdout[-3000:] + stderr[-3000:]
-    traceback = ctrl_c and not LAUNCHER_WAITS
-    assert ("KeyboardInterrupt" in stderr) == traceback and f"stopped by {name} at step " in stdout, stderr[-3000:]
+    interrupted_launcher = ctrl_c and not LAUNCHER_WAITS  # its KeyboardInterrupt traceback
+    assert ("KeyboardInterrupt" in stderr) == interrupted_launcher, stderr[-3000:]
+    assert f"stopped by {name} at step " in stdout, stderr[-3000:]
     if ctrl_c and LAUNCHER_WAITS:
         assert ("(Ctrl-C again to stop at once, without saving; accelerate launch allows the save 5 s, then kills this "
                 "process)\n") in stdout, stdout[-3000:]
