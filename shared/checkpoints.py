@@ -42,13 +42,13 @@ SECOND_INTERRUPT_S = 1.0  # a SIGINT this long after the first is the user's sec
 
 def run_id(folder: Path) -> str | None:
     """The run id in `folder`'s config.json: a run's, or a checkpoint's (each holds a copy of its run's)."""
-    config = read_json(Path(folder) / "config.json")
+    config = read_json(folder / "config.json")
     return config.get("run_id") if isinstance(config, dict) else None
 
 
 def list_checkpoints(folder: Path, run: str | None = None) -> list[Path]:
     """Complete checkpoints in a run's checkpoint folder, oldest first; with `run`, only those of the run of that id."""
-    found = [p for p in Path(folder).glob("step_*") if p.is_dir() and STEP_DIR.search(p.name)
+    found = [p for p in folder.glob("step_*") if p.is_dir() and STEP_DIR.search(p.name)
              and (run is None or run_id(p) == run)]  # a config.json read only where a run's id is asked for
     return sorted(found, key=lambda p: int(STEP_DIR.search(p.name).group(1)))
 
@@ -192,7 +192,7 @@ class Checkpoints(StopOnSignals):
 
     def __init__(self, accelerator, run_dir: Path, cfg):
         super().__init__()
-        self.accelerator, self.run_dir, self.cfg = accelerator, Path(run_dir), cfg
+        self.accelerator, self.run_dir, self.cfg = accelerator, run_dir, cfg
         self.folder = Path(cfg.checkpoint_dir).absolute() if cfg.checkpoint_dir else self.run_dir / "checkpoints"
         self.resumed_from, self.extending = None, False
         self.saved = set()  # checkpoints this launch wrote: the only ones `save` may take as already saved

@@ -46,9 +46,11 @@ def explain(error: BaseException) -> str | None:
     if isinstance(error, torch.OutOfMemoryError):
         return f"out of GPU memory ({first_line(error)[:120]}): lower --batch_size"
     if type(error).__name__ in ("BackendCompilerFailed", "InductorError"):  # --compile: torch's compiler failed
-        cause = getattr(error, "inner_exception", error)  # on a CPU, often no C++ compiler (a slim image's)
+        # On a CPU, often no C++ compiler (a slim image's), or no Python.h (a system Python without its -dev package:
+        # CppCompileError after torch's warning "Can't find Python.h")
+        cause = getattr(error, "inner_exception", error)
         return (f"--compile failed in torch's compiler ({type(cause).__name__}: {first_line(cause)[:160]}): leave "
-                "out --compile (torch.compile needs a C++ compiler, g++, on a CPU)")
+                "out --compile, or install what torch.compile needs on a CPU: g++ and Python's headers (python3-dev)")
     if os.environ.get("WORLD_SIZE", "1") != "1" and in_collective(error):
         return (f"another process of this run stopped ({first_line(error)[:160]}): see its error, or if a node died, "
                 "start every node again with --resume latest")

@@ -22,6 +22,7 @@ import platform
 import resource
 import shutil
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterable
@@ -48,6 +49,11 @@ ESTIMATE_S, ESTIMATE_STEPS = 10, 20  # the time a run takes is said after this m
 # No monitor thread behind the progress bars (it only retunes the refresh rate of a bar that stalls): under `ulimit -v`
 # its start hung the run for ever, a thread that never began while tqdm held its lock (a 4.5 GB address space here).
 tqdm.monitor_interval = 0
+# A thread lock for the bars (one process draws them), not tqdm's default, which holds a multiprocessing lock: under
+# Python 3.14's default start method (forkserver) its semaphore is registered with a resource tracker, a process of its
+# own, which printed a "leaked semaphore" warning after the run's last line where the run ended without Python's exit
+# (a second Ctrl-C, a kill; tqdm #1677).
+tqdm.set_lock(threading.RLock())
 
 
 def open_run(cfg, recipe: str) -> tuple[Path, list]:
@@ -152,7 +158,7 @@ class RunFiles(GeneralTracker):
     def __init__(self, run_dir: Path, run_id: str, labels: dict, replaced: list[Path]):
         self.tracker = self  # what accelerator.get_tracker("run_files", unwrap=True) returns
         super().__init__()
-        self.run_dir, self.run_id, self.labels, self.summary = Path(run_dir), run_id, labels, {}
+        self.run_dir, self.run_id, self.labels, self.summary = run_dir, run_id, labels, {}
         self.replaced = replaced  # --overwrite: the replaced run's files
         self.metrics = self.run_dir / "metrics.jsonl"
         self.last_evaluation = None  # time.perf_counter() at the last eval_* point

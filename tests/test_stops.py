@@ -210,9 +210,11 @@ def test_sigterm_saves_the_current_step_exits_0_and_prints_a_working_resume_comm
 
 def test_a_second_ctrl_c_stops_a_hung_evaluation_at_once(env, data, tmp_path):
     """The first Ctrl-C asks for a stop after the step, which a hung evaluation never reaches; the second, a second
-    later, stops at once (exit 130) and leaves the checkpoints as they were."""
+    later, stops at once (exit 130) and leaves the checkpoints as they were. Under Python 3.14's default start method
+    (forkserver), tqdm's multiprocessing lock had a resource tracker print a "leaked semaphore" warning after it."""
     out, hung = tmp_path / "run", tmp_path / "hung"
-    faulty = dict(env, PYTHONPATH=str(ROOT / "tests" / "faults"), FAULT_HANG_IN_EVALUATION=str(hung))
+    faulty = dict(env, PYTHONPATH=str(ROOT / "tests" / "faults"), FAULT_HANG_IN_EVALUATION=str(hung),
+                  START_METHOD="forkserver")
     command = [sys.executable, "recipes/cifar_cnn.py", "--data", str(data), "--output_dir", str(out), *RUN]
     process = subprocess.Popen(command, cwd=ROOT, env=faulty, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True)

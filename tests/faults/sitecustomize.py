@@ -19,10 +19,17 @@ With FAULT_NO_THREADS=1, a thread cannot be started: what Python says when the p
 With FAULT_SIGTERM_IN_TRAINING=1, the first training loss sends SIGTERM to its own process: a stop at step 1.
 With RECORD_SYNCS=FILE, each os.fsync appends a line to FILE (`fsync<TAB>the path synced`), and so does each os.replace
 (`replace<TAB>from<TAB>to`): what a machine's crash could leave of each file renamed into place.
+With START_METHOD=M, multiprocessing starts its processes by M: forkserver is Python 3.14's default on Linux (fork
+before), under which each semaphore is registered with a resource tracker, a process of its own.
 """
 
 import errno
 import os
+
+if os.environ.get("START_METHOD"):
+    import multiprocessing
+
+    multiprocessing.set_start_method(os.environ["START_METHOD"])
 
 if os.environ.get("FAULT_NO_THREADS"):
     import threading
