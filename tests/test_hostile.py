@@ -1343,7 +1343,7 @@ def test_a_grayscale_image_is_decoded_once_as_one_channel_for_a_colour_recipe(tm
     from shared import images
 
     pixels = np.random.default_rng(0).integers(0, 256, (300, 200), dtype=np.uint8)
-    Image.fromarray(pixels, "L").save(tmp_path / "gray.png")
+    Image.fromarray(pixels).save(tmp_path / "gray.png")  # 2-D uint8: mode L
     decoded, own = images.decode(tmp_path / "gray.png", 3, "gray.png")
     with Image.open(tmp_path / "gray.png") as image:
         expected = torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1)
