@@ -331,6 +331,28 @@ def test_a_stop_under_the_launcher_of_1_process(env, data, reference, tmp_path, 
     assert_bitwise_equal(weights(out), weights(reference))
 
 
+@pytest.mark.skipif(not LAUNCHER_WAITS, reason="before accelerate 1.16 the launcher of 1 process waits for no save")
+def test_a_save_past_the_launchers_5_s_is_cut_short_and_the_run_resumes_from_the_one_before(env, data, reference,
+                                                                                             tmp_path):
+    """From accelerate 1.16 the launcher of one process waits 5 s for it after a SIGTERM, then kills it
+    (docs/resume.md): a save caught there is cut short, and the run continues from its newest complete checkpoint."""
+    out = tmp_path / "run"
+    held = dict(env, PYTHONPATH=str(ROOT / "tests" / "faults"), FAULT_HOLD_SAVE_AT_STEP="4")
+    process = start(held, "--data", str(data), "--output_dir", str(out), *RUN)
+    wait_for(lambda: any((out / "checkpoints" / "partial_step_4").glob("*")), process)  # step 4's save, held
+    trainers = training_processes(process.pid)
+    signalled = time.monotonic()
+    process.send_signal(signal.SIGTERM)  # to the launcher, as `kill <pid>` would
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 143 and 5 <= time.monotonic() - signalled < 60, stderr[-3000:]
+    assert len(trainers) == 1 and not psutil.pid_exists(trainers[0])  # killed, not left behind
+    assert "checkpoint saved" not in stdout, stdout[-3000:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["partial_step_4", "step_2"]
+    ok(run_here("cifar_cnn", "--data", data, "--output_dir", out, *RUN, "--resume", "latest"))
+    assert_bitwise_equal(weights(out), weights(reference))
+    assert not list((out / "checkpoints").glob("partial_*"))
+
+
 @pytest.mark.parametrize("ctrl_c", [False, True])
 def test_a_stop_of_2_processes_between_log_points(env, data, reference_of_two_long, tmp_path, ctrl_c):
     """`accelerate launch` of several processes runs torchrun, which forwards a SIGTERM to every worker and kills
