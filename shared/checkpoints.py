@@ -73,7 +73,7 @@ class StopOnSignals:
         # environment the run was started in: the launcher's, as the shell gave it.
         self.launcher = launcher_command()
         try:
-            self.started_in = psutil.Process(os.getppid() if self.launcher else os.getpid()).environ()
+            self.started_in = psutil.Process(os.getppid() if self.launcher else None).environ()  # None: this process
         except psutil.Error:
             self.started_in = {}
         self.next_check, self.last_check = 0, None  # the step of the processes' next agreement on a stop; the last's
@@ -237,10 +237,14 @@ class Checkpoints(StopOnSignals):
                               f"{self.folder}? Nothing overwritten; pass another --output_dir (or --checkpoint_dir)")
         partial, run = final.with_name(f"partial_{final.name}"), self.owner()
         if self.accelerator.is_main_process:
-            if partial.exists() and run and run_id(partial) != run:
-                raise RecipeError(f"{partial} exists but this run did not write it: is another run writing to "
-                                  f"{self.folder}? Nothing overwritten; pass another --checkpoint_dir")
-            shutil.rmtree(partial, ignore_errors=True)  # left over by this run, killed while saving
+            # Saves of this run that a kill cut short (kill -9, or accelerate launch's kill 5 s after a SIGTERM): no
+            # run can resume from one, and a resumed run may never save its step again (another --checkpoint_every,
+            # or the clock's), which alone replaced it
+            for left in self.folder.glob("partial_step_*"):
+                if run and run_id(left) != run:
+                    raise RecipeError(f"{left} exists but this run did not write it: is another run writing to "
+                                      f"{self.folder}? Nothing overwritten; pass another --checkpoint_dir")
+                shutil.rmtree(left, ignore_errors=True)
             try:  # the run's config.json first (its id, and the resume report's "before"): a partial one is this run's
                 partial.mkdir(parents=True)
                 shutil.copy2(self.run_dir / "config.json", partial / "config.json")

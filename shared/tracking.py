@@ -383,7 +383,7 @@ def command_started() -> float:
     """When the command started, as time.time(): under `accelerate launch` its launcher (this process's parent, found
     as the resume command finds it), else this process."""
     try:
-        return psutil.Process(os.getppid() if launcher_command() else os.getpid()).create_time()
+        return psutil.Process(os.getppid() if launcher_command() else None).create_time()  # None: this process
     except psutil.Error:  # the launcher already gone: this process's own start
         return psutil.Process().create_time()
 

@@ -53,10 +53,11 @@ def test_another_run_is_refused_a_checkpoint_folder_in_use_and_nothing_is_lost(d
     assert snapshot(checkpoints) == before and not (tmp_path / "b").exists()
 
 
-@pytest.mark.parametrize("name", ["step_4", "partial_step_4"])
+@pytest.mark.parametrize("name", ["step_4", "partial_step_4", "partial_step_3"])
 def test_a_run_that_starts_writing_into_the_folder_after_this_ones_start_is_named_and_kept(data, tmp_path, name):
     """The start's check (above) cannot see a run started later with the same --checkpoint_dir: its checkpoint, where
-    this run is about to save one, is found at the save; nothing of either run is overwritten."""
+    this run is about to save one, or its save in progress of any step (this run's own unfinished saves are removed
+    at each save), is found at the save; nothing of either run is overwritten."""
     checkpoints = tmp_path / "shared"
 
     def another_run_first(save):

@@ -71,6 +71,25 @@ def test_resume_from_a_checkpoint_is_bitwise_exact(data, reference, tmp_path):
     assert steps == list(range(step + 1, 21))  # continued where the checkpoint stopped, each step once
 
 
+def test_a_save_cut_short_is_removed_by_the_next_save_of_any_step(data, reference, tmp_path):
+    """A run killed while it saved step 14 (kill -9, an OOM kill, or accelerate launch's kill 5 s after a SIGTERM)
+    leaves checkpoints/partial_step_14, a checkpoint's size. Only a save of step 14 removed it: a run resumed with
+    another --checkpoint_every, or saving by the clock (the default), kept it for good. The next save removes it."""
+    out = Path(shutil.copytree(reference, tmp_path / "run"))
+    checkpoints = out / "checkpoints"
+    # The folder as that kill left it: step_12 the newest complete checkpoint, step 14's save unfinished, no weights
+    for later in (16, 18, 20):
+        shutil.rmtree(checkpoints / f"step_{later}")
+    (checkpoints / "step_14").rename(checkpoints / "partial_step_14")
+    for name in ("model.safetensors", "summary.json", "curves.png", "confusion_matrix.png"):
+        (out / name).unlink()
+    result = ok(run_here("cifar_cnn", "--output_dir", out, "--resume", "latest", "--checkpoint_every", "5"))
+    assert f"resuming from {checkpoints / 'step_12'}: step 12" in result.stdout
+    assert sorted(p.name for p in checkpoints.iterdir()) == sorted(
+        [f"step_{step}" for step in range(2, 13, 2)] + ["step_15", "step_20"])
+    assert_bitwise_equal(weights(out), weights(reference))
+
+
 def test_without_checkpoint_every_a_checkpoint_is_saved_every_few_minutes(data, tmp_path, monkeypatch):
     """Only the end saved one by default: a crash or kill -9 lost the whole run. Now one about every CHECKPOINT_S
     seconds (here 0: every step; the newest 3 kept), which changes nothing of the training; --checkpoint_every 0
