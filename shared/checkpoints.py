@@ -99,16 +99,18 @@ class StopOnSignals:
         first = None
         while True:
             for signum in os.read(read_end, 64):
-                if signum == signal.SIGINT and first is not None and time.monotonic() - first > SECOND_INTERRUPT_S:
-                    os.write(2, f"error: stopped at once by a second Ctrl-C, without saving: continue from the newest "
-                                f"checkpoint in {self.folder} with --resume latest\n".encode())
-                    os._exit(128 + signal.SIGINT)
-                if signum == signal.SIGINT and first is None:
+                if signum != signal.SIGINT:  # SIGTERM: the handler's alone
+                    continue
+                if first is None:
                     first = time.monotonic()
                     if self.accelerator.is_main_process:
                         from shared.resume import interrupted  # only the runs a Ctrl-C stops: an opt-in module
 
                         os.write(1, interrupted(self).encode())
+                elif time.monotonic() - first > SECOND_INTERRUPT_S:  # within it: torchrun's copy of the first
+                    os.write(2, f"error: stopped at once by a second Ctrl-C, without saving: continue from the newest "
+                                f"checkpoint in {self.folder} with --resume latest\n".encode())
+                    os._exit(128 + signal.SIGINT)
 
     def after_step(self, model, step: int, at_log_point: bool) -> bool:
         """After each optimizer step: checkpoint every --checkpoint_every steps (without it, about every CHECKPOINT_S

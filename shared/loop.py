@@ -27,6 +27,8 @@ import sys
 
 import torch
 
+from shared.errors import first_line
+
 # What config.json records and a resume with another length prints.
 SCHEDULE_RULE = ("one-cycle over total_steps; resumed with another length, it is rebuilt for the new total_steps "
                  "and continues at the resumed step (each later step uses the rate a run of the new length would)")
@@ -109,7 +111,7 @@ class CapturedStep:
             with torch.cuda.graph(graph):
                 self.outputs = self.function(*self.inputs)
         except Exception as error:  # noqa: BLE001 (any failure: the eager step still trains the same model)
-            self.eager_because = f"its capture failed ({type(error).__name__}: {str(error).splitlines()[0][:200]})"
+            self.eager_because = f"its capture failed ({type(error).__name__}: {first_line(error)[:200]})"
             print(f"warning: the training step runs without a CUDA graph: {self.eager_because}", flush=True)
             for group, lr in zip(self.optimizer.param_groups, floats, strict=True):
                 group["lr"] = lr

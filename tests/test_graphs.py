@@ -43,6 +43,29 @@ def test_a_step_that_cannot_be_captured_runs_eagerly_and_the_same():
     assert torch.equal(step(inputs)[0], model(inputs).sum()) and step.graph is None and step.calls == 0
 
 
+CAPTURE_ERROR = "CUDA error: operation not permitted when stream is capturing\nCUDA kernel errors might be ..."
+
+
+@pytest.mark.parametrize("error", [RuntimeError(CAPTURE_ERROR), RuntimeError()])
+def test_a_capture_that_fails_says_so_in_one_line_and_the_step_runs_eagerly(monkeypatch, capsys, error):
+    """The capture's error, its first line, in the warning; the eager step's outputs and rates as before it. An error
+    without a message (an empty first line) ended the run in an IndexError traceback instead."""
+    def capture(graph):
+        raise error
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", object)  # a capture needs a GPU: its API stands in here
+    monkeypatch.setattr(torch.cuda, "graph", capture)
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    step = loop.CapturedStep(lambda x: (model(x).sum(),), optimizer, None)
+    inputs = torch.randn(4, 3)
+    assert torch.equal(step._capture((inputs,))[0], model(inputs).sum())
+    assert step.graph is None and optimizer.param_groups[0]["lr"] == 0.1
+    first = str(error).splitlines()[0] if str(error) else "RuntimeError"
+    assert step.eager_because == f"its capture failed (RuntimeError: {first})"
+    assert capsys.readouterr().out == f"warning: the training step runs without a CUDA graph: {step.eager_because}\n"
+
+
 def test_the_learning_rate_goes_into_the_captured_tensor_in_place():
     model = nn.Linear(3, 2)
     optimizer = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias]}], lr=0.1, fused=True)
