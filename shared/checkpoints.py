@@ -99,7 +99,7 @@ class StopOnSignals:
         first = None
         while True:
             for signum in os.read(read_end, 64):
-                if signum != signal.SIGINT:  # SIGTERM: the handler's alone
+                if signum != signal.SIGINT:  # SIGTERM: _on_signal's alone
                     continue
                 if first is None:
                     first = time.monotonic()
@@ -225,8 +225,9 @@ class Checkpoints(StopOnSignals):
             self.extending = check_resume_and_branch(self, config, progress)
 
     def save(self, model, step: int) -> None:
-        """The full training state in checkpoints/step_<step>, keeping the newest --keep_checkpoints. Weights that
-        are no longer finite (BatchNorm's running statistics included) are never saved."""
+        """The full training state in checkpoints/step_<step>, keeping the newest --keep_checkpoints and removing the
+        run's unfinished saves. Weights that are no longer finite (BatchNorm's running statistics included) are never
+        saved."""
         if not all(torch.isfinite(t).all() for t in model.state_dict().values()):
             good = list_checkpoints(self.folder, self.owner())
             raise RecipeError(f"the weights became NaN or inf by step {step} (lower --lr): nothing saved; "
