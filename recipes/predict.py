@@ -308,11 +308,11 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
     images, skipped = find_images(root)
     output = Path(cfg.output) if cfg.output else default_output(Path(cfg.weights), root)
     # Never renamed over a folder, a device or a FIFO: as root, --output /dev/null --overwrite made /dev/null a file
-    if output.exists() and not output.is_file() or not output.parent.is_dir():
+    if (exists := output.exists()) and not output.is_file() or not output.parent.is_dir():
         raise RecipeError(
-            f"--output {output}: {'a folder, device or FIFO' if output.exists() else 'its folder is missing'}: pass a "
+            f"--output {output}: {'a folder, device or FIFO' if exists else 'its folder is missing'}: pass a "
             "file name in an existing folder")
-    if output.exists() and not cfg.overwrite:
+    if exists and not cfg.overwrite:
         from shared.resume import predictions  # the CSVs predict.py wrote in a run folder: an opt-in module
 
         if cfg.output or output not in predictions(output.parent):  # the default --output: replaced if written here
@@ -362,7 +362,8 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
         print(f"  {printable(row[0])}: {printable(row[1])} ({row[2]})")
     print("per class: " + ", ".join(f"{printable(name)} {n}"
                                     for name, n in Counter(row[1] for row in rows).most_common()))
-    print(f"wrote {printable(output)} ({len(rows)} images)")
+    # Said: a default CSV is named by the images folder's name alone, so photos/ of another place replaces it
+    print(f"wrote {printable(output)} ({len(rows)} images{', replacing the file there before' if exists else ''})")
 
 
 def cell(text: str) -> str:

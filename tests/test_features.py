@@ -258,9 +258,10 @@ def test_predict_writes_beside_the_weights_by_default_and_says_where(env, run, f
     assert expected.read_text() == (scratch / expected.name).read_text()  # the checkpoint's, kept
 
 
-def test_predict_replaces_only_a_csv_it_wrote_and_names_it_within_a_file_names_limit(env, run, tmp_path):
+def test_predict_replaces_only_a_csv_it_wrote_says_so_and_names_it_within_a_file_names_limit(env, run, tmp_path):
     """Before, the default CSV replaced a file of the user's with its name, and an --images folder of 250 characters
-    ended in an ENAMETOOLONG traceback."""
+    ended in an ENAMETOOLONG traceback. A CSV is named by the folder's name alone: one of the same name elsewhere
+    replaced the first one's predictions without a word."""
     out, _ = run
     weights = tmp_path / "run" / "model.safetensors"
     weights.parent.mkdir()
@@ -270,8 +271,11 @@ def test_predict_replaces_only_a_csv_it_wrote_and_names_it_within_a_file_names_l
     Image.new("RGB", (32, 32), (10, 200, 10)).save(photos / "a.png")
     result = predict(env, "--weights", weights, "--images", photos)
     written = weights.parent / f"predictions-{'p' * 150}.csv"
-    assert result.returncode == 0 and f"wrote {written} (1 images)" in result.stdout, result.stderr
-    assert predict(env, "--weights", weights, "--images", photos).returncode == 0  # its own: replaced
+    assert result.returncode == 0 and f"wrote {written} (1 images)\n" in result.stdout, result.stderr
+    elsewhere = tmp_path / "elsewhere" / photos.name
+    shutil.copytree(photos, elsewhere)
+    result = predict(env, "--weights", weights, "--images", elsewhere)  # its own: replaced, and said
+    assert result.returncode == 0 and f"wrote {written} (1 images, replacing the file there before)\n" in result.stdout
     written.write_text("my notes\n")
     result = predict(env, "--weights", weights, "--images", photos)
     assert result.returncode == 1 and f"{written} exists: pass --overwrite" in result.stderr, result.stderr
