@@ -286,6 +286,23 @@ def test_new_project_that_fails_midway_leaves_its_folder_free_for_the_next_try(t
     assert (target / "train.py").is_file() and (target / "shared" / "data.py").is_file()
 
 
+def test_new_project_from_a_partial_copy_names_what_it_lacks(tmp_path, monkeypatch, capsys):
+    """recipes/, shared/ and tools/ copied without requirements.txt: the failed read was said as 'cannot write the
+    project into my_project (No such file or directory): pick a writable place with room'."""
+    from tools import new_project
+
+    partial = tmp_path / "partial"
+    for name in ("recipes", "shared", "accelerate_configs", "tools"):
+        shutil.copytree(ROOT / name, partial / name, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(new_project, "ROOT", partial)
+    target = tmp_path / "my_project"
+    with pytest.raises(SystemExit) as stopped:
+        new_project.main([str(target), "--from", "cifar_cnn"])
+    assert stopped.value.code == 2 and not target.exists()
+    assert capsys.readouterr().err == (f"error: {partial} lacks requirements.txt, which a project copies: run this "
+                                       "tool from a whole copy of the recipes repository\n")
+
+
 def test_the_budget_counts_what_a_copier_reads(tmp_path):
     """tools.budget: tokens without comments, docstrings and layout; an import inside a function is opt-in."""
     from tools import budget

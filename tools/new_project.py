@@ -22,6 +22,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ("cifar_cnn", "resnet18_fmnist", "deep_mlp_ckpt", "finetune")
+TOOLS = ("__init__.py", "runs.py", "report.py")  # the runs table, and the markdown it is written in
+COPIED = ("recipes/predict.py", "shared", "accelerate_configs", "requirements.txt",
+          *(f"tools/{tool}" for tool in TOOLS))
 FIND_SHARED = "sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it"
 COMMANDS = """\
 accelerate launch -q --config_file accelerate_configs/cpu.yaml train.py --synthetic --max_steps 200{smoke}
@@ -64,7 +67,7 @@ def make_project(folder: Path, recipe: str, data: str | None) -> Path:
     shutil.copytree(ROOT / "accelerate_configs", folder / "accelerate_configs", ignore=skip)
     shutil.copy(ROOT / "requirements.txt", folder / "requirements.txt")
     (folder / "tools").mkdir()
-    for tool in ("__init__.py", "runs.py", "report.py"):  # the runs table, and the markdown it is written in
+    for tool in TOOLS:
         shutil.copy(ROOT / "tools" / tool, folder / "tools" / tool)
     # finetune: offline, the smoke run needs no pretrained weights, and small images are enough
     smoke = " --weights none --image_size 64" if recipe == "finetune" else ""
@@ -104,6 +107,12 @@ def main(argv: list[str] | None = None) -> None:
                        "itself): pick a folder outside them\n")
     if any(parent.exists() and not parent.is_dir() for parent in target.parents):
         parser.exit(2, f"error: {args.folder} lies below a file, not a folder: pick another place\n")
+    # A partial copy of this repository (recipes/ and shared/ without requirements.txt, say): said before anything is
+    # written, or the failed read was reported as a place that cannot be written.
+    missing = [name for name in (f"recipes/{args.recipe}.py", *COPIED) if not (ROOT / name).exists()]
+    if missing:
+        parser.exit(2, f"error: {ROOT} lacks {', '.join(missing)}, which a project copies: run this tool from a whole "
+                       "copy of the recipes repository\n")
     made = not args.folder.exists()
     try:
         folder = make_project(args.folder, args.recipe, args.data)
