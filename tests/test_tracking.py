@@ -244,6 +244,7 @@ def test_runs_table_shows_the_flags_that_differ_and_every_metric(tmp_path):
     assert [row.get("--lr") for row in rows] == [None, 0.1, 0.2, None] and [row.get("eval_top5") for row in rows] == [
         None, 0.9, None, None]
     assert [row["recipe"] for row in rows] == ["cifar_cnn", "cifar_cnn", None, None]  # the record's: its run's
+    assert rows[3]["state"] == "summary.json unreadable"  # it read "stopped (last logged step ?)"
     # --seed is the same in every run that records it: the folders without a config make no column of it
     assert columns(rows)[-2:] == ["--lr", "eval_top5"] and "--run_id" not in columns(rows) and "--seed" not in columns(
         rows)

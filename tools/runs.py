@@ -110,6 +110,8 @@ def state(run: Path, summary: dict | None, held: set) -> str:
     if summary is None:
         return f"killed? no summary; resumes from step {newest}" if newest is not None else (
             "killed? no summary, no checkpoint")
+    if not summary:  # a run writes its summary whole (shared/errors.py, replacing): this one came from elsewhere
+        return "summary.json unreadable"
     if "steps" in summary:
         steps = summary["steps"]
         extended = newest is not None and type(steps) is int and newest > steps
