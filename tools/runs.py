@@ -101,7 +101,8 @@ def state(run: Path, summary: dict | None, held: set) -> str:
     stopped at its newest checkpoint's step (the summary's step is the last one logged, often earlier; without a
     checkpoint here, that step). A finished run that a resume extends keeps its summary until the longer run
     finishes: its newest checkpoint, past its steps, says how far that got. A run without a summary was killed (or
-    runs on another machine; `summary` None): a resume continues from its newest checkpoint."""
+    runs on another machine; `summary` None): a resume continues from its newest checkpoint. A summary read as {}
+    (not a JSON object, or too large) is said as unreadable: its run may have finished or not."""
     with contextlib.suppress(OSError):
         stat = run.stat()
         if (os.major(stat.st_dev), os.minor(stat.st_dev), stat.st_ino) in held:
