@@ -201,9 +201,9 @@ def find_checkpoint(folder: Path | None, resume: str, run: str | None = None) ->
         raise RecipeError(f"--resume {resume}: {found}")
     checkpoints = list_checkpoints(folder, run)
     if not checkpoints:
-        raise RecipeError(f"--resume latest: {folder} has no checkpoints: start the run again without --resume "
-                          "(with --overwrite, where its folder holds it: only the files a run writes are replaced), "
-                          "or pass --output_dir of a run that saved one")
+        raise RecipeError(f"--resume latest: {folder} has no checkpoints: start the run again without --resume (with "
+                          "--overwrite where its folder holds it, replacing any model.safetensors: to train on from "
+                          "it, --init_from it in a new --output_dir), or pass --output_dir of a run that saved one")
     return checkpoints[-1]
 
 

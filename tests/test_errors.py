@@ -758,8 +758,12 @@ def test_resume_without_a_checkpoint(env, data, tmp_path):
     args = ("--data", str(data), "--output_dir", str(killed), *SHORT)
     one_line(run_here("cifar_cnn", *args), "already holds a run", "--overwrite to replace it (or to restart one "
              "stopped before its first checkpoint)")
-    one_line(run_here("cifar_cnn", *args, "--resume", "latest"), "has no checkpoints: start the run again without "
-             "--resume (with --overwrite, where its folder holds it")
+    # The same line for a finished run whose checkpoints were deleted to save room: --overwrite replaces its trained
+    # weights, which the line said nothing of ("only the files a run writes are replaced"); --init_from keeps them
+    line = one_line(run_here("cifar_cnn", *args, "--resume", "latest"))
+    assert line == (f"error: --resume latest: {killed / 'checkpoints'} has no checkpoints: start the run again without "
+                    "--resume (with --overwrite where its folder holds it, replacing any model.safetensors: to train "
+                    "on from it, --init_from it in a new --output_dir), or pass --output_dir of a run that saved one")
     ok(run_here("cifar_cnn", *args, "--overwrite"))
 
 
