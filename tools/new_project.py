@@ -22,9 +22,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ("cifar_cnn", "resnet18_fmnist", "deep_mlp_ckpt", "finetune")
-TOOLS = ("__init__.py", "runs.py", "report.py")  # the runs table, and the markdown it is written in
-COPIED = ("recipes/predict.py", "shared", "accelerate_configs", "requirements.txt",
-          *(f"tools/{tool}" for tool in TOOLS))
+# What a project copies, each source (in this repository) to its place in the project; tools/: the runs table, and
+# the markdown it is written in. main() checks the sources, make_project copies them.
+COPIED = {"recipes/predict.py": "predict.py", "shared": "shared", "accelerate_configs": "accelerate_configs",
+          "requirements.txt": "requirements.txt",
+          **{f"tools/{tool}": f"tools/{tool}" for tool in ("__init__.py", "runs.py", "report.py")}}
 FIND_SHARED = "sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find shared/ without installing it"
 COMMANDS = """\
 accelerate launch -q --config_file accelerate_configs/cpu.yaml train.py --synthetic --max_steps 200{smoke}
@@ -61,14 +63,13 @@ def make_project(folder: Path, recipe: str, data: str | None) -> Path:
         script = script.replace(default_data.group(0), f"\n    data: str = {json.dumps(data)}")
     folder.mkdir(parents=True, exist_ok=True)  # main() refused a folder with anything in it
     (folder / "train.py").write_text(script)
-    shutil.copy(ROOT / "recipes" / "predict.py", folder / "predict.py")
     skip = shutil.ignore_patterns("__pycache__", "*.pyc")
-    shutil.copytree(ROOT / "shared", folder / "shared", ignore=skip)
-    shutil.copytree(ROOT / "accelerate_configs", folder / "accelerate_configs", ignore=skip)
-    shutil.copy(ROOT / "requirements.txt", folder / "requirements.txt")
-    (folder / "tools").mkdir()
-    for tool in TOOLS:
-        shutil.copy(ROOT / "tools" / tool, folder / "tools" / tool)
+    for source, place in COPIED.items():
+        if (ROOT / source).is_dir():
+            shutil.copytree(ROOT / source, folder / place, ignore=skip)
+        else:
+            (folder / place).parent.mkdir(exist_ok=True)  # tools/
+            shutil.copy(ROOT / source, folder / place)
     # finetune: offline, the smoke run needs no pretrained weights, and small images are enough
     smoke = " --weights none --image_size 64" if recipe == "finetune" else ""
     # Quoted for a shell, as the commands are pasted: a folder or --data with a space or a quote in its name
