@@ -100,17 +100,18 @@ def state(run: Path, summary: dict | None, held: set) -> str:
     """Running (its folder locked by a process of this machine), finished (only the end of a run writes `steps`), or
     stopped at its newest checkpoint's step (the summary's step is the last one logged, often earlier; without a
     checkpoint here, that step). A finished run that a resume extends keeps its summary until the longer run
-    finishes: its newest checkpoint, past its steps, says how far that got. A run without a summary was killed (or
-    runs on another machine; `summary` None): a resume continues from its newest checkpoint. A summary read as {}
-    (not a JSON object, or too large) is said as unreadable: its run may have finished or not."""
+    finishes: its newest checkpoint, past its steps, says how far that got. A run without a summary was killed, or
+    failed (an error such as a NaN loss ends a run without one), or runs on another machine (`summary` None): a resume
+    continues from its newest checkpoint. A summary read as {} (not a JSON object, or too large) is said as
+    unreadable: its run may have finished or not."""
     with contextlib.suppress(OSError):
         stat = run.stat()
         if (os.major(stat.st_dev), os.minor(stat.st_dev), stat.st_ino) in held:
             return "running"
     newest = newest_checkpoint(run)
     if summary is None:
-        return f"killed? no summary; resumes from step {newest}" if newest is not None else (
-            "killed? no summary, no checkpoint")
+        return f"killed or failed (no summary); resumes from step {newest}" if newest is not None else (
+            "killed or failed (no summary), no checkpoint")
     if not summary:  # a run writes its summary whole (shared/errors.py, replacing): this one came from elsewhere
         return "summary.json unreadable"
     if "steps" in summary:
