@@ -137,8 +137,8 @@ def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: b
 
         check_labels(found, stored)
         if is_main_process() and (line := images.conversion(image_shape, seen)):
-            print(f"{source}: converted the images to this recipe's {'x'.join(map(str, image_shape))} input: {line}",
-                  flush=True)
+            print(f"{source}: converted the images to {'x'.join(map(str, image_shape))}, this recipe's decoded "
+                  f"size: {line}", flush=True)
         write_cache(cache, stored, found.classes, source)  # 4
         cached = read_cache(cache)
     if cached is None:  # written whole, and still unreadable: a filesystem safetensors cannot map

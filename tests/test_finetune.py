@@ -144,6 +144,12 @@ def test_evaluation_sees_the_images_as_the_weights_were_evaluated(tmp_path, mode
     assert finetune.preprocess(decoded[None], training=True, cfg=cfg).shape == (1, 3, 224, 224)  # the crop too
 
 
+def test_an_image_size_scales_the_decoded_size_as_the_weights_resize_their_crop():
+    """docs/finetuning.md: resnet18's weights resize to 256 and crop 224, so --image_size 64 decodes at 73 (the size
+    the line about converted photos names), then crops 64."""
+    assert finetune.input_sizes(finetune.Config(image_size=64))[:2] == ((3, 73, 73), 64)
+
+
 def test_without_pretrained_weights_nothing_is_frozen(capsys):
     cfg = finetune.Config.parse(["--weights", "none"])
     assert cfg.freeze_epochs == 0 and cfg.backbone_lr_scale == 1

@@ -46,7 +46,8 @@ def test_grayscale_digits_into_the_colour_recipe(env, tmp_path):
     digits = real_digits(tmp_path / "digits", limit=200)
     out = tmp_path / "run"
     result = ok(run_here("cifar_cnn", "--data", digits, *QUICK, "--output_dir", out))
-    assert "converted the images to this recipe's 3x32x32 input: grayscale -> colour; 28x28 -> 32x32" in result.stdout
+    line = "converted the images to 3x32x32, this recipe's decoded size: grayscale -> colour; 28x28 -> 32x32"
+    assert line in result.stdout
     assert read_json(out / "summary.json")["steps"] == 3
 
 
@@ -54,7 +55,8 @@ def test_colour_photos_into_the_grayscale_recipe(env, photos10, tmp_path):
     out = tmp_path / "run"
     result = ok(run_here("resnet18_fmnist", "--data", photos10, "--max_steps", "2", "--batch_size", "8",
                          "--tracker", "none", "--output_dir", out))
-    assert "converted the images to this recipe's 1x28x28 input: colour -> grayscale; 32x32 -> 28x28" in result.stdout
+    line = "converted the images to 1x28x28, this recipe's decoded size: colour -> grayscale; 32x32 -> 28x28"
+    assert line in result.stdout
     assert read_json(out / "summary.json")["steps"] == 2
 
 
@@ -77,7 +79,7 @@ def test_seven_classes_of_40px_photos_in_an_imagefolder(env, tmp_path):
     assert len(list((folder / "train").iterdir())) == 7
     out = tmp_path / "run"
     result = ok(run_here("cifar_cnn", "--data", folder, *QUICK, "--output_dir", out))
-    assert "converted the images to this recipe's 3x32x32 input: 40x40 -> 32x32" in result.stdout
+    assert "converted the images to 3x32x32, this recipe's decoded size: 40x40 -> 32x32" in result.stdout
     make_model(7).load_state_dict(load_file(out / "model.safetensors"))  # 7 outputs: the class count of the data
 
 
