@@ -16,6 +16,7 @@ from accelerate import PartialState
 from safetensors import safe_open
 
 from shared.checkpoints import list_checkpoints
+from shared.config import read_json
 from shared.errors import RecipeError, first_line
 from shared.pickles import check_archive
 
@@ -25,7 +26,14 @@ def initial_weights(model, cfg, classes: list[str]) -> str | None:
     Its classifier (the model's last layer) starts new where the file's was trained on other classes than the
     data's (the names it records), unless --keep_classifier. Weights of another model (a tensor missing, or of
     another shape) are refused, unless --init_partial loads what fits. A resumed run takes its weights from the
-    checkpoint: the file is only hashed. Returns its sha256 (config.json)."""
+    checkpoint, and the file (perhaps moved or deleted since) is not read: the hash is the one its run recorded.
+    Returns its sha256 (config.json)."""
+    if cfg.resume:
+        from shared.resume import recorded_path  # resuming: an opt-in module
+
+        recorded = read_json(recorded_path(cfg))
+        sha256 = recorded.get("init_from_sha256") if isinstance(recorded, dict) else None
+        return sha256 if isinstance(sha256, str) else None
     given = Path(cfg.init_from)
     path = given / "model.safetensors" if given.is_dir() else given
     if not path.is_file() or path.suffix != ".safetensors":  # a regular file: a FIFO would block the read
@@ -38,8 +46,6 @@ def initial_weights(model, cfg, classes: list[str]) -> str | None:
         raise RecipeError(f"--init_from {cfg.init_from}: {there}: {fix}")
     with open(path, "rb") as f:
         sha256 = hashlib.file_digest(f, "sha256").hexdigest()  # a piece at a time, whatever the file's size
-    if cfg.resume:
-        return sha256
     expected = model.state_dict()
     head = next(reversed(expected)).rsplit(".", 1)[0] + "."  # the classifier: the model's last layer
     try:  # safetensors: a header of names, shapes and offsets, checked against the file; no code

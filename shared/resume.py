@@ -89,7 +89,7 @@ def recorded_flags(cfg, argv: list[str]):
     latest = cfg.resume == "latest"
     if latest and not cfg.output_dir:  # never a guess at which run the user meant
         raise ValueError(f"--resume latest needs the run to continue: add --output_dir runs/{recipe}-<time>")
-    path = Path(cfg.output_dir if latest else cfg.resume) / "config.json"
+    path = recorded_path(cfg)
     if latest and not path.exists():  # else the recipe's defaults: its hub data, fetched for nothing
         raise ValueError(f"--resume latest: no run in {path.parent} (looked for {path.absolute()}): pass the run's "
                          "folder, as a full path or from the folder the run was started in")
@@ -99,6 +99,11 @@ def recorded_flags(cfg, argv: list[str]):
     if recorded.get("recipe") not in (None, recipe):
         raise ValueError(f"{path} is a run of {str(recorded['recipe'])[:60]}, not of {recipe}: resume it with the "
                          "recipe that wrote it")
+    # A resume's weights are its checkpoint's: another file would change nothing, yet be recorded as the run's start
+    if cfg.init_from and cfg.init_from != recorded.get("init_from"):
+        raise ValueError(f"--init_from {cfg.init_from}: a resume takes its weights from its checkpoint, and "
+                         "--init_from starts a new run from a file: leave it out, or start a new run in a new "
+                         "--output_dir")
     given = {word[2:].split("=")[0].removeprefix("no-") for word in argv if word.startswith("--")}
     kept = recorded.get("checkpoint_dir")  # where the run's checkpoints go: a run writes only where told
     if kept and "checkpoint_dir" not in given:
@@ -134,6 +139,11 @@ def recorded_flags(cfg, argv: list[str]):
         # one word a flag, `--name=value`: a value that starts with "--" stays a value
         words.append(f"--{'no-' * (not value)}{field.name}" if isinstance(value, bool) else f"--{field.name}={value}")
     return words, path
+
+
+def recorded_path(cfg) -> Path:
+    """The config.json whose flags a resume continues with: its run's (--resume latest), or its checkpoint's."""
+    return Path(cfg.output_dir if cfg.resume == "latest" else cfg.resume) / "config.json"
 
 
 def check_checkpoint_folder(folder: str | Path, run: str | None, run_dir: Path) -> list[Path]:

@@ -70,10 +70,21 @@ def test_a_run_started_from_another_runs_weights(env, source, three_classes, tmp
     assert config["init_from"] == str(source) and config["classes"] == ["cat", "dog", "fox"]
     assert config["init_from_sha256"] == hashlib.sha256(file.read_bytes()).hexdigest()
     assert read_json(out / "summary.json")["steps"] == 2  # its own schedule, from step 0
-    # A resume takes the weights from its checkpoint; the file is only hashed, and nothing has changed.
-    resumed = ok(run_here("cifar_cnn", *args, "--max_steps", "3", "--resume", "latest"))
+    # Another file given to a resume: refused, nothing written (a resume's weights are its checkpoint's)
+    other = tmp_path / "other.safetensors"
+    shutil.copy(file, other)
+    refused = run_here("cifar_cnn", "--init_from", other, "--output_dir", out, "--resume", "latest")
+    one_line(refused, f"--init_from {other}: a resume takes its weights from its checkpoint", status=2)
+    # A resume takes the weights from its checkpoint: the file is not read, moved away here since (the run continues
+    # by its folder alone), the hash stays the run's record, and nothing has changed.
+    file.rename(moved := file.with_name("moved.safetensors"))
+    try:
+        resumed = ok(run_here("cifar_cnn", *args, "--max_steps", "3", "--resume", "latest"))
+    finally:
+        moved.rename(file)
     changed = next(line for line in resumed.stdout.splitlines() if line.startswith("changed since the checkpoint"))
     assert "tensors loaded" not in resumed.stdout and "init_from" not in changed and "total_steps 2 -> 3" in changed
+    assert read_json(out / "config.json")["init_from_sha256"] == config["init_from_sha256"]
     evaluated = ok(run_here("predict", "--weights", out / "model.safetensors", "--recipe", "cifar_cnn", "--evaluate"))
     assert json.loads(evaluated.stdout.strip().splitlines()[-1])["eval_samples"] == 9
 
