@@ -299,9 +299,9 @@ def test_runs_table_shows_a_running_run_and_a_killed_one(tmp_path):
     finally:
         os.close(descriptor)
     assert [(row["run"], row["state"]) for row in rows] == [
-        ("early", "killed or failed (no summary), no checkpoint"),
-        ("killed", "killed or failed (no summary); resumes from step 7"),
-        ("linked", "killed or failed (no summary), no checkpoint"), ("running", "running")]
+        ("early", "killed or failed? no summary, no checkpoint"),
+        ("killed", "killed or failed? no summary; resumes from step 7"),
+        ("linked", "killed or failed? no summary, no checkpoint"), ("running", "running")]
     assert [row["state"] for row in collect(tmp_path) if row["run"] == "running"] == ["stopped at step 7"]  # unlocked
 
 

@@ -110,8 +110,8 @@ def state(run: Path, summary: dict | None, held: set) -> str:
             return "running"
     newest = newest_checkpoint(run)
     if summary is None:
-        return f"killed or failed (no summary); resumes from step {newest}" if newest is not None else (
-            "killed or failed (no summary), no checkpoint")
+        return f"killed or failed? no summary; resumes from step {newest}" if newest is not None else (
+            "killed or failed? no summary, no checkpoint")
     if not summary:  # a run writes its summary whole (shared/errors.py, replacing): this one came from elsewhere
         return "summary.json unreadable"
     if "steps" in summary:
