@@ -73,11 +73,12 @@ def check_launch() -> None:
         raise RecipeError(f"{launched} processes were launched but no GPUs were found, so each would train alone "
                           "(duplicate runs): set ACCELERATE_USE_CPU=true to run them as one group on the CPU, "
                           "or use accelerate_configs/cpu.yaml")
-    if launched == 1 and "MASTER_ADDR" in os.environ and "--cpu" in (launcher_command() or []):
-        # The launcher --cpu always takes starts one process, and sets MASTER_ADDR for the mpirun it expects
-        print("warning: accelerate launch --cpu starts one process, whatever --num_processes or the config asks: for "
-              "several on the CPU, set ACCELERATE_USE_CPU=true instead (ACCELERATE_USE_CPU=true accelerate launch "
-              "--config_file accelerate_configs/2gpu.yaml ...)", flush=True)
+    if launched == 1 and "MASTER_ADDR" in os.environ and launcher_command() and "TORCHELASTIC_RUN_ID" not in os.environ:
+        # accelerate's launcher of one process (--cpu, or a config of distributed_type NO: cpu.yaml, bf16.yaml) starts
+        # one whatever --num_processes asks, and sets MASTER_ADDR only when asked for more (torchrun sets its own id)
+        print("warning: accelerate launch started one process, whatever --num_processes asks: --cpu, or a config of "
+              "one process (cpu.yaml, 1gpu.yaml, bf16.yaml), takes its launcher of one. For several: a config of "
+              "several (2gpu.yaml), on the CPU with ACCELERATE_USE_CPU=true, not --cpu", flush=True)
     source = Path(torch.__file__)
     if state.is_main_process and source.suffix == ".py" and not Path(importlib.util.cache_from_source(source)).exists():
         # Python compiles torch's code again in each process that cannot keep its compiled copy (the launcher's too):

@@ -314,24 +314,32 @@ def test_the_process_group_waits_30_minutes_on_every_backend(tmp_path):
 
 
 def test_accelerate_launch_cpu_of_several_processes_says_it_starts_one(monkeypatch, capsys):
-    """`accelerate launch --cpu --num_processes 2` (or --cpu with 2gpu.yaml) starts one process, unsaid but for "1
-    process(es)" in the run's first line: --cpu always takes accelerate's simple launcher, which starts one and sets
-    MASTER_ADDR for an mpirun."""
+    """`accelerate launch --cpu --num_processes 2`, `--cpu` with 2gpu.yaml, or `--num_processes 2` with a config of one
+    process (cpu.yaml, bf16.yaml: distributed_type NO) starts one process, unsaid but for "1 process(es)" in the run's
+    first line: accelerate's simple launcher, which starts one and sets MASTER_ADDR for an mpirun. torchrun (a config
+    of several) sets TORCHELASTIC_RUN_ID, and its one process is what was asked."""
     from shared import launch
 
     monkeypatch.delenv("MASTER_ADDR", raising=False)
-    cases = ((["accelerate", "launch", "--cpu", "--num_processes", "2"], True, True),
-             (["accelerate", "launch", "--cpu"], False, False),  # one process, as asked
-             (["accelerate", "launch", "--num_processes", "2"], True, False), (None, True, False))
-    for command, master, warned in cases:
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    cases = ((["accelerate", "launch", "--cpu", "--num_processes", "2"], True, False, True),
+             (["accelerate", "launch", "--cpu"], False, False, False),  # one process, as asked
+             (["accelerate", "launch", "--num_processes", "2", "--config_file", "cpu.yaml"], True, False, True),
+             (["accelerate", "launch", "--num_processes", "1", "--multi_gpu"], True, True, False),  # torchrun's one
+             (None, True, False, False))  # not started by accelerate launch: a MASTER_ADDR left in the shell
+    for command, master, torchrun, warned in cases:
         monkeypatch.setattr(launch, "launcher_command", lambda command=command: command)
         if master:
             monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        if torchrun:
+            monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
         launch.check_launch()
         monkeypatch.delenv("MASTER_ADDR", raising=False)
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
         printed = capsys.readouterr().out
-        assert ("warning: accelerate launch --cpu starts one process, whatever --num_processes or the config asks: "
-                "for several on the CPU, set ACCELERATE_USE_CPU=true" in printed) == warned, (command, printed)
+        assert ("warning: accelerate launch started one process, whatever --num_processes asks: --cpu, or a config "
+                "of one process (cpu.yaml, 1gpu.yaml, bf16.yaml), takes its launcher of one" in printed) == warned, (
+            command, printed)
 
 
 def test_a_python_that_cannot_keep_torchs_compiled_code_is_told_how(monkeypatch, capsys, tmp_path):
