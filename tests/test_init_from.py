@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_errors import one_line
+from test_errors import one_line, snapshot
 
 from shared.checkpoints import Checkpoints
 from shared.errors import RecipeError
@@ -73,8 +73,10 @@ def test_a_run_started_from_another_runs_weights(env, source, three_classes, tmp
     # Another file given to a resume: refused, nothing written (a resume's weights are its checkpoint's)
     other = tmp_path / "other.safetensors"
     shutil.copy(file, other)
+    before = snapshot(out)
     refused = run_here("cifar_cnn", "--init_from", other, "--output_dir", out, "--resume", "latest")
     one_line(refused, f"--init_from {other}: a resume takes its weights from its checkpoint", status=2)
+    assert snapshot(out) == before
     # A resume takes the weights from its checkpoint: the file is not read, moved away here since (the run continues
     # by its folder alone), the hash stays the run's record, and nothing has changed.
     file.rename(moved := file.with_name("moved.safetensors"))
