@@ -73,7 +73,7 @@ def check_launch() -> None:
         raise RecipeError(f"{launched} processes were launched but no GPUs were found, so each would train alone "
                           "(duplicate runs): set ACCELERATE_USE_CPU=true to run them as one group on the CPU, "
                           "or use accelerate_configs/cpu.yaml")
-    if launched == 1 and "MASTER_ADDR" in os.environ and launcher_command() and "TORCHELASTIC_RUN_ID" not in os.environ:
+    if launched == 1 and "MASTER_ADDR" in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ and launcher_command():
         # accelerate's launcher of one process (--cpu, or a config of distributed_type NO: cpu.yaml, bf16.yaml) starts
         # one whatever --num_processes asks, and sets MASTER_ADDR only when asked for more (torchrun sets its own id)
         print("warning: accelerate launch started one process, whatever --num_processes asks: --cpu, or a config of "
