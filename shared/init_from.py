@@ -31,9 +31,9 @@ def initial_weights(model, cfg, classes: list[str]) -> str | None:
     if cfg.resume:
         from shared.resume import recorded_path  # resuming: an opt-in module
 
-        recorded = read_json(recorded_path(cfg))
+        recorded = read_json(recorded_path(cfg))  # from anywhere: kept only if it is a sha256, as a run writes it
         sha256 = recorded.get("init_from_sha256") if isinstance(recorded, dict) else None
-        return sha256 if isinstance(sha256, str) else None
+        return sha256 if re.fullmatch("[0-9a-f]{64}", str(sha256)) else None
     given = Path(cfg.init_from)
     path = given / "model.safetensors" if given.is_dir() else given
     if not path.is_file() or path.suffix != ".safetensors":  # a regular file: a FIFO would block the read

@@ -59,6 +59,23 @@ def test_every_tensor_that_fits_is_loaded_and_the_head_is_new(recipe, tmp_path):
         assert torch.equal(tensor, before[name] if name in head else trained[name]), name
 
 
+def test_a_resume_records_the_sha256_its_run_recorded_and_nothing_else(tmp_path):
+    """A resume reads no --init_from file: the hash comes from the run's config.json, which may come from anywhere, so
+    only a sha256 as a run writes it is kept (a megabyte of text would go on into config.json and the tracker)."""
+    from types import SimpleNamespace
+
+    from shared.init_from import initial_weights
+
+    digest = hashlib.sha256(b"weights").hexdigest()
+    cfg = SimpleNamespace(resume="latest", output_dir=str(tmp_path), init_from=str(tmp_path / "gone.safetensors"))
+    for recorded, kept in ((digest, digest), ("f" * 10**6, None), (digest.upper(), None), ([digest], None),
+                           (None, None)):
+        (tmp_path / "config.json").write_text(json.dumps({"init_from_sha256": recorded}))
+        assert initial_weights(None, cfg, []) == kept
+    (tmp_path / "config.json").write_text("[1, 2]")  # not a run's config.json
+    assert initial_weights(None, cfg, []) is None
+
+
 def test_a_run_started_from_another_runs_weights(env, source, three_classes, tmp_path):
     out = tmp_path / "run"
     args = ("--data", str(three_classes), *SHORT, "--init_from", str(source), "--checkpoint_every", "1",
