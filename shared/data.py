@@ -118,7 +118,7 @@ def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: b
     if synthetic:  # what only --synthetic runs need: an opt-in module
         from shared.synthetic import make_synthetic
 
-        return make_synthetic(image_shape, *synthetic_sizes, num_classes=synthetic_classes)
+        return make_synthetic(image_shape, *synthetic_sizes, num_classes=synthetic_classes, source=source)
     found = find_source(source)  # 1
     how = "" if interpolation == "bilinear" else f"-{interpolation}"
     cache = CACHE_DIR / f"{found.key}-{'x'.join(map(str, image_shape))}{how}-{decoder_hash()}.safetensors"

@@ -1,18 +1,26 @@
 """--synthetic: a learnable stand-in with the real data's shapes and classes, generated, never a fallback. An opt-in
 module, imported by shared/data.py's load_image_data for --synthetic runs only."""
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
 from shared import data  # data.CACHE_DIR: read at each call, as data.py reads it
 from shared.data import ImageTensors, read_cache, write_cache
+from shared.errors import RecipeError
 
 
-def make_synthetic(image_shape, train_size: int, test_size: int,
-                   num_classes: int = 10) -> tuple[ImageTensors, ImageTensors]:
+def make_synthetic(image_shape, train_size: int, test_size: int, num_classes: int = 10,
+                   source: str = "") -> tuple[ImageTensors, ImageTensors]:
     """Learnable stand-in: a smooth pattern per class at low contrast, over a distractor pattern that carries no
     class, under pixel noise; a small CNN climbs from chance to about 75% in a few hundred steps. A fixed seed:
-    every run and process sees the same images, whatever --seed is."""
+    every run and process sees the same images, whatever --seed is. Refused where the run's --data (`source`) is
+    found on this machine: the README's first run given your folder would train on generated images all the same."""
+    if source and Path(source).expanduser().exists():
+        raise RecipeError(f"--synthetic generates its images, so --data {source}, found on this machine, would be "
+                          "left unused: leave out --synthetic to train on it (a --synthetic run's resume: leave out "
+                          "--data, it continues on generated images)")
     channels, height, width = image_shape
     name = f"synthetic-v1-{channels}x{height}x{width}-{train_size}-{test_size}-{num_classes}.safetensors"
     cache = data.CACHE_DIR / name

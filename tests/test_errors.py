@@ -377,6 +377,15 @@ def test_local_data_path_missing(env, tmp_path):
              "no such folder", "--synthetic")
 
 
+def test_synthetic_with_a_data_folder_is_one_line_not_a_run_on_generated_images(env, data, tmp_path):
+    """The README's first run (--synthetic) given your --data folder trained on generated images all the same, the
+    folder unused, said only by the run's first line."""
+    result = run_here("cifar_cnn", "--synthetic", "--data", str(data), "--output_dir", str(tmp_path / "run"), *SHORT)
+    one_line(result, f"error: --synthetic generates its images, so --data {data}, found on this machine, would be "
+             "left unused: leave out --synthetic to train on it")
+    assert not any((tmp_path / "run").iterdir())  # nothing trained or written (a process's exit removes the folder)
+
+
 def test_a_file_passed_as_data_is_named_as_a_file(tmp_path):
     """--data train.parquet, one file of a dataset instead of its folder, said "cannot list the folders under
     train.parquet (Not a directory): move the files nearer the root", which is not the cause."""
