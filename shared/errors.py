@@ -3,9 +3,9 @@ breaks.
 
 A recipe raises `RecipeError` for anything the user can fix. Every process of a run makes the same checks (same
 flags, data and checkpoint, a training loss reduced over all processes), so all stop together and rank 0 alone prints.
-Other errors the user can fix (a full disk, a process limit, memory, a torchvision built for another torch) are put in
-a line by shared/failures.py, an opt-in module imported only when a run fails. Programming errors keep their
-traceback: those are for whoever changes the code.
+Other errors the user can fix (a full disk, a process limit, memory, a torchvision built for another torch, a batch
+too small for BatchNorm) are put in a line by shared/failures.py, an opt-in module imported only when a run fails.
+Programming errors keep their traceback: those are for whoever changes the code.
 
 Files from anywhere: a write that neither a crash nor a link breaks (`replacing`). What a file may claim is checked
 before anything is allocated, where it is read: the free memory, a dataset's decoded size and a walk of a folder tree
@@ -24,7 +24,6 @@ from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 
 import psutil
-import torch
 
 # The mode open() gives a new file (0o644 under umask 022), for the files safetensors makes (flush_to_disk). Read at
 # import, before a thread runs: umask is the process's, and a file another thread made meanwhile would get 0o666.
@@ -82,7 +81,8 @@ def one_line_errors():
                   "first step on, predict.py its CSV once every image is read): run the same command again",
                   file=sys.stderr, flush=True)
         sys.exit(130)
-    except (RecipeError, MemoryError, torch.OutOfMemoryError, RuntimeError, OSError, ImportError) as error:
+    # RuntimeError: torch's, its OutOfMemoryError included; ValueError: torch's BatchNorm given one value per channel
+    except (RecipeError, MemoryError, RuntimeError, ValueError, OSError, ImportError) as error:
         if isinstance(error, RecipeError):
             message = str(error)
         else:  # a failure the user can act on, said in a line; a programming error keeps its traceback

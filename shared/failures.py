@@ -1,7 +1,8 @@
-"""Why a run failed, in one line, where the error is not a RecipeError but still the user's to fix: a full disk, a
-limit of the process, a requirement not installed, a torchvision built for another torch, memory, torch's compiler,
-another process of the run. Called by shared/errors.py's `one_line_errors` only when a run fails (an opt-in module);
-any other error is a programming error and keeps its traceback. And wandb's start that failed (`start_offline`)."""
+"""Why a run failed, in one line, where the error is not a RecipeError but still the user's to fix: a full disk, a limit
+of the process, a requirement not installed, a torchvision built for another torch, memory, torch's compiler, a
+BatchNorm given one value per channel, another process of the run. Called by shared/errors.py's `one_line_errors`
+only when a run fails (an opt-in module); any other error is a programming error and keeps its traceback. And wandb's
+start that failed (`start_offline`)."""
 
 import errno
 import os
@@ -51,6 +52,10 @@ def explain(error: BaseException) -> str | None:
         cause = getattr(error, "inner_exception", error)
         return (f"--compile failed in torch's compiler ({type(cause).__name__}: {first_line(cause)[:160]}): leave "
                 "out --compile, or install what torch.compile needs on a CPU: g++ and Python's headers (python3-dev)")
+    if "Expected more than 1 value per channel" in str(error):  # torch's BatchNorm in training, given one image
+        # whose feature map is 1x1 there (finetune.py's ResNets at --image_size 32, its DenseNets up to 56)
+        return ("a BatchNorm layer got one value per channel to normalize (one image per process, at a size where its "
+                "feature map is 1x1): raise --batch_size to 2 or more (a resume may change it too), or the image size")
     if os.environ.get("WORLD_SIZE", "1") != "1" and in_collective(error):
         return (f"another process of this run stopped ({first_line(error)[:160]}): see its error, or if a node died, "
                 "start every node again with --resume latest")

@@ -849,6 +849,18 @@ def test_out_of_gpu_memory_is_one_line_and_the_checkpoints_stay(data, tmp_path):
     assert not (run / "model.safetensors").exists()
 
 
+def test_one_image_per_process_into_a_batchnorm_of_one_pixel_is_one_line(data, tmp_path):
+    """finetune.py's ResNet at --image_size 32 ends in a 1x1 feature map: with --batch_size 1, its BatchNorm in training
+    has one value per channel, which torch refuses (a ValueError traceback before)."""
+    run = tmp_path / "run"
+    line = one_line(run_here("finetune", "--data", data, "--weights", "none", "--image_size", "32", "--batch_size", "1",
+                             "--max_steps", "2", "--output_dir", run, "--tracker", "none"))
+    assert line == ("error: a BatchNorm layer got one value per channel to normalize (one image per process, at a size "
+                    "where its feature map is 1x1): raise --batch_size to 2 or more (a resume may change it too), or "
+                    "the image size")
+    assert not (run / "model.safetensors").exists()
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A tmpfs of 2,000 KiB (a checkpoint of cifar_cnn takes 1,180): a real full disk, where torch.save fails with a
