@@ -53,7 +53,7 @@ def explain(error: BaseException) -> str | None:
         return (f"--compile failed in torch's compiler ({type(cause).__name__}: {first_line(cause)[:160]}): leave "
                 "out --compile, or install what torch.compile needs on a CPU: g++ and Python's headers (python3-dev)")
     if "Expected more than 1 value per channel" in str(error):  # torch's BatchNorm in training, given one image
-        # whose feature map is 1x1 there (finetune.py's ResNets at --image_size 32, its DenseNets up to 56)
+        # whose feature map is 1x1 there (finetune.py's resnet18 at --image_size 32, densenet121 up to 56)
         return ("a BatchNorm layer got one value per channel to normalize (one image per process, at a size where its "
                 "feature map is 1x1): raise --batch_size to 2 or more (a resume may change it too), or the image size")
     if os.environ.get("WORLD_SIZE", "1") != "1" and in_collective(error):
