@@ -439,6 +439,16 @@ def test_evaluate_on_data_whose_class_names_differ_from_the_weights_says_so(data
                                                  recipe="resnet18_fmnist", classes="a,b,c"))
 
 
+def test_evaluate_of_a_state_dict_without_data_names_the_recipes_default(tmp_path):
+    """A .pt records no data: the data --evaluate would read is the recipe's default, and the line says so, not that
+    the weights were trained on it."""
+    weights = tmp_path / "weights.pt"
+    torch.save(cifar_cnn.make_model(3, cifar_cnn.Config()).state_dict(), weights)
+    with pytest.raises(RecipeError, match=re.escape("(recorded; for a .pt/.pth, the recipe's default): "
+                                                    "'uoft-cs/cifar10', no folder here")):
+        predict_script.run(predict_script.Config(str(weights), evaluate=True, recipe="cifar_cnn", classes="a,b,c"))
+
+
 @pytest.mark.parametrize("file", ["", "model.safetensors"])
 def test_predict_reads_a_checkpoint_folder_beside_its_run_config(file, run, folder, tmp_path):
     """A checkpoint folder, or its model.safetensors (which names no recipe or classes: accelerate wrote it): the
