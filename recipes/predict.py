@@ -264,7 +264,7 @@ def evaluate(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
     model = recipe.make_model(len(classes), recipe_cfg)
     load_weights(model, cfg.weights)  # before the data: a wrong file is one line at once, not after a download
     if not (cfg.data or recipe_cfg.synthetic or Path(recipe_cfg.data).is_dir()):  # weights never choose a download
-        raise RecipeError(f"--evaluate without --data reads the weights' data (recorded; for a .pt/.pth, the "
+        raise RecipeError("--evaluate without --data reads the weights' data (recorded; for a .pt/.pth, the "
                           f"recipe's default): {recipe_cfg.data[:80]!r}, no folder here (a relative path is read from "
                           "the folder predict.py is started in): pass --data (a hub id or a folder) to evaluate on")
     accelerator = Accelerator()  # the processes and precision of `accelerate launch`, else one process
