@@ -20,8 +20,6 @@ precision of the config.
   python recipes/predict.py --weights my_project/runs/<run>/model.safetensors --recipe my_project/train.py --evaluate
 """
 
-from __future__ import annotations
-
 import csv
 import importlib.util
 import inspect
@@ -64,7 +62,7 @@ class Config:
     batch_size: int = 256  # images per forward pass
     recipe: str | None = None  # the script that trained the weights (a path, or a name in recipes/); default: theirs
     classes: str | None = None  # class names in label order, comma-separated; needed only for a .pt/.pth file
-    overwrite: bool = False  # replace --output if it exists
+    overwrite: bool = False  # replace --output if it exists (a .csv file: any other is kept)
 
     parse = classmethod(parse_config)
 
@@ -307,11 +305,12 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
     root = Path(cfg.images)
     images, skipped = find_images(root)
     output = Path(cfg.output) if cfg.output else default_output(Path(cfg.weights), root)
-    # Never renamed over a folder, a device or a FIFO: as root, --output /dev/null --overwrite made /dev/null a file
-    if (exists := output.exists()) and not output.is_file() or not output.parent.is_dir():
+    # Never renamed over a folder, a device or a FIFO (as root, --output /dev/null --overwrite made /dev/null a file),
+    # nor over a file that is no CSV: --output model.safetensors --overwrite replaced the weights with the predictions
+    if (exists := output.exists()) and not (output.is_file() and output.suffix == ".csv") or not output.parent.is_dir():
         raise RecipeError(
-            f"--output {output}: {'a folder, device or FIFO' if exists else 'its folder is missing'}: pass a "
-            "file name in an existing folder")
+            f"--output {output}: {'exists and is no .csv file (kept)' if exists else 'its folder is missing'}: "
+            "pass another file name in an existing folder")
     if exists and not cfg.overwrite:
         from shared.resume import predictions  # the CSVs predict.py wrote in a run folder: an opt-in module
 
@@ -335,7 +334,7 @@ def predict(cfg: Config, recipe, flags: dict, classes: list[str]) -> None:
             continue
         inputs = recipe.preprocess(torch.stack(pixels).to(state.device), training=False, **options)
         logits = model(inputs)
-        if getattr(recipe_cfg, "tta", False):  # as the recipe's evaluate() does it (eval_acc_tta)
+        if cfg.tta:  # as the recipe's evaluate() does it (eval_acc_tta); recipe_config refused it where it has none
             logits = (logits + model(inputs.flip(3))) / 2
         top_p, top_i = logits.float().softmax(dim=1).topk(k, dim=1)
         for path, p, i in zip(paths, top_p.tolist(), top_i.tolist()):

@@ -1647,7 +1647,8 @@ def test_a_hundred_thousand_words_on_the_command_line_are_one_line_at_once(env, 
 
 
 @pytest.mark.parametrize("output, needle", [("missing/p.csv", "its folder is missing"),
-                                            ("", "a folder, device or FIFO"), ("fifo", "a folder, device or FIFO")],
+                                            ("", "exists and is no .csv file (kept)"),
+                                            ("fifo", "exists and is no .csv file (kept)")],
                          ids=["missing folder", "a folder", "a FIFO"])
 def test_predict_output_that_cannot_be_a_file(env, run, tmp_path, output, needle):
     """Even with --overwrite: a FIFO or a device (--output /dev/null) was renamed over, so that, run as root,
@@ -1656,9 +1657,22 @@ def test_predict_output_that_cannot_be_a_file(env, run, tmp_path, output, needle
     if output == "fifo":
         os.mkfifo(tmp_path / "out" / "fifo")
     refused(env, tmp_path, "predict", *predict_args(run, tmp_path), "--output", tmp_path / "out" / output,
-            "--overwrite", needle=f"{needle}: pass a file name in an existing folder")
+            "--overwrite", needle=f"{needle}: pass another file name in an existing folder")
     assert [path.name for path in (tmp_path / "out").iterdir()] == ([output] if output == "fifo" else [])  # no .tmp
     assert output != "fifo" or (tmp_path / "out" / "fifo").is_fifo()  # still the FIFO it was
+
+
+@pytest.mark.parametrize("target", ["weights", "an image", "config.json"])
+def test_predict_output_over_a_file_that_is_no_csv_is_refused(env, run, tmp_path, target):
+    """Even with --overwrite: --output the model.safetensors being read replaced the weights with the CSV of their
+    predictions (an image of --images, a run's config.json: the same). --overwrite replaces a .csv only."""
+    args = predict_args(run, tmp_path)
+    args[1] = Path(shutil.copy(run / "model.safetensors", tmp_path))  # in tmp_path: refused() sees it unchanged
+    (tmp_path / "config.json").write_text((run / "config.json").read_text())
+    output = {"weights": args[1], "an image": next(args[5].rglob("*.png")), "config.json": tmp_path / "config.json"}
+    refused(env, tmp_path, "predict", *args, "--output", output[target], "--overwrite",
+            needle=f"error: --output {output[target]}: exists and is no .csv file (kept): pass another file name in "
+            "an existing folder")
 
 
 @pytest.mark.parametrize("evaluate", [False, True], ids=["predict", "evaluate"])
