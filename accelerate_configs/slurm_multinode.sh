@@ -35,12 +35,15 @@ MAIN_IP=$(scontrol show node "$MAIN_NODE" | grep -o 'NodeAddr=[^ ]*' | cut -d= -
 preempt_time() { scontrol show job "$SLURM_JOB_ID" | grep -o 'PreemptTime=[^ ]*' || true; }
 PREEMPT_TIME=$(preempt_time)
 # What a restart finds decides how it goes on: the newest complete checkpoint (a partial_step_* is ignored), a
-# finished run (its model.safetensors: exit 0), or this job's own run folder with no complete checkpoint yet (killed
-# before its first one: the run starts again, --overwrite replacing only the files a run writes).
+# finished run (its model.safetensors and curves.png, the last file its end writes: exit 0; weights without it, an end
+# cut short, are written again by --resume latest), or this job's own run folder with no complete checkpoint yet
+# (killed before its first one: the run starts again, --overwrite replacing only the files a run writes).
 RESUME=""
 if compgen -G "$OUTPUT_DIR/checkpoints/step_*" >/dev/null; then RESUME="--resume latest"; fi
-if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ] && [ -f "$OUTPUT_DIR/model.safetensors" ]; then
-    echo "job $SLURM_JOB_ID, start $SLURM_RESTART_COUNT: $OUTPUT_DIR already finished (model.safetensors); nothing to do"
+if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ] && [ -f "$OUTPUT_DIR/model.safetensors" ] \
+        && [ -f "$OUTPUT_DIR/curves.png" ]; then
+    echo "job $SLURM_JOB_ID, start $SLURM_RESTART_COUNT: $OUTPUT_DIR already finished" \
+         "(model.safetensors, curves.png); nothing to do"
     exit 0
 fi
 if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ] && [ -z "$RESUME" ] && [ -f "$OUTPUT_DIR/config.json" ]; then

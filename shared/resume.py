@@ -232,14 +232,17 @@ def check_resume(checkpoint: Path, config: dict, progress) -> None:
         raise RecipeError(f"--resume {checkpoint} is at step {progress.step}, past the {total_steps} steps asked for: "
                           f"raise {longer}, or resume from an earlier checkpoint")
     finishing = progress.step == total_steps  # the last step's checkpoint; the weights, unless the run was stopped
-    if finishing and os.path.exists(f"{config['output_dir']}/model.safetensors"):
+    # Finished: the weights, and curves.png, the last file a run's end writes (RunFiles.finish). Weights without it:
+    # that end was cut short (a full disk after model.safetensors), and the resume its error printed writes them again
+    if finishing and os.path.exists(f"{config['output_dir']}/model.safetensors") and os.path.exists(
+            f"{config['output_dir']}/curves.png"):
         raise RecipeError(f"{config['output_dir']} already finished its {total_steps} steps: "
                           f"raise {longer} to train on")
     if not PartialState().is_main_process:
         return
     if finishing:  # stopped after its last checkpoint, before its weights: the recipe evaluates and writes them
         return print(f"resuming from {checkpoint}: its last step ({total_steps}), the run stopped before writing its "
-                     "weights: evaluating and writing them now")
+                     "final files (weights, summary, pictures): evaluating and writing them now")
     before = read_json(checkpoint / "config.json")  # the configuration that wrote the checkpoint, saved in it
     epoch = progress.epoch + 1
     # The position is in the checkpoint's epoch: of its data's size (another --data may hold fewer samples)
@@ -374,7 +377,9 @@ def check_resume_and_branch(checkpoints, config: dict, progress) -> bool:
     extended (resumed with more steps): its final files then stay as they are until the longer run finishes."""
     check_resume(checkpoints.resumed_from, config, progress)
     branch(checkpoints, checkpoints.resumed_from, progress.step)
-    extending = (checkpoints.run_dir / "model.safetensors").exists()  # still there: no later history
+    # Weights still there (no later history) before the last step: a finished run made longer. At the last step they
+    # are this run's own, whose end was cut short: written again in place
+    extending = progress.step < config["total_steps"] and (checkpoints.run_dir / "model.safetensors").exists()
     if extending:
         checkpoints.accelerator.print(
             f"extending the finished run to {config['total_steps']} steps: its model.safetensors and "

@@ -591,7 +591,8 @@ def test_a_run_stopped_after_its_last_checkpoint_is_finished_by_a_resume(env, da
         (run / name).unlink(missing_ok=True)
     args = ("--data", str(data), "--output_dir", str(run), *SHORT, "--resume", "latest")
     result = ok(run_here("cifar_cnn", *args))
-    assert "its last step (4), the run stopped before writing its weights" in result.stdout
+    assert "its last step (4), the run stopped before writing its final files (weights, summary, pictures)" in (
+        result.stdout)
     assert_bitwise_equal(weights(run), weights(finished))
     assert read_json(run / "summary.json")["eval_acc"] == read_json(finished / "summary.json")["eval_acc"]
     assert [row["step"] for row in read_jsonl(run / "metrics.jsonl") if "eval_acc" in row] == [4]  # logged once
@@ -903,18 +904,53 @@ def test_a_disk_full_before_the_run_files_are_written_loses_nothing(env, data, s
     ok(run_here(*args))
     (run / "model.safetensors").unlink()  # a run stopped after its last checkpoint: the resume has files to write
     before = snapshot(run)
-    with open(small_disk / "filler", "wb", buffering=0) as f:  # the rest of the disk
-        while True:
-            try:
-                f.write(bytes(2**16))
-            except OSError:  # ENOSPC
-                break
+    fill(small_disk / "filler")
     one_line(run_here(*args, "--resume", "latest"), "failed (No space left on device): free space, then "
              "continue with --resume latest")
     assert snapshot(run) == before
     (small_disk / "filler").unlink()
     ok(run_here(*args, "--resume", "latest"))
     assert (run / "model.safetensors").is_file()
+
+
+def test_a_disk_full_after_the_weights_is_finished_by_the_resume_the_line_names(env, data, small_disk, monkeypatch):
+    """The disk filled after model.safetensors, as the pictures were drawn: the line said to continue with --resume
+    latest, which then said the run had finished, confusion_matrix.png, summary.json and curves.png never written.
+    curves.png, the last file, marks a finished run now: the resume writes the files, the same weights again."""
+    subprocess.run(["mount", "-o", "remount,size=8m", str(small_disk)], check=True)
+    run = small_disk / "run"
+    args = ["cifar_cnn", "--data", str(data), "--output_dir", str(run), *SHORT]
+    from shared import pictures
+
+    draw = pictures.save_pictures
+
+    def full_disk_first(*args):  # the weights written, then no room
+        fill(small_disk / "filler")
+        draw(*args)
+
+    monkeypatch.setattr(pictures, "save_pictures", full_disk_first)
+    one_line(run_here(*args), "writing ", "failed (No space left on device): free space, then continue with "
+             "--resume latest")
+    assert (run / "model.safetensors").is_file() and not (run / "curves.png").exists()
+    trained = weights(run)
+    monkeypatch.undo()
+    (small_disk / "filler").unlink()
+    result = ok(run_here(*args, "--resume", "latest"))
+    assert "the run stopped before writing its final files (weights, summary, pictures)" in result.stdout
+    assert all((run / name).is_file() for name in ("confusion_matrix.png", "summary.json", "curves.png"))
+    assert_bitwise_equal(weights(run), trained)
+    assert not (run / "finished").exists()  # its own weights, written again in place: no finished run extended
+    one_line(run_here(*args, "--resume", "latest"), "already finished its 4 steps")
+
+
+def fill(path: Path) -> None:
+    """A file that takes the rest of its disk."""
+    with open(path, "wb", buffering=0) as f:
+        while True:
+            try:
+                f.write(bytes(2**16))
+            except OSError:  # ENOSPC
+                return
 
 
 @pytest.mark.slow  # wandb's service, waiting on an address that does not answer

@@ -238,7 +238,8 @@ def test_slurm_job_requeued_without_a_checkpoint_starts_again_and_a_finished_one
         range(1, STEPS + 1))
     assert cluster.run("scontrol", "requeue", job).returncode == 0
     wait_for(lambda: completed(cluster, job, "2", log), "finished job's restart", cluster, log)
-    assert "already finished (model.safetensors); nothing to do" in log.read_text().split(f"job {job}, start 2:")[1]
+    restart = log.read_text().split(f"job {job}, start 2:")[1]
+    assert "already finished (model.safetensors, curves.png); nothing to do" in restart
 
 
 
