@@ -13,14 +13,14 @@ that no depth breaks in shared/bounds.py, a dataset file's size and a parquet fi
 shared/dataset_files.py (opt-in modules). The limits are listed in docs/troubleshooting.md.
 """
 
-import contextlib
 import glob
 import json
+import logging
 import os
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, redirect_stdout
+from contextlib import contextmanager, redirect_stdout, suppress
 from pathlib import Path
 
 import psutil
@@ -102,12 +102,15 @@ def one_line_errors():
             # summary shows this as the cause ("traceback : error: ..."), last on the screen, every process's. Whole
             # or absent: torchrun stops the other processes as soon as one fails, then reads their files too, and
             # one stopped between opening and writing left an empty file that ended torchrun in a JSONDecodeError.
-            with contextlib.suppress(OSError), replacing(Path(os.environ["TORCHELASTIC_ERROR_FILE"])) as partial:
+            with suppress(OSError), replacing(Path(os.environ["TORCHELASTIC_ERROR_FILE"])) as partial:
                 partial.write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
+        # Said: a library's logger that fails as the process ends adds nothing after the line (wandb's, writing to
+        # the run folder on a full disk, printed 230 lines of "--- Logging error ---" tracebacks). Python's own switch
+        logging.raiseExceptions = False
         sys.exit(1)
 
 
-@contextlib.contextmanager
+@contextmanager
 def replacing(path: Path) -> Iterator[Path]:
     """Write `path` under a temporary name beside it (what this yields), renamed over it when complete: a reader, a
     run killed while writing, and another name of the file (a hard link from elsewhere) see the old file or the new
@@ -119,7 +122,7 @@ def replacing(path: Path) -> Iterator[Path]:
     for stale in path.parent.glob(f"{glob.escape(path.name)}.tmp*"):  # left by a writer killed mid-write (kill -9)
         pid = stale.name.rpartition(".tmp")[2]
         # Its process gone, and untouched for STALE_S: a writer on another machine (a shared cache) keeps writing.
-        with contextlib.suppress(OSError):
+        with suppress(OSError):
             if pid.isdigit() and not psutil.pid_exists(int(pid)) and time.time() - stale.lstat().st_mtime > STALE_S:
                 stale.unlink()
     try:

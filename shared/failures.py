@@ -22,7 +22,8 @@ ALLOCATION_FAILED = ("can't allocate memory", "could not create a primitive", "f
 def explain(error: BaseException) -> str | None:
     """The line that says what stopped the run and how to fix it, or None: an error for whoever changes the code."""
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):  # metrics, pictures, ...
-        written = error.filename or "the run's files"  # a failed write() names no file
+        # A copy names its source first (shutil's: wandb's pictures, from the temporary folder); a write() none
+        written = error.filename2 or error.filename or "the run's files"
         return (f"writing {written} failed ({error.strerror}): free space, then continue with --resume latest (the "
                 "complete checkpoints are kept)")
     if limit := process_limit(error):

@@ -943,6 +943,24 @@ def test_a_disk_full_after_the_weights_is_finished_by_the_resume_the_line_names(
     one_line(run_here(*args, "--resume", "latest"), "already finished its 4 steps")
 
 
+def test_a_disk_full_under_wandb_is_one_line_naming_the_run_folders_file(env, data, small_disk):
+    """wandb offline, the disk full as the run's end copies the confusion matrix into wandb's folder: the line named
+    the copy's source in /tmp (a temporary file, on another disk), and wandb's loggers, failing on the full disk as
+    the process ended, printed 60-230 lines of "--- Logging error ---" tracebacks after it. Then the resume the line
+    names finishes the run."""
+    subprocess.run(["mount", "-o", "remount,size=8m", str(small_disk)], check=True)
+    run = small_disk / "run"
+    args = ["--data", str(data), "--output_dir", str(run), "--batch_size", "8", "--max_steps", "2"]
+    full = dict(env, WANDB_MODE="offline", PYTHONPATH=str(ROOT / "tests" / "faults"),
+                FAULT_FILL_DISK_AFTER_SAVING_IMAGE="confusion_matrix.png")
+    line = one_line(launch(full, "cifar_cnn", *args), f"error: writing {run / 'wandb'}/",
+                    "failed (No space left on device): free space, then continue with --resume latest")
+    assert "/media/images/confusion_matrix" in line  # wandb's copy, in the run folder
+    (run / "filler").unlink()
+    ok(launch(dict(env, WANDB_MODE="offline"), "cifar_cnn", *args, "--resume", "latest"))
+    assert (run / "curves.png").is_file()
+
+
 def fill(path: Path) -> None:
     """A file that takes the rest of its disk."""
     with open(path, "wb", buffering=0) as f:

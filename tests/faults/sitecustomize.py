@@ -10,6 +10,8 @@ gloo's teardown race (pytorch#179291) does now and then.
 With FAULT_HANG_IN_EVALUATION=FILE, the first evaluation loss creates FILE and never returns: a hung evaluation.
 With FAULT_FAIL_SAVING_IMAGE=NAME, PIL fails to save an image named NAME (or NAME.tmp<pid>, its temporary name),
 with an OSError, as on a full disk.
+With FAULT_FILL_DISK_AFTER_SAVING_IMAGE=NAME, once PIL has saved an image named NAME (or NAME.tmp<pid>), a file named
+filler beside it takes the rest of its disk: a real disk that fills as a run's end writes its files.
 With FAULT_KILL_WRITING=STEM, the process writes half of the first text it writes to a file named STEM.<anything>
 opened for writing with pathlib (open or write_text), then kills itself (SIGKILL): a run killed while rewriting a file.
 With FAULT_HOLD_SAVE_AT_STEP=N, the save of step N's checkpoint stops for good after its first file: a save caught
@@ -121,6 +123,25 @@ if _image:
         return save_or_fail
 
     Image.Image.save = _failing_image(Image.Image.save)
+
+_fill_after = os.environ.get("FAULT_FILL_DISK_AFTER_SAVING_IMAGE")
+if _fill_after:
+    from PIL import Image
+
+    def _filling_after(save):
+        def save_then_fill(self, fp, *args, **kwargs):
+            result = save(self, fp, *args, **kwargs)
+            if os.path.basename(str(fp)).startswith(_fill_after):
+                with open(os.path.join(os.path.dirname(str(fp)), "filler"), "wb", buffering=0) as f:
+                    try:
+                        while True:
+                            f.write(bytes(2**16))
+                    except OSError:  # ENOSPC: full
+                        pass
+            return result
+        return save_then_fill
+
+    Image.Image.save = _filling_after(Image.Image.save)
 
 _kill_writing = os.environ.get("FAULT_KILL_WRITING")
 if _kill_writing:
