@@ -208,7 +208,7 @@ def pick_splits(splits: datasets.DatasetDict, source: str):
         test = train.select(order[:held_out], keep_in_memory=True)
         train = train.select(order[held_out:], keep_in_memory=True)
     for name, split in (("train", train), ("test", test)):
-        if len(split) == 0:
+        if not split:
             raise RecipeError(f"the '{name}' split of {source} is empty: point --data at a dataset with examples in it")
     return train, test
 

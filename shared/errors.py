@@ -72,6 +72,9 @@ class PrintableLines:
 def one_line_errors():
     """RecipeError -> one line on stderr (rank 0) and exit status 1, Ctrl-C -> one line and 130; what is printed
     meanwhile: PrintableLines."""
+    # A library's logger that cannot write says nothing (Python's switch for it): wandb's, into the run folder on a full
+    # disk, printed hundreds of lines of "--- Logging error ---" tracebacks around the line that names the disk
+    logging.raiseExceptions = False
     try:
         with redirect_stdout(PrintableLines(sys.stdout)):
             yield
@@ -104,9 +107,6 @@ def one_line_errors():
             # one stopped between opening and writing left an empty file that ended torchrun in a JSONDecodeError.
             with suppress(OSError), replacing(Path(os.environ["TORCHELASTIC_ERROR_FILE"])) as partial:
                 partial.write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
-        # Said: a library's logger that fails as the process ends adds nothing after the line (wandb's, writing to
-        # the run folder on a full disk, printed 230 lines of "--- Logging error ---" tracebacks). Python's own switch
-        logging.raiseExceptions = False
         sys.exit(1)
 
 

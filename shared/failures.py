@@ -25,7 +25,7 @@ def explain(error: BaseException) -> str | None:
         # A copy names its source first (shutil's: wandb's pictures, from the temporary folder); a write() none
         written = error.filename2 or error.filename or "the run's files"
         return (f"writing {written} failed ({error.strerror}): free space, then continue with --resume latest (the "
-                "complete checkpoints are kept)")
+                "complete checkpoints are kept; before the first one, run the same command again)")
     if limit := process_limit(error):
         return f"this process reached its limit on {limit}: raise it, then run again"
     if isinstance(error, OSError) and error.errno == errno.ENAMETOOLONG:  # a path a flag gave (a name over 255 bytes)

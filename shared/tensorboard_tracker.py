@@ -12,13 +12,16 @@ class TensorBoard(TensorBoardTracker):
     checkpoint (a branch's abandoned points, a piece killed after its checkpoint) with SummaryWriter's purge_step;
     the summary's one-point scalars stay in summary.json."""
 
+    def start(self):  # the writer comes with the run's configuration (below): after RunFiles' config.json, see open_run
+        pass
+
     @on_main_process
     def store_init_configuration(self, values: dict):
         from torch.utils.tensorboard.summary import hparams
 
         if values.get("resumed_step") is not None:
-            self.writer.close()
-            self.writer = type(self.writer)(self.logging_dir, purge_step=values["resumed_step"] + 1)
+            self.init_kwargs["purge_step"] = values["resumed_step"] + 1
+        super().start()  # accelerate's: SummaryWriter(<run>/tensorboard, **init_kwargs)
         flags = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in values.items()}
         for summary in hparams(flags, {}):  # hparams take numbers, strings and booleans only
             self.writer.file_writer.add_summary(summary)

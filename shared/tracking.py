@@ -93,7 +93,7 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
     state.wait_for_everyone()  # every process has read the folder before the main process changes it
     if state.is_main_process:
         if cfg.output_dir is None or not run_dir.exists():  # made by this start (new_folder made the default one)
-            atexit.register(remove_if_empty, run_dir)  # a start that fails leaves no empty folder behind
+            atexit.register(remove_unless_run, run_dir)  # a start that fails before config.json leaves no folder
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
             lock(run_dir)
@@ -107,29 +107,34 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
         from shared.nodes import check_shared  # only the runs of several nodes: an opt-in module
 
         check_shared(run_dir, cfg.checkpoint_dir)
-    # A resumed run keeps its run id (from config.json), so it continues the same wandb run.
-    run = mine if cfg.resume else None  # a folder that is not a run was refused above
-    run, labels = run or uuid.uuid4().hex[:8], {"synthetic": True} if cfg.synthetic else {}
-    chosen = []
-    if cfg.tracker == "wandb":
-        chosen = [WandB(recipe, run_dir, run, tags=list(labels))]
-    elif cfg.tracker == "tensorboard":
-        from shared.tensorboard_tracker import TensorBoard  # only the runs that ask for it: an opt-in module
-
-        chosen = [TensorBoard("tensorboard", run_dir)]
+    # A resumed run keeps its run id (from config.json), so it continues the same wandb run; a new one, or a checkpoint
+    # continued in a new folder, gets its own (a folder that is not a run was refused above)
+    run = mine if cfg.resume and mine else uuid.uuid4().hex[:8]
+    labels = {"synthetic": True} if cfg.synthetic else {}
     replaced = []  # what --overwrite deletes: only what a run writes (and predict.py of its weights); the rest stays
     if cfg.overwrite and not cfg.resume and filled:
         from shared.resume import predictions  # only the runs that replace one: an opt-in module
 
         replaced = [*(run_dir / name for name in RUN_FILES), *predictions(run_dir), *its_checkpoints]
-    # RunFiles first: it deletes what --overwrite replaces before wandb or TensorBoard start, and its config.json makes
-    # the folder a run before they write into it, so a job stopped between the two is still a run to its next start.
-    return run_dir, [RunFiles(run_dir, run, labels, replaced)] + chosen
+    # init_trackers starts every tracker, then gives each the configuration: RunFiles' start deletes what --overwrite
+    # replaces before wandb or TensorBoard write anything (they start with the configuration), and its config.json
+    # makes the folder a run. wandb before it: settings wandb refuses leave no run folder (remove_unless_run), nor do
+    # the wandb/ it began on a disk too full for config.json. TensorBoard after it: its writer's thread, on such a disk,
+    # printed its own traceback
+    trackers = [RunFiles(run_dir, run, labels, replaced)]
+    if cfg.tracker == "wandb":
+        trackers.insert(0, WandB(recipe, run_dir, run, tags=list(labels)))
+    elif cfg.tracker == "tensorboard":
+        from shared.tensorboard_tracker import TensorBoard  # only the runs that ask for it: an opt-in module
+
+        trackers.append(TensorBoard("tensorboard", run_dir))
+    return run_dir, trackers
 
 
-def remove_if_empty(folder: Path) -> None:
-    with contextlib.suppress(OSError):  # holding anything (a run's files), it stays
-        folder.rmdir()
+def remove_unless_run(folder: Path) -> None:
+    """A folder this start made, left without config.json: empty, or holding only what wandb or TensorBoard began."""
+    if not (folder / "config.json").exists():
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def lock(run_dir: Path) -> None:
@@ -232,8 +237,11 @@ class WandB(WandBTracker):
         super().__init__(project, dir=str(run_dir), id=run_id, resume="allow", mode=mode, tags=tags,
                          settings=wandb.Settings(silent=True, **timeout))
 
+    def start(self):  # wandb starts with the run's configuration (below): after RunFiles' config.json, see open_run
+        pass
+
     @on_main_process
-    def start(self):
+    def store_init_configuration(self, values: dict):
         try:
             super().start()
         except Exception as error:  # no network, server down, bad key; a WANDB_* setting wandb refuses
@@ -250,9 +258,6 @@ class WandB(WandBTracker):
         else:
             where = self.run.url
         print(f"wandb: {where}", flush=True)
-
-    @on_main_process
-    def store_init_configuration(self, values: dict):
         # Named from the configuration the run records: its launch, precision and global batch.
         self.run.name = (f"{values['recipe']}-{values['world_size']}x{values['mixed_precision']}"
                          f"-b{values['global_batch_size']}{'-synthetic' if values.get('synthetic') else ''}"

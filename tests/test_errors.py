@@ -961,6 +961,21 @@ def test_a_disk_full_under_wandb_is_one_line_naming_the_run_folders_file(env, da
     assert (run / "curves.png").is_file()
 
 
+@pytest.mark.parametrize("tracker", ["wandb", "tensorboard"])
+def test_a_disk_full_from_the_start_is_one_line_and_leaves_no_folder(env, small_disk, tracker):
+    """No room at all (a quota reached): wandb and TensorBoard started before config.json, so the line came amid
+    hundreds of wandb's "--- Logging error ---" tracebacks or TensorBoard's writer thread's, and left the folder
+    holding their wandb/ or tensorboard/ but no run, which the same command then refused. They start after
+    config.json now: its write fails first, and the folder this start made goes."""
+    run = small_disk / "run"
+    fill(small_disk / "filler")
+    one_line(launch(dict(env, WANDB_MODE="offline"), "cifar_cnn", "--synthetic", "--max_steps", "2", "--tracker",
+                    tracker, "--output_dir", str(run)),
+             "failed (No space left on device): free space, then continue with --resume latest (the complete "
+             "checkpoints are kept; before the first one, run the same command again)")
+    assert not run.exists()  # the same command starts the run again
+
+
 def fill(path: Path) -> None:
     """A file that takes the rest of its disk."""
     with open(path, "wb", buffering=0) as f:
@@ -1112,7 +1127,7 @@ def test_a_requirement_not_installed_is_one_line(data, tmp_path, monkeypatch):
     one_line(run_here("cifar_cnn", "--data", data, "--output_dir", tmp_path / "run"), "error: No module named 'wandb' "
              f"in this Python ({sys.executable}): install the requirements there: pip install -r requirements.txt, "
              "or train without it: --tracker tensorboard or none")
-    assert not list((tmp_path / "run").iterdir())  # empty: a process's exit removes it (remove_if_empty)
+    assert not list((tmp_path / "run").iterdir())  # empty: a process's exit removes it (remove_unless_run)
     for tracker in ("tensorboard", "none"):  # what the line offers works without wandb (an offline GPU image's case)
         ok(run_here("cifar_cnn", "--data", data, "--output_dir", tmp_path / tracker, "--tracker", tracker,
                     "--max_steps", "1", "--batch_size", "8"))
