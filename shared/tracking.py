@@ -237,7 +237,7 @@ class WandB(WandBTracker):
         super().__init__(project, dir=str(run_dir), id=run_id, resume="allow", mode=mode, tags=tags,
                          settings=wandb.Settings(silent=True, **timeout))
 
-    def start(self):  # wandb starts with the run's configuration (below): after RunFiles' config.json, see open_run
+    def start(self):  # wandb starts with the run's configuration (below), after RunFiles' start: see open_run
         pass
 
     @on_main_process
