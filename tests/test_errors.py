@@ -965,8 +965,9 @@ def test_a_disk_full_under_wandb_is_one_line_naming_the_run_folders_file(env, da
 def test_a_disk_full_from_the_start_is_one_line_and_leaves_no_folder(env, small_disk, tracker):
     """No room at all (a quota reached): wandb and TensorBoard started before config.json, so the line came amid
     hundreds of wandb's "--- Logging error ---" tracebacks or TensorBoard's writer thread's, and left the folder
-    holding their wandb/ or tensorboard/ but no run, which the same command then refused. They start after
-    config.json now: its write fails first, and the folder this start made goes."""
+    holding their wandb/ or tensorboard/ but no run, which the same command then refused. They start with the
+    configuration now (wandb just before config.json, its own writes failing in silence; TensorBoard after it): the
+    write of config.json fails as one line, and the folder this start made goes, with what wandb began in it."""
     run = small_disk / "run"
     fill(small_disk / "filler")
     one_line(launch(dict(env, WANDB_MODE="offline"), "cifar_cnn", "--synthetic", "--max_steps", "2", "--tracker",
