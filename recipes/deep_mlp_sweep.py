@@ -49,6 +49,8 @@ class Config:
             raise ValueError(f"--batch and --repeats must be > 0, got {self.batch} and {self.repeats}")
         if not all(k.strip().isdigit() and 1 <= int(k) <= 72 for k in self.segments.split(",")):
             raise ValueError(f"--segments takes comma-separated counts from 1 to 72, got {self.segments!r}")
+        if not 0 <= self.seed < 2**32:  # what NumPy's seed takes (accelerate's set_seed): a traceback otherwise
+            raise ValueError(f"--seed must be from 0 to 2**32 - 1, got {self.seed}")
 
 
 def saved_bytes(fn, x: torch.Tensor, model: nn.Module) -> int:
@@ -112,10 +114,17 @@ def sweep(cfg: Config) -> None:
     with accelerator.autocast():  # the precision the config asks for, as in training
         rows = []
         for batch in dict.fromkeys((cfg.batch, 16)):  # --batch 16 is measured once
-            x = torch.randn(batch, WIDTH, device=accelerator.device)
-            labels = torch.randint(100, (batch,), device=accelerator.device)
-            batch_rows = [{"batch": batch, **measure(model, optimizer, x, labels, k, cfg.ckpt, cfg.repeats)}
-                          for k in [None, *(int(k) for k in cfg.segments.split(","))]]  # None: no checkpointing
+            try:
+                x = torch.randn(batch, WIDTH, device=accelerator.device)
+                labels = torch.randint(100, (batch,), device=accelerator.device)
+                batch_rows = [{"batch": batch, **measure(model, optimizer, x, labels, k, cfg.ckpt, cfg.repeats)}
+                              for k in [None, *(int(k) for k in cfg.segments.split(","))]]  # None: no checkpointing
+            except (MemoryError, RuntimeError) as error:  # torch's CPU allocator raises a RuntimeError
+                if not isinstance(error, (MemoryError, torch.OutOfMemoryError)) and "allocate memory" not in str(error):
+                    raise
+                # Named here: the recipes' line says --batch_size, a flag the sweep does not have
+                said = str(error).rpartition("DefaultCPUAllocator: ")[2].strip()  # after torch's C++ location
+                raise RecipeError(f"out of memory at --batch {batch} ({said[:150]}): lower --batch") from None
             for row in batch_rows:  # ratios to no checkpointing, measured in this same run
                 row["saved_x"] = row["saved_MB"] / batch_rows[0]["saved_MB"]
                 row["time_x"] = row["step_ms"] / batch_rows[0]["step_ms"]

@@ -201,8 +201,9 @@ def test_flag_of_the_wrong_type_or_out_of_range(capsys, args, needle):
     ("deep_mlp_ckpt", ("--dropout", "1"), "--dropout must be in [0, 1), got 1.0"),
     ("deep_mlp_sweep", ("--batch", "0"), "--batch and --repeats must be > 0, got 0 and 3"),
     ("deep_mlp_sweep", ("--segments", "2,73"), "--segments takes comma-separated counts from 1 to 72, got '2,73'"),
+    ("deep_mlp_sweep", ("--seed", "-1"), "--seed must be from 0 to 2**32 - 1, got -1"),  # NumPy's traceback
 ], ids=["predict with neither", "predict with both", "predict --top_k", "finetune --weights", "mlp --dropout",
-        "sweep --batch", "sweep --segments"])
+        "sweep --batch", "sweep --segments", "sweep --seed"])
 def test_a_flag_value_the_other_scripts_cannot_use_is_one_line(capsys, recipe, args, needle):
     assert flag_error(capsys, recipe, *args).endswith(f"error: {needle} (see --help)")
 
@@ -1182,6 +1183,35 @@ def test_a_batch_whose_activations_do_not_fit_in_memory_is_one_line(env, tmp_pat
     one_line(result, "this process reached its limit on address space (ulimit -v: 8.0 GiB, of which torch's libraries "
              "map about 5 GiB; a smaller --batch_size needs less): raise it, then run again")
     assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+@pytest.mark.slow  # under a memory limit
+def test_a_sweep_batch_that_does_not_fit_in_memory_names_the_sweeps_flag(env, tmp_path):
+    """The recipes' line said "lower --batch_size", a flag the sweep does not have (its own is --batch). 8 GiB of
+    address space, as above: the 400 GB of inputs at --batch 100000000 are refused wherever the machine overcommits."""
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (8 * 2**30, 8 * 2**30))
+
+    result = subprocess.run([sys.executable, "recipes/deep_mlp_sweep.py", "--batch", "100000000", "--segments", "2",
+                             "--output_dir", str(tmp_path / "sweep")], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=300, preexec_fn=limit)
+    one_line(result, "error: out of memory at --batch 100000000 (can't allocate memory: you tried to allocate "
+             "400000000000 bytes", "): lower --batch")
+    assert "--batch_size" not in result.stderr
+
+
+def test_a_sweep_out_of_gpu_memory_names_the_sweeps_flag(monkeypatch, tmp_path):
+    """On a GPU: torch's OutOfMemoryError, said with the sweep's --batch (the recipes' line: --batch_size)."""
+    from recipes import deep_mlp_sweep
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of "
+                                     "79.19 GiB of which 1.06 GiB is free.")
+
+    monkeypatch.setattr(deep_mlp_sweep, "measure", out_of_memory)
+    one_line(run_here("deep_mlp_sweep", "--batch", "65536", "--segments", "2", "--output_dir", tmp_path / "sweep"),
+             "error: out of memory at --batch 65536 (CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a "
+             "total capacity of 79.19 GiB of which 1.06 GiB is free.): lower --batch")
 
 
 @pytest.mark.parametrize("error", [MemoryError(), RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried "
