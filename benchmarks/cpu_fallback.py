@@ -6,6 +6,7 @@ float32 + channels_last and bf16 + channels_last, 3 rounds taking turns).
     ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 python benchmarks/cpu_fallback.py
 """
 
+import argparse
 import contextlib
 import json
 import statistics
@@ -44,6 +45,7 @@ def model_step(inputs, labels, channels_last: bool, bf16: bool):
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # --help; no flag measures anything
     torch.manual_seed(0)
     out = {}
     for dtype in (torch.float32, torch.bfloat16):

@@ -395,10 +395,12 @@ def main() -> None:
     parser.add_argument("--no_two_processes", dest="two_processes", action="store_false")
     parser.add_argument("--json", default=None, help="write the rows here too")
     parser.add_argument("--worker", choices=RECIPES, help=argparse.SUPPRESS)
-    args, flags = parser.parse_known_args()
+    args, flags = parser.parse_known_args()  # the flags after --worker's recipe are the recipe's own
     if args.worker:
         worker(args.worker, [f for f in flags if f != "--"], Path(args.json))
         return
+    if flags:  # parse_known_args ignored them: a mistyped flag measured the defaults instead
+        parser.error(f"unrecognized arguments: {' '.join(flags)}")
     data_flags = (["--data", args.data] if args.data else ["--synthetic"]) + (
         ["--batch_size", str(args.batch_size)] if args.batch_size else [])
     rows = measure(args.recipes, data_flags)

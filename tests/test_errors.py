@@ -162,6 +162,22 @@ def test_a_mistyped_flag_is_named_with_the_flag_it_was_meant_to_be(capsys, recip
                                                        "(see --help)")
 
 
+# The scripts of benchmarks/ (on sys.path: conftest.py) and tools/, not the modules they import
+SCRIPTS = sorted(f"tools.{path.stem}" if path.parent.name == "tools" else path.stem
+                 for path in [*(ROOT / "tools").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")]
+                 if 'if __name__ == "__main__":' in path.read_text())
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_benchmark_and_tool_refuses_a_flag_it_does_not_know(monkeypatch, capsys, name):
+    """Before it measures or writes anything: step_cost.py (parse_known_args, for the recipe's flags after --worker)
+    and cpu_fallback.py (no parser) ran their whole measurement with a mistyped flag left out."""
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", "--nonsense"])
+    with pytest.raises(SystemExit) as stopped:
+        importlib.import_module(name).main()
+    assert stopped.value.code == 2 and "error: " in capsys.readouterr().err
+
+
 def flag_error(capsys, recipe: str, *args: str) -> str:
     """The line `python recipes/<recipe>.py args` prints for a bad flag, from parse_config of the recipe's Config in
     this process (its Config.parse; deep_mlp_sweep calls it directly): the same parser, which test_unknown_flag runs
