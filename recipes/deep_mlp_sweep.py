@@ -123,7 +123,7 @@ def sweep(cfg: Config) -> None:
                 if not isinstance(error, (MemoryError, torch.OutOfMemoryError)) and "allocate memory" not in str(error):
                     raise
                 # Named here: the recipes' line says --batch_size, a flag the sweep does not have
-                said = str(error).rpartition("DefaultCPUAllocator: ")[2].strip()  # after torch's C++ location
+                said = " ".join(str(error).rpartition("DefaultCPUAllocator: ")[2].split())  # after torch's C++ place
                 raise RecipeError(f"out of memory at --batch {batch} ({said[:150]}): lower --batch") from None
             for row in batch_rows:  # ratios to no checkpointing, measured in this same run
                 row["saved_x"] = row["saved_MB"] / batch_rows[0]["saved_MB"]

@@ -1221,8 +1221,8 @@ def test_a_sweep_out_of_gpu_memory_names_the_sweeps_flag(monkeypatch, tmp_path):
     from recipes import deep_mlp_sweep
 
     def out_of_memory(*args):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of "
-                                     "79.19 GiB of which 1.06 GiB is free.")
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB.\nGPU 0 has a total capacity of "
+                                     "79.19 GiB of which 1.06 GiB is free.")  # one line, whatever torch's breaks
 
     monkeypatch.setattr(deep_mlp_sweep, "measure", out_of_memory)
     one_line(run_here("deep_mlp_sweep", "--batch", "65536", "--segments", "2", "--output_dir", tmp_path / "sweep"),
