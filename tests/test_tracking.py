@@ -261,12 +261,16 @@ def test_runs_table_says_where_a_stopped_run_continues(tmp_path):
             (tmp_path / name / "checkpoints" / checkpoint).mkdir(parents=True)
     (tmp_path / "a" / "checkpoints" / "step_99").symlink_to(tmp_path / "b")  # a link named as one is no checkpoint
     # A finished run extended by a resume keeps its summary until the longer run finishes: it read "finished"
-    for name, newest in (("c", "step_5"), ("d", "step_4")):
+    for name, newest in (("c", "step_5"), ("d", "step_4"), ("e", "step_4")):
         (tmp_path / name / "checkpoints" / newest).mkdir(parents=True)
         (tmp_path / name / "summary.json").write_text(json.dumps({"steps": 4, "step": 4, "eval_acc": 0.5}))
+        if name != "e":  # e: the disk filled between summary.json and curves.png, the last file; it read "finished"
+            (tmp_path / name / "curves.png").write_bytes(b"")
+    (tmp_path / "e" / "finished" / "3_steps").mkdir(parents=True)  # a record set aside: finished, whatever it holds
+    (tmp_path / "e" / "finished" / "3_steps" / "summary.json").write_text(json.dumps({"steps": 3}))
     assert [row["state"] for row in collect(tmp_path)] == [
         "stopped at step 29", "stopped (last logged step 28)", "finished at step 4; its extension stopped at step 5",
-        "finished"]
+        "finished", "finished", "end cut short (no curves.png): --resume latest writes its final files"]
 
 
 def test_runs_table_shows_a_running_run_and_a_killed_one(tmp_path):

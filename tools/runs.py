@@ -97,9 +97,9 @@ def newest_checkpoint(run: Path) -> int | None:
 
 
 def state(run: Path, summary: dict | None, held: set) -> str:
-    """Running (its folder locked by a process of this machine), finished (only the end of a run writes `steps`), or
-    stopped at its newest checkpoint's step (the summary's step is the last one logged, often earlier; without a
-    checkpoint here, that step). A finished run that a resume extends keeps its summary until the longer run
+    """Running (its folder locked by a process of this machine), finished (only the end of a run writes `steps`, then
+    curves.png), or stopped at its newest checkpoint's step (the summary's step is the last one logged, often earlier;
+    without a checkpoint here, that step). A finished run that a resume extends keeps its summary until the longer run
     finishes: its newest checkpoint, past its steps, says how far that got. A run without a summary was killed, or
     failed (an error such as a NaN loss ends a run without one), or runs on another machine (`summary` None): a resume
     continues from its newest checkpoint. A summary read as {} (not a JSON object, or too large) is said as
@@ -114,6 +114,10 @@ def state(run: Path, summary: dict | None, held: set) -> str:
             "killed or failed? no summary, no checkpoint")
     if not summary:  # a run writes its summary whole (shared/errors.py, replacing): this one came from elsewhere
         return "summary.json unreadable"
+    # curves.png: the last file a run's end writes (shared/resume.py's test of a finished run). A disk that filled
+    # before it left a summary with `steps`; a finished/<N>_steps record is a finished run's, whatever it holds
+    if "steps" in summary and not (run / "curves.png").is_file() and run.parent.name != "finished":
+        return "end cut short (no curves.png): --resume latest writes its final files"
     if "steps" in summary:
         steps = summary["steps"]
         extended = newest is not None and type(steps) is int and newest > steps
