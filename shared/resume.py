@@ -13,8 +13,9 @@ write a checkpoint (an opt-in module).
 - `checked_progress`: a checkpoint's Progress, checked (Progress.load_state_dict);
 - `check_resume_and_branch`: what a resume continues (steps left, what changed since the checkpoint and what that
   does to the sample order, exactness and schedule); from an older checkpoint than the newest, the later history
-  moved aside (`branch`); `cut_metrics`: metrics.jsonl cut back to the checkpoint's step (RunFiles);
-  `set_finished_aside`: a finished run's files moved aside when a resume extends it (Checkpoints.save_weights);
+  moved aside (`branch`); `cut_metrics`: metrics.jsonl cut back to the checkpoint's step, and the summary so far
+  (RunFiles); `set_finished_aside`: a finished run's files moved aside when a resume extends it
+  (Checkpoints.save_weights);
 - `interrupted`: the line a first Ctrl-C prints, and `resume_command`: the command that continues a run, printed
   when a signal stops it (StopOnSignals);
   `write_failed`: the line that names the checkpoint to continue from when a checkpoint or the weights could not be
@@ -402,16 +403,27 @@ def checked_progress(fresh: dict, state: dict) -> dict:
     return loaded
 
 
-def cut_metrics(metrics: Path, step: int, labels: dict) -> None:
-    """metrics.jsonl of a run resumed at `step`: the points after the checkpoint will be logged again, and so will those
-    of its own step logged after it was written (an epoch's or the run's evaluation, the summary), so the file is kept
-    up to its training point; then a row that marks the resume on curves.png. A damaged row stops the resume here,
-    before any change."""
-    if metrics.exists():
-        rows = (row for row in read_rows(metrics) if row["step"] < step or row["step"] == step and "train_loss" in row)
-        write_atomic(metrics, (json.dumps(row) + "\n" for row in rows))  # one row in memory at a time
-    with metrics.open("a") as f:
-        f.write(json.dumps({"step": step, "resumed": True, **labels}) + "\n")
+def cut_metrics(run_files, step: int) -> dict:
+    """metrics.jsonl of a run (shared/tracking.py's RunFiles) resumed at `step`: the points after the checkpoint will be
+    logged again, and so will those of its own step logged after it was written (an epoch's or the run's evaluation,
+    the summary), so the file is kept up to its training point; then a row that marks the resume on curves.png. A
+    damaged row stops the resume here, before any change. Returns the last value of every key in the rows kept: the
+    summary so far, which a piece that logs no training (a run stopped at its last step) would otherwise leave out."""
+    summary = {}
+
+    def kept(rows):
+        for row in rows:
+            if row["step"] < step or row["step"] == step and "train_loss" in row:
+                # A finished run's summary row ("steps", which RunFiles.finish reads as this run finished) is never
+                # kept: it is logged at the last step, without train_loss, so the resume that extends the run cuts it
+                summary.update(row)
+                yield json.dumps(row) + "\n"
+
+    if run_files.metrics.exists():
+        write_atomic(run_files.metrics, kept(read_rows(run_files.metrics)))  # one row in memory at a time
+    with run_files.metrics.open("a") as f:
+        f.write(json.dumps({"step": step, "resumed": True, **run_files.labels}) + "\n")
+    return summary
 
 
 def set_finished_aside(run_dir: Path) -> None:

@@ -178,7 +178,7 @@ class RunFiles(GeneralTracker):
         if values.get("resumed_step") is not None:  # first: a damaged row stops the resume before any change
             from shared.resume import cut_metrics  # only the runs that resume: an opt-in module
 
-            cut_metrics(self.metrics, values["resumed_step"], self.labels)
+            self.summary = cut_metrics(self, values["resumed_step"])  # the summary so far: its pieces' last values
         write_json(self.run_dir / "config.json", {**values, "run_id": self.run_id})
 
     def log(self, values: dict, step: int | None = None, **kwargs):
