@@ -423,6 +423,7 @@ def cut_metrics(run_files, step: int) -> dict:
         write_atomic(run_files.metrics, kept(read_rows(run_files.metrics)))  # one row in memory at a time
     with run_files.metrics.open("a") as f:
         f.write(json.dumps({"step": step, "resumed": True, **run_files.labels}) + "\n")
+    summary.pop("resumed", None)  # an earlier resume's mark: no value of the run
     return summary
 
 

@@ -388,25 +388,28 @@ def test_a_run_stopped_at_its_last_step_finishes_with_the_whole_runs_summary(lab
     """A stop at the last step saves its checkpoint before the weights; the resume evaluates and writes them. Its
     summary.json held only what that piece logged: the last training loss, accuracy, learning rate, gradient norm and
     epoch were gone (and with them the runs table's columns). A resumed run's summary now starts from metrics.jsonl's
-    rows up to the checkpoint, as wandb's summary of a resumed run does."""
+    rows up to the checkpoint, as wandb's summary of a resumed run does; here after a stop at step 2 too, whose
+    resume's mark on curves.png (a row "resumed") is no value of the summary."""
     from shared.checkpoints import Checkpoints
 
     data, reference, run = str(labelled[(3, 32, 32)]), tmp_path / "reference", tmp_path / "run"
     args = ("cifar_cnn", "--data", data, *RUN, "--max_steps", "4")
     ok(run_here(*args, "--output_dir", reference))
     after_step = Checkpoints.after_step
+    for stop in (2, 4):
+        def sigterm_at(self, model, step, at_log_point):  # as StopOnSignals' handler does, in this process
+            self.signal = self.signal or ("SIGTERM" if step == stop else None)
+            return after_step(self, model, step, at_log_point)
 
-    def sigterm_at_step_4(self, model, step, at_log_point):  # as StopOnSignals' handler does, in this process
-        self.signal = self.signal or ("SIGTERM" if step == 4 else None)
-        return after_step(self, model, step, at_log_point)
-
-    monkeypatch.setattr(Checkpoints, "after_step", sigterm_at_step_4)
-    assert "stopped by SIGTERM at step 4, checkpoint saved" in ok(run_here(*args, "--output_dir", run)).stdout
+        monkeypatch.setattr(Checkpoints, "after_step", sigterm_at)
+        resume = ("--resume", "latest") if stop == 4 else ()
+        stopped = ok(run_here(*args, "--output_dir", run, *resume)).stdout
+        assert f"stopped by SIGTERM at step {stop}, checkpoint saved" in stopped
     monkeypatch.undo()
     assert "its last step (4), the run stopped before writing its final files" in ok(
         run_here("cifar_cnn", "--resume", "latest", "--output_dir", run)).stdout
     finished, whole = read_json(run / "summary.json"), read_json(reference / "summary.json")
-    assert finished.keys() == whole.keys() and finished["pieces"] == 2
+    assert finished.keys() == whole.keys() and finished["pieces"] == 3
     for key in ("step", "steps", "epoch", "lr", "train_loss", "train_acc", "grad_norm", "eval_loss", "eval_acc"):
         assert finished[key] == whole[key], key
 
