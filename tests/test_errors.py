@@ -960,6 +960,7 @@ def test_a_disk_full_after_the_weights_is_finished_by_the_resume_the_line_names(
     one_line(run_here(*args, "--resume", "latest"), "already finished its 4 steps")
 
 
+@pytest.mark.slow  # wandb's service, in a launch
 def test_a_disk_full_under_wandb_is_one_line_naming_the_run_folders_file(env, data, small_disk):
     """wandb offline, the disk full as the run's end copies the confusion matrix into wandb's folder: the line named
     the copy's source in /tmp (a temporary file, on another disk), and wandb's loggers, failing on the full disk as
@@ -978,7 +979,8 @@ def test_a_disk_full_under_wandb_is_one_line_naming_the_run_folders_file(env, da
     assert (run / "curves.png").is_file()
 
 
-@pytest.mark.parametrize("tracker", ["wandb", "tensorboard"])
+@pytest.mark.parametrize("tracker", [pytest.param("wandb", marks=pytest.mark.slow),  # wandb's service
+                                     "tensorboard"])
 def test_a_disk_full_from_the_start_is_one_line_and_leaves_no_folder(env, small_disk, tracker):
     """No room at all (a quota reached): wandb and TensorBoard started before config.json, so the line came amid
     hundreds of wandb's "--- Logging error ---" tracebacks or TensorBoard's writer thread's, and left the folder
