@@ -230,8 +230,12 @@ class Checkpoints(StopOnSignals):
         saved."""
         if not all(torch.isfinite(t).all() for t in model.state_dict().values()):
             good = list_checkpoints(self.folder, self.owner())
-            raise RecipeError(f"the weights became NaN or inf by step {step} (lower --lr): nothing saved; "
-                              f"the newest good checkpoint is {good[-1] if good else 'none (none was saved yet)'}")
+            # Finite is not sound: after a step at a far too high --lr the weights are finite but wrecked, and a resume
+            # from them diverged again at any --lr, the same line sending the user back to it
+            raise RecipeError(f"the weights became NaN or inf by step {step} (lower --lr): nothing saved; the newest "
+                              f"finite checkpoint is {good[-1] if good else 'none (none was saved yet)'} (if a resume "
+                              "from it with a lower --lr diverges again, its weights had begun to: start the run again "
+                              "with --overwrite)")
         final = self.folder / f"step_{step}"
         if final in self.saved:
             return  # already saved at this step (--checkpoint_every landed on the last one)

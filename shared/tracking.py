@@ -321,8 +321,9 @@ class TrainWindow:
         train_loss = (self.accelerator.reduce(total(self.losses, self.accelerator.device), "mean")
                       / max(self.batches, 1)).item()
         if not math.isfinite(train_loss):
-            raise RecipeError(f"the training loss became {train_loss} by step {step}: lower --lr; "
-                              "checkpoints already on disk hold finite weights")
+            raise RecipeError(f"the training loss became {train_loss} by step {step}: lower --lr; the checkpoints "
+                              "on disk hold finite weights (if a resume from one with a lower --lr diverges again, its "
+                              "weights had begun to: start the run again with --overwrite)")
         self._clock()
         norms = torch.stack(self.grad_norms) if self.grad_norms else torch.zeros(0)
         finite = norms.isfinite()

@@ -818,6 +818,13 @@ def test_loss_becomes_nan_keeps_the_last_good_checkpoint(env, data, tmp_path):
     for checkpoint in checkpoints:
         assert all(torch.isfinite(t).all() for t in load_file(checkpoint / "model.safetensors").values())
     assert not (run / "model.safetensors").exists()
+    # Finite, but after a step at --lr 1e12 far off: the line sent a resume back to it at any lower --lr, for ever
+    again = one_line(run_here("cifar_cnn", "--output_dir", str(run), "--resume", "latest", "--lr", "0.01"))
+    assert again.endswith(f"the newest finite checkpoint is {checkpoints[-1]} (if a resume from it with a lower --lr "
+                          "diverges again, its weights had begun to: start the run again with --overwrite)"), again
+    ok(run_here("cifar_cnn", "--data", str(data), "--output_dir", str(run), "--lr", "0.01", "--batch_size", "8",
+                "--max_steps", "4", "--tracker", "none", "--overwrite"))
+    assert (run / "model.safetensors").is_file()
 
 
 def test_a_loss_that_becomes_nan_between_checkpoints_is_one_line_at_its_log_point(env, data, tmp_path):
@@ -827,8 +834,9 @@ def test_a_loss_that_becomes_nan_between_checkpoints_is_one_line_at_its_log_poin
     line = one_line(run_here("cifar_cnn", "--data", str(data), "--output_dir", str(run), "--lr", "1e12",
                              "--batch_size", "8", "--max_steps", "20", "--log_every", "1", "--checkpoint_every", "0",
                              "--tracker", "none"))
-    stopped = re.fullmatch(r"error: the training loss became nan by step (\d+): lower --lr; checkpoints already on "
-                           r"disk hold finite weights", line)
+    stopped = re.fullmatch(r"error: the training loss became nan by step (\d+): lower --lr; the checkpoints on disk "
+                           r"hold finite weights \(if a resume from one with a lower --lr diverges again, its weights "
+                           r"had begun to: start the run again with --overwrite\)", line)
     assert stopped, line
     rows = [json.loads(row) for row in (run / "metrics.jsonl").read_text().splitlines()]
     # Each step before it was logged, finite; nothing was saved
