@@ -230,8 +230,8 @@ class Checkpoints(StopOnSignals):
         saved."""
         if not all(torch.isfinite(t).all() for t in model.state_dict().values()):
             good = list_checkpoints(self.folder, self.owner())
-            # Finite is not sound: after a step at a far too high --lr the weights are finite but wrecked, and a resume
-            # from them diverged again at any --lr, the same line sending the user back to it
+            # Finite is not sound: after a step at a far too high --lr (1e12) the weights are finite but wrecked, and a
+            # resume from them diverged again at --lr 0.01, this line sending the user back to them (test_errors.py)
             raise RecipeError(f"the weights became NaN or inf by step {step} (lower --lr): nothing saved; the newest "
                               f"finite checkpoint is {good[-1] if good else 'none (none was saved yet)'} (if a resume "
                               "from it with a lower --lr diverges again, its weights had begun to: start the run again "

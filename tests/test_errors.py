@@ -818,7 +818,7 @@ def test_loss_becomes_nan_keeps_the_last_good_checkpoint(env, data, tmp_path):
     for checkpoint in checkpoints:
         assert all(torch.isfinite(t).all() for t in load_file(checkpoint / "model.safetensors").values())
     assert not (run / "model.safetensors").exists()
-    # Finite, but after a step at --lr 1e12 far off: the line sent a resume back to it at any lower --lr, for ever
+    # Finite, but after a step at --lr 1e12 far off: a resume at --lr 0.01 diverges again, and the line sent it back
     again = one_line(run_here("cifar_cnn", "--output_dir", str(run), "--resume", "latest", "--lr", "0.01"))
     assert again.endswith(f"the newest finite checkpoint is {checkpoints[-1]} (if a resume from it with a lower --lr "
                           "diverges again, its weights had begun to: start the run again with --overwrite)"), again
