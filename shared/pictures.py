@@ -20,6 +20,9 @@ STYLES = ("-", "--", ":", "-.")
 MAX_POINTS = 10_000  # of a curve: more than a picture 1,500 pixels wide shows (a metrics.jsonl may hold millions)
 MAX_MATRIX_CLASSES = 1_000  # above, a confusion matrix is no picture to read, and 10^5 classes take 80 GB
 MAX_ROW_BYTES = 2**20  # one line of metrics.jsonl: a few hundred bytes as a run writes them
+# Keys of metrics.jsonl read back (curves, a resume's summary): a run logs a few dozen, and a file from anywhere
+# may name a million, one a row (drawn, as many series: a 39 MB file took 0.25 GB more than a run's)
+MAX_KEYS = 100
 
 
 def is_point(row: dict) -> bool:
@@ -57,7 +60,8 @@ def plot_curves(rows: Iterable[dict], path: Path, title: str) -> None:
         if row.get("resumed") is True and len(resumed) < MAX_POINTS:  # the row a resume writes (tracking.RunFiles)
             resumed.append(row["step"])
         for key, value in row.items():
-            if (key.startswith(("train_", "eval_", "grad_norm")) or key == "epoch") and type(value) in (int, float):
+            if ((key.startswith(("train_", "eval_", "grad_norm")) or key == "epoch") and type(value) in (int, float)
+                    and (key in seen or len(seen) < MAX_KEYS)):
                 if seen[key] % stride[key] == 0:  # memory for MAX_POINTS a series, whatever the file's length
                     series[key].append((row["step"], value))
                     if len(series[key]) > 2 * MAX_POINTS:  # every other point: the same curve, half the points

@@ -43,7 +43,7 @@ from shared.bounds import walk
 from shared.checkpoints import STEP_DIR, list_checkpoints, new_folder, run_id
 from shared.config import read_json
 from shared.errors import RecipeError, first_line
-from shared.pictures import read_rows
+from shared.pictures import MAX_KEYS, read_rows
 from shared.tracking import RUN_FILES, write_atomic
 
 # Change one, and the rest of the epoch is another order: each epoch's is (seed, epoch)'s permutation of the training
@@ -416,7 +416,7 @@ def cut_metrics(run_files, step: int) -> dict:
             if row["step"] < step or row["step"] == step and "train_loss" in row:
                 # A finished run's summary row ("steps", which RunFiles.finish reads as this run finished) is never
                 # kept: it is logged at the last step, without train_loss, so the resume that extends the run cuts it
-                summary.update(row)
+                summary.update({key: value for key, value in row.items() if key in summary or len(summary) < MAX_KEYS})
                 yield json.dumps(row) + "\n"
 
     if run_files.metrics.exists():

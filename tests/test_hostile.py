@@ -27,6 +27,7 @@ import tracemalloc
 import zipfile
 import zlib
 from pathlib import Path
+from types import SimpleNamespace
 from unittest import mock
 
 import datasets
@@ -418,6 +419,31 @@ def test_a_metrics_row_that_is_no_row_is_one_line_and_nothing_is_lost(env, data,
             needle=f"metrics.jsonl line {len(before and (run / 'metrics.jsonl').read_text().splitlines()) + 1} is "
             "not a metrics row (a JSON object with an integer step, under 1 MiB)")
     assert snapshot(out) == before and not list(out.glob("*.tmp*"))
+
+
+def test_a_metrics_file_of_a_key_a_row_is_read_back_in_bounded_memory(tmp_path):
+    """Each row may name a key of its own: a resume's summary (the last value of each key) and curves.png (a series
+    each) kept them all: a 39 MB file took 0.25 GB more to draw than a run's file. They keep the first MAX_KEYS now
+    (a run logs a few dozen)."""
+    from shared.pictures import MAX_KEYS, plot_curves, read_rows
+    from shared.resume import cut_metrics
+
+    small, hostile = tmp_path / "small.jsonl", tmp_path / "hostile.jsonl"
+    small.write_text("".join(json.dumps({"step": i, "train_loss": 1.0, "epoch": i / 10}) + "\n" for i in range(10)))
+    hostile.write_text("".join(json.dumps({"step": i, f"train_k{i}": 1.0}) + "\n" for i in range(20_000)))  # 0.8 MB
+    peaks = []
+    tracemalloc.start()
+    try:
+        summary = cut_metrics(SimpleNamespace(metrics=hostile, labels={}), 10**6)
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        for path in (small, hostile):  # drawn: matplotlib's own memory, then that of the file's series
+            tracemalloc.reset_peak()
+            plot_curves(read_rows(path), tmp_path / "curves.png", "run")
+            peaks.append(tracemalloc.get_traced_memory()[1])
+    finally:
+        tracemalloc.stop()
+    assert len(summary) == MAX_KEYS and len(hostile.read_text().splitlines()) == 20_001  # kept whole, resume marked
+    assert peaks[0] < 2**20 and peaks[2] - peaks[1] < 5 * 2**20, [f"{peak / 2**20:.1f} MiB" for peak in peaks]
 
 
 def test_text_in_a_metrics_row_is_not_drawn(env, data, run, tmp_path):
