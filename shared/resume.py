@@ -415,15 +415,16 @@ def cut_metrics(run_files, step: int) -> dict:
         for row in rows:
             if row["step"] < step or row["step"] == step and "train_loss" in row:
                 # A finished run's summary row ("steps", which RunFiles.finish reads as this run finished) is never
-                # kept: it is logged at the last step, without train_loss, so the resume that extends the run cuts it
-                summary.update({key: value for key, value in row.items() if key in summary or len(summary) < MAX_KEYS})
+                # kept: it is logged at the last step, without train_loss, so the resume that extends the run cuts it.
+                # Numbers, as a run logs them: not a resume's mark ("resumed": true), nor a file's 1 MiB texts
+                summary.update({key: value for key, value in row.items() if type(value) in (int, float)
+                                and (key in summary or len(summary) < MAX_KEYS)})
                 yield json.dumps(row) + "\n"
 
     if run_files.metrics.exists():
         write_atomic(run_files.metrics, kept(read_rows(run_files.metrics)))  # one row in memory at a time
     with run_files.metrics.open("a") as f:
         f.write(json.dumps({"step": step, "resumed": True, **run_files.labels}) + "\n")
-    summary.pop("resumed", None)  # an earlier resume's mark: no value of the run
     return summary
 
 

@@ -424,7 +424,7 @@ def test_a_metrics_row_that_is_no_row_is_one_line_and_nothing_is_lost(env, data,
 def test_a_metrics_file_of_a_key_a_row_is_read_back_in_bounded_memory(tmp_path):
     """Each row may name a key of its own: a resume's summary (the last value of each key) and curves.png (a series
     each) kept them all: a 39 MB file took 0.25 GB more to draw than a run's file. They keep the first MAX_KEYS now
-    (a run logs a few dozen)."""
+    (a run logs a few dozen), and the summary only numbers."""
     from shared.pictures import MAX_KEYS, plot_curves, read_rows
     from shared.resume import cut_metrics
 
@@ -443,6 +443,10 @@ def test_a_metrics_file_of_a_key_a_row_is_read_back_in_bounded_memory(tmp_path):
     finally:
         tracemalloc.stop()
     assert len(summary) == MAX_KEYS and len(hostile.read_text().splitlines()) == 20_001  # kept whole, resume marked
+    # Of a row's values, the summary keeps numbers, as a run logs them: these texts' 5 MiB went into summary.json
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text("".join(json.dumps({"step": 0, f"text{i}": "a" * 2**19}) + "\n" for i in range(10)))
+    assert cut_metrics(SimpleNamespace(metrics=texts, labels={}), 1) == {"step": 0}
     assert peaks[0] < 2**20 and peaks[2] - peaks[1] < 5 * 2**20, [f"{peak / 2**20:.1f} MiB" for peak in peaks]
 
 
