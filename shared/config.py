@@ -79,13 +79,14 @@ def parse_config(cls: type, argv: list[str] | None = None):
             # `--data "$DATA"` with the variable unset: an empty path is the working folder, read as the dataset
             if value == "" and parser.get_default(name) != "":
                 parser.error(f"--{name} is empty (an unset shell variable?): pass a value, or leave the flag out")
-            if isinstance(value, str) and re.search("[\udc80-\udcff]", value):  # bytes Python could not read as UTF-8
-                parser.error(f"--{name} {value!r} is not UTF-8 (a name in another encoding, which datasets, "
-                             "safetensors and matplotlib refuse): rename it in UTF-8")
-            # `--output_dir=~/runs` (one word) reaches here as typed, since no shell expands a ~ after a `=`: a folder
-            # named ~ in the working folder, which a later `rm -rf ~` of it would take the home with
-            if isinstance(value, str) and value.startswith("~/"):
-                args[name] = str(Path(value).expanduser())
+            if isinstance(value, str):
+                if re.search("[\udc80-\udcff]", value):  # bytes Python could not read as UTF-8
+                    parser.error(f"--{name} {value!r} is not UTF-8 (a name in another encoding, which datasets, "
+                                 "safetensors and matplotlib refuse): rename it in UTF-8")
+                # `--output_dir=~/runs` (one word) reaches here as typed, since no shell expands a ~ after a `=`: a
+                # folder named ~ in the working folder, which a later `rm -rf ~` of it would take the home with
+                if value.startswith("~/"):
+                    args[name] = str(Path(value).expanduser())
         try:
             return cls(**args)
         except ValueError as error:
@@ -155,8 +156,8 @@ class RunConfig:
 
     parse = classmethod(parse_config)
     # Fields that must be > 0, or >= 0 (unset, None passes). A recipe adds its own, e.g.
-    # NON_NEGATIVE = RunConfig.NON_NEGATIVE + ("momentum",), which must also be below 1 (SGD's, in any recipe); other
-    # rules go in its own __post_init__.
+    # NON_NEGATIVE = RunConfig.NON_NEGATIVE + ("momentum",); a momentum or weight_decay must also be below 1 (SGD's, in
+    # any recipe); other rules go in its own __post_init__.
     POSITIVE = ("epochs", "batch_size", "grad_accum", "lr", "max_grad_norm", "max_steps", "log_every",
                 "keep_checkpoints")
     NON_NEGATIVE = ("seed", "checkpoint_every")
@@ -168,7 +169,12 @@ class RunConfig:
                 raise ValueError(f"--{name} must be {'>' if name in self.POSITIVE else '>='} 0, got {value}")
         if self.seed >= 2**31:  # seeds are 32-bit, and each process and resume adds its rank and step
             raise ValueError(f"--seed must be below 2**31, got {self.seed}")
-        if getattr(self, "momentum", 0) >= 1:  # a recipe's SGD: each step's update would grow without end
-            raise ValueError(f"--momentum must be below 1 (e.g. 0.9), got {self.momentum}")
+        # A recipe's SGD, at 1 or more: each step's update grows without end (--momentum), or the decay shrinks every
+        # weight to 0 within a few steps (--weight_decay 5: chance accuracy) or, larger, flips and grows it (5e4, 5e-4
+        # mistyped: a NaN loss at step 10, whose line said "lower --lr")
+        for name in ("momentum", "weight_decay"):
+            if getattr(self, name, 0) >= 1:
+                raise ValueError(f"--{name} must be below 1 (e.g. {getattr(type(self), name)}), got "
+                                 f"{getattr(self, name)}")
         if self.ema is not None and not 0 < self.ema < 1:
             raise ValueError(f"--ema is the average's decay per step, between 0 and 1 (e.g. 0.99); got {self.ema}")

@@ -97,8 +97,9 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
             lock(run_dir)
-            (run_dir / ".write_test").touch()
-            (run_dir / ".write_test").unlink()
+            probe = run_dir / ".write_test"
+            probe.touch()
+            probe.unlink()
         except OSError as error:
             raise RecipeError(f"cannot write to {run_dir} ({error.strerror}): pass --output_dir a writable folder, "
                               "not a file or a path inside one") from None

@@ -200,6 +200,8 @@ def flag_error(capsys, recipe: str, *args: str) -> str:
     (("--max_grad_norm", "0"), "--max_grad_norm must be > 0, got 0.0"),
     (("--ema", "1"), "--ema is the average's decay per step, between 0 and 1 (e.g. 0.99); got 1.0"),
     (("--momentum", "9"), "--momentum must be below 1 (e.g. 0.9), got 9.0"),  # 0.9 mistyped: it said "lower --lr"
+    # 5e-4 mistyped: a NaN loss at step 10, whose line said "lower --lr", which diverged as well
+    (("--weight_decay", "5e4"), "--weight_decay must be below 1 (e.g. 0.0005), got 50000.0"),
     (("--erase", "1.5"), "--erase is a share of the images, from 0 to 1, got 1.5"),
 ])
 def test_flag_of_the_wrong_type_or_out_of_range(capsys, args, needle):
