@@ -169,9 +169,9 @@ class RunConfig:
                 raise ValueError(f"--{name} must be {'>' if name in self.POSITIVE else '>='} 0, got {value}")
         if self.seed >= 2**31:  # seeds are 32-bit, and each process and resume adds its rank and step
             raise ValueError(f"--seed must be below 2**31, got {self.seed}")
-        # A recipe's SGD, at 1 or more: each step's update grows without end (--momentum), or the decay shrinks every
-        # weight to 0 within a few steps (--weight_decay 5: chance accuracy) or, larger, flips and grows it (5e4, 5e-4
-        # mistyped: a NaN loss at step 10, whose line said "lower --lr")
+        # A recipe's SGD, at 1 or more: each step's update grows without end (--momentum), or the decay outweighs the
+        # gradient (--weight_decay 5: chance accuracy after 20 steps) or, larger, flips the weights' signs and grows
+        # them (5e4, 5e-4 mistyped: a NaN loss at step 10, whose line said "lower --lr")
         for name in ("momentum", "weight_decay"):
             if getattr(self, name, 0) >= 1:
                 raise ValueError(f"--{name} must be below 1 (e.g. {getattr(type(self), name)}), got "
