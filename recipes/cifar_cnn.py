@@ -300,7 +300,9 @@ def train(cfg: Config) -> None:
     checkpoints.save_weights(model if ema is None else ema, {  # model.safetensors
         "recipe": RECIPE, "script": __file__, "weights": "trained" if ema is None else "ema",
         "classes": train_set.classes, "flags": vars(cfg), **metrics, **summary})
-    tracking.save_pictures(accelerator, run_dir, test_set, predictions, progress.step)  # confusion_matrix.png
+    from shared.pictures import save_pictures  # matplotlib: an opt-in module
+
+    save_pictures(accelerator, run_dir, test_set, predictions, progress.step)  # confusion_matrix.png
     accelerator.log(summary, step=progress.step)
     accelerator.wait_for_everyone()  # gloo's exit race (docs/troubleshooting.md) is rarer if all leave together
     accelerator.end_training()

@@ -103,10 +103,11 @@ class StopOnSignals:
                     continue
                 if first is None:
                     first = time.monotonic()
-                    if self.accelerator.is_main_process:
-                        from shared.resume import interrupted  # only the runs a Ctrl-C stops: an opt-in module
+                    from shared.resume import interrupted  # only the runs a Ctrl-C stops: an opt-in module
 
-                        os.write(1, interrupted(self).encode())
+                    # Through sys.stdout, as every line: a pipe whose reader ended with the Ctrl-C (`| tee`) is
+                    # PrintableLines' to handle
+                    self.accelerator.print(interrupted(self), flush=True)
                 elif time.monotonic() - first > SECOND_INTERRUPT_S:  # within it: torchrun's copy of the first
                     os.write(2, f"error: stopped at once by a second Ctrl-C, without saving: continue from the newest "
                                 f"checkpoint in {self.folder} with --resume latest\n".encode())

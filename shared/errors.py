@@ -62,7 +62,15 @@ class PrintableLines:
         self.stream = stream
 
     def write(self, text: str) -> int:
-        return self.stream.write("\n".join(map(printable, text.split("\n"))))
+        shown = "\n".join(map(printable, text.split("\n")))
+        try:
+            self.stream.write(shown)
+            self.stream.flush()  # here, where a closed pipe is caught: a flush left for later would fail outside
+        except BrokenPipeError:  # its reader ended (`| head`, a Ctrl-C to `| tee`): the run goes on, printing to stderr
+            os.dup2(2, 1)
+            with suppress(BrokenPipeError):  # stderr's reader ended too (`2>&1 | tee`): unheard
+                self.stream.write(shown)  # the failed flush dropped it (Python 3.10-3.13, tried)
+        return len(text)
 
     def __getattr__(self, name: str):  # flush, isatty, fileno, encoding: the stream's own
         return getattr(self.stream, name)

@@ -470,7 +470,7 @@ def interrupted(stop) -> str:
         else:
             again = (f"accelerate launch ends now, in its own traceback; this process, {os.getpid()}, saves after it: "
                      f"wait for its 'stopped by' line, or stop it at once with kill -INT {os.getpid()}")
-    return f"Ctrl-C: stopping after this step with a checkpoint ({again})\n"
+    return f"Ctrl-C: stopping after this step with a checkpoint ({again})"
 
 
 def resume_command(stop) -> str:

@@ -399,9 +399,3 @@ def total(values: list, device=None) -> torch.Tensor:
     """The sum of a window's per-step values, in one operation: 0 on `device` for an empty window."""
     return torch.stack(values).sum(0) if values else torch.zeros((), device=device)
 
-
-def save_pictures(accelerator, run_dir, test_set, predictions, step: int) -> None:
-    """confusion_matrix.png in the run folder, and as an image in wandb or TensorBoard (shared/pictures.py)."""
-    from shared import pictures  # matplotlib: an opt-in module
-
-    pictures.save_pictures(accelerator, run_dir, test_set, predictions, step)

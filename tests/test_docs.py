@@ -132,7 +132,7 @@ def test_what_a_recipe_uses_from_shared_is_what_the_docs_list():
     listed = {kind: set(re.findall(r"`([\w.]+)`", text.split(f"- {heading}")[1].split("\n- ")[0]))
               for kind, heading in (("imported", "imported names"), ("functions", "functions called"),
                                     ("methods", "methods of the four objects"))}
-    assert listed["imported"] == imported and len(imported) == 11
+    assert listed["imported"] == imported and len(imported) == 12
     assert listed["functions"] == called["functions"] and len(called["functions"]) == 14
     assert listed["methods"] == called["methods"] and len(called["methods"]) == 13
 

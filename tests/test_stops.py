@@ -208,6 +208,32 @@ def test_sigterm_saves_the_current_step_exits_0_and_prints_a_working_resume_comm
     assert row["state"] == "finished" and row["pieces"] == 2 and row["wall_s"] == summary["wall_s"]
 
 
+@pytest.mark.parametrize("stderr_too", [False, True])
+def test_a_ctrl_c_that_also_ends_the_reader_of_the_runs_lines_saves_and_ends_clean(env, data, tmp_path, stderr_too):
+    """`python recipes/cifar_cnn.py ... | tee train.log`, then Ctrl-C: the terminal's SIGINT ends tee too, and the
+    run's next line (the Ctrl-C's own) met a closed pipe: a BrokenPipeError traceback from the thread that prints it,
+    another from the line saying where the run saved, exit 1, no summary.json or curves.png. Now the run goes on and
+    its lines go to stderr; with stderr in the same pipe (`2>&1 | tee`), nowhere. Here the test holds the pipe's
+    reading end and closes it just before the Ctrl-C, as tee's death does."""
+    out, errors = tmp_path / "run", tmp_path / "stderr.txt"
+    read_end, write_end = os.pipe()
+    command = [sys.executable, "recipes/cifar_cnn.py", "--data", str(data), "--output_dir", str(out), *RUN]
+    with errors.open("w") as stderr:
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=write_end,
+                                   stderr=subprocess.STDOUT if stderr_too else stderr)
+    os.close(write_end)
+    wait_for(lambda: catches_sigterm(process.pid), process)  # set before the first step: it stops after step 1 or 2
+    os.close(read_end)
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=120) == 0, errors.read_text()[-3000:]
+    stopped = max(int(p.name.removeprefix("step_")) for p in (out / "checkpoints").iterdir())
+    assert collect(out)[0]["state"] == f"stopped at step {stopped}" and (out / "curves.png").exists()
+    lines = errors.read_text()
+    assert "Traceback" not in lines, lines[-3000:]
+    if not stderr_too:
+        assert ("Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again to stop at once, without saving)\n"
+                f"stopped by SIGINT at step {stopped}, checkpoint saved; continue with:\n") in lines, lines[-3000:]
+
 def test_a_second_ctrl_c_stops_a_hung_evaluation_at_once(env, data, tmp_path):
     """The first Ctrl-C asks for a stop after the step, which a hung evaluation never reaches; the second, a second
     later, stops at once (exit 130) and leaves the checkpoints as they were. Under Python 3.14's default start method
