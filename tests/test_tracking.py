@@ -322,6 +322,21 @@ def test_runs_table_shortens_a_hash_to_12_digits(tmp_path, capsys):
     assert "| --init_from_sha256 |" in out and "| 0123456789ab |" in out and digest not in out
 
 
+def test_runs_table_whose_reader_ends_first_still_writes_its_markdown(tmp_path):
+    """`python -m tools.runs runs/ --markdown RUNS.md | head -1`: head ends after its line, and the rest of the table
+    met a closed pipe: a BrokenPipeError traceback, exit status 1, and no RUNS.md. Here the pipe's reader is gone from
+    the start."""
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps({"steps": 3, "eval_acc": 0.5}))
+    markdown, (read_end, write_end) = tmp_path / "RUNS.md", os.pipe()
+    os.close(read_end)
+    result = subprocess.run([sys.executable, "-m", "tools.runs", str(tmp_path), "--markdown", str(markdown)],
+                            cwd=ROOT, stdout=write_end, stderr=subprocess.PIPE, text=True)
+    os.close(write_end)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert "| a |" in markdown.read_text() and "| b |" in markdown.read_text()
+
 def test_runs_table_of_folders_from_anywhere_is_rows_or_one_line(tmp_path, deep_tree):
     """Summaries nested past the recursion limit, over 16 MiB (a 3 GiB one took 6.2 GB), 1,500 folders deep, and a
     --markdown that is a folder or a FIFO: rows or one line, no traceback. A FIFO or a device was renamed over: as

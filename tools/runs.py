@@ -210,9 +210,13 @@ def main(argv: list[str] | None = None) -> int:
              for key, value in row.items()} for row in rows]
     every = columns(rows)
     shown = every if args.all else (SHOWN + [key for key in every if key.startswith("--")])[:MOST_SHOWN]
-    print(markdown_table(rows, shown), end="")
-    if len(shown) < len(every):
-        print(f"{len(every) - len(shown)} more columns ({', '.join(key for key in every if key not in shown)}): --all")
+    try:  # flushed here, where a reader that ended first (`| head`) is caught: the rest is not wanted, --markdown is
+        print(markdown_table(rows, shown), end="", flush=True)
+        if len(shown) < len(every):
+            print(f"{len(every) - len(shown)} more columns ({', '.join(key for key in every if key not in shown)}): "
+                  "--all", flush=True)
+    except BrokenPipeError:  # what is still buffered goes nowhere, not into a traceback at the exit's own flush
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     if args.markdown:
         table = markdown_table(rows, every)
         partial = args.markdown.with_name(f"{args.markdown.name}.tmp{os.getpid()}")
