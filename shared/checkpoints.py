@@ -50,7 +50,7 @@ def list_checkpoints(folder: Path, run: str | None = None) -> list[Path]:
     """Complete checkpoints in a run's checkpoint folder, oldest first; with `run`, only those of the run of that id."""
     found = [p for p in folder.glob("step_*") if p.is_dir() and STEP_DIR.search(p.name)
              and (run is None or run_id(p) == run)]  # a config.json read only where a run's id is asked for
-    return sorted(found, key=lambda p: int(STEP_DIR.search(p.name).group(1)))
+    return sorted(found, key=lambda p: int(STEP_DIR.search(p.name)[1]))
 
 
 class StopOnSignals:
@@ -109,9 +109,11 @@ class StopOnSignals:
                     # PrintableLines' to handle
                     self.accelerator.print(interrupted(self), flush=True)
                 elif time.monotonic() - first > SECOND_INTERRUPT_S:  # within it: torchrun's copy of the first
-                    os.write(2, f"error: stopped at once by a second Ctrl-C, without saving: continue from the newest "
-                                f"checkpoint in {self.folder} with --resume latest\n".encode())
-                    os._exit(128 + signal.SIGINT)
+                    try:
+                        os.write(2, f"error: stopped at once by a second Ctrl-C, without saving: continue from the "
+                                    f"newest checkpoint in {self.folder} with --resume latest\n".encode())
+                    finally:  # stderr a pipe its Ctrl-C ended (`2>&1 | tee`): the stop still comes
+                        os._exit(128 + signal.SIGINT)
 
     def after_step(self, model, step: int, at_log_point: bool) -> bool:
         """After each optimizer step: checkpoint every --checkpoint_every steps (without it, about every CHECKPOINT_S

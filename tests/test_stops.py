@@ -234,29 +234,41 @@ def test_a_ctrl_c_that_also_ends_the_reader_of_the_runs_lines_saves_and_ends_cle
         assert ("Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again to stop at once, without saving)\n"
                 f"stopped by SIGINT at step {stopped}, checkpoint saved; continue with:\n") in lines, lines[-3000:]
 
-def test_a_second_ctrl_c_stops_a_hung_evaluation_at_once(env, data, tmp_path):
+@pytest.mark.parametrize("closed_pipe", [False, True])
+def test_a_second_ctrl_c_stops_a_hung_evaluation_at_once(env, data, tmp_path, closed_pipe):
     """The first Ctrl-C asks for a stop after the step, which a hung evaluation never reaches; the second, a second
     later, stops at once (exit 130) and leaves the checkpoints as they were. Under Python 3.14's default start method
-    (forkserver), tqdm's multiprocessing lock had a resource tracker print a "leaked semaphore" warning after it."""
+    (forkserver), tqdm's multiprocessing lock had a resource tracker print a "leaked semaphore" warning after it.
+    With both outputs in a pipe whose reader the first Ctrl-C ended (`2>&1 | tee`), the second's line failed in its
+    thread, and the run stayed hung."""
     out, hung = tmp_path / "run", tmp_path / "hung"
     faulty = dict(env, PYTHONPATH=str(ROOT / "tests" / "faults"), FAULT_HANG_IN_EVALUATION=str(hung),
                   START_METHOD="forkserver")
     command = [sys.executable, "recipes/cifar_cnn.py", "--data", str(data), "--output_dir", str(out), *RUN]
-    process = subprocess.Popen(command, cwd=ROOT, env=faulty, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # a pipe whose reader is gone, for closed_pipe
+    output = subprocess.PIPE
+    process = subprocess.Popen(command, cwd=ROOT, env=faulty, text=True, stdout=write_end if closed_pipe else output,
+                               stderr=subprocess.STDOUT if closed_pipe else output)
+    os.close(write_end)
     wait_for(hung.exists, process)  # the first epoch's evaluation, after step 8's checkpoint
     process.send_signal(signal.SIGINT)
     time.sleep(2)
     assert process.poll() is None  # the first Ctrl-C waits for the step's end: never, here
     saved = sorted(p.name for p in (out / "checkpoints").iterdir())
     process.send_signal(signal.SIGINT)
-    stdout, stderr = process.communicate(timeout=30)
-    assert process.returncode == 130 and "Ctrl-C again to stop at once" in stdout, stderr[-3000:]
-    assert stderr.strip().splitlines()[-1] == (
-        f"error: stopped at once by a second Ctrl-C, without saving: continue from the newest checkpoint in "
-        f"{out / 'checkpoints'} with --resume latest")
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == saved and saved[-1] == "step_8"
-
+    try:
+        stdout, stderr = process.communicate(timeout=30)
+    except subprocess.TimeoutExpired:  # still hung: not left behind
+        process.kill()
+        raise
+    assert process.returncode == 130 and sorted(p.name for p in (out / "checkpoints").iterdir()) == saved
+    assert saved[-1] == "step_8"
+    if not closed_pipe:
+        assert "Ctrl-C again to stop at once" in stdout, stderr[-3000:]
+        assert stderr.strip().splitlines()[-1] == (
+            f"error: stopped at once by a second Ctrl-C, without saving: continue from the newest checkpoint in "
+            f"{out / 'checkpoints'} with --resume latest")
 
 def waiting_for_data(loading: Path) -> list[str]:
     """A Python command that runs the script after it as `python <script> <flags>` would, but whose data load touches
