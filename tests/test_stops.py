@@ -234,6 +234,7 @@ def test_a_ctrl_c_that_also_ends_the_reader_of_the_runs_lines_saves_and_ends_cle
         assert ("Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again to stop at once, without saving)\n"
                 f"stopped by SIGINT at step {stopped}, checkpoint saved; continue with:\n") in lines, lines[-3000:]
 
+
 @pytest.mark.parametrize("closed_pipe", [False, True])
 def test_a_second_ctrl_c_stops_a_hung_evaluation_at_once(env, data, tmp_path, closed_pipe):
     """The first Ctrl-C asks for a stop after the step, which a hung evaluation never reaches; the second, a second
@@ -269,6 +270,7 @@ def test_a_second_ctrl_c_stops_a_hung_evaluation_at_once(env, data, tmp_path, cl
         assert stderr.strip().splitlines()[-1] == (
             f"error: stopped at once by a second Ctrl-C, without saving: continue from the newest checkpoint in "
             f"{out / 'checkpoints'} with --resume latest")
+
 
 def waiting_for_data(loading: Path) -> list[str]:
     """A Python command that runs the script after it as `python <script> <flags>` would, but whose data load touches

@@ -337,6 +337,7 @@ def test_runs_table_whose_reader_ends_first_still_writes_its_markdown(tmp_path):
     assert result.returncode == 0 and result.stderr == "", result.stderr
     assert "| a |" in markdown.read_text() and "| b |" in markdown.read_text()
 
+
 def test_runs_table_of_folders_from_anywhere_is_rows_or_one_line(tmp_path, deep_tree):
     """Summaries nested past the recursion limit, over 16 MiB (a 3 GiB one took 6.2 GB), 1,500 folders deep, and a
     --markdown that is a folder or a FIFO: rows or one line, no traceback. A FIFO or a device was renamed over: as
