@@ -66,9 +66,9 @@ class PrintableLines:
         try:
             self.stream.write(shown)
             self.stream.flush()  # here, where a closed pipe is caught: a flush left for later would fail outside
-        except BrokenPipeError:  # its reader ended (`| head`, a Ctrl-C to `| tee`): the run goes on, printing to stderr
-            os.dup2(2, 1)
-            with suppress(BrokenPipeError):  # stderr's reader ended too (`2>&1 | tee`): unheard
+        except OSError:  # its reader ended (`| head`, a Ctrl-C to `| tee`), or its disk is full: the run goes on,
+            os.dup2(2, 1)  # printing to stderr
+            with suppress(OSError):  # stderr's reader ended too (`2>&1 | tee`), or its disk is full: unheard
                 self.stream.write(shown)  # the failed flush dropped it (Python 3.10-3.13, tried)
         return len(text)
 
@@ -83,14 +83,14 @@ def one_line_errors():
     # A library's logger that cannot write says nothing (Python's switch for it): wandb's, into the run folder on a full
     # disk, printed hundreds of lines of "--- Logging error ---" tracebacks around the line that names the disk
     logging.raiseExceptions = False
-    try:
-        with redirect_stdout(PrintableLines(sys.stdout)):
+    try:  # stdout closed (`>&-`): Python's sys.stdout is None; the lines go to stderr, as after a closed pipe
+        with redirect_stdout(PrintableLines(sys.stdout or sys.stderr)):
             yield
     except KeyboardInterrupt:  # Ctrl-C before StopOnSignals takes it over (the data, the model load), or in predict.py
         if is_main_process():
             print("stopped by Ctrl-C before there was anything to save (a training run saves a checkpoint from its "
                   "first step on, predict.py its CSV once every image is read): run the same command again",
-                  file=sys.stderr, flush=True)
+                  file=sys.stderr)  # stderr writes through: no flush
         sys.exit(130)
     # RuntimeError: torch's, its OutOfMemoryError included; ValueError: torch's BatchNorm given one value per channel
     except (RecipeError, MemoryError, RuntimeError, ValueError, OSError, ImportError) as error:
@@ -107,7 +107,7 @@ def one_line_errors():
                     raise
         line = "error: " + printable(message)  # a file name may hold a newline: the line stays one
         if is_main_process():
-            print(line, file=sys.stderr, flush=True)
+            print(line, file=sys.stderr)
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):
             # Under torchrun, which ends a failed run in its traceback and a summary of each process's exit: the
             # summary shows this as the cause ("traceback : error: ..."), last on the screen, every process's. Whole

@@ -1006,6 +1006,22 @@ def test_a_disk_full_from_the_start_is_one_line_and_leaves_no_folder(env, small_
     assert not run.exists()  # the same command starts the run again
 
 
+@pytest.mark.parametrize("stdout", [">&-", ">/dev/full"])
+def test_a_standard_output_closed_or_on_a_full_disk_leaves_the_run_to_finish(env, data, tmp_path, stdout):
+    """`accelerate launch ... >&-` ended in an AttributeError traceback at the run's first line (Python's sys.stdout is
+    None), and a standard output on a full disk in the line "writing the run's files failed", wrong about the run's
+    files, which had room. Now the lines go to stderr and the run finishes."""
+    run = tmp_path / "run"
+    command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "-q", "--config_file",
+               "accelerate_configs/cpu.yaml", "recipes/cifar_cnn.py", "--data", str(data), "--output_dir", str(run),
+               *SHORT]
+    result = subprocess.run(["bash", "-c", f'exec "$@" {stdout}', "bash", *command], cwd=ROOT, env=env,
+                            stderr=subprocess.PIPE, text=True, timeout=600)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"model.safetensors and the run's files in {run}\n" in result.stderr
+    assert read_json(run / "summary.json")["steps"] == int(SHORT[SHORT.index("--max_steps") + 1])
+
+
 def fill(path: Path) -> None:
     """A file that takes the rest of its disk."""
     with open(path, "wb", buffering=0) as f:
