@@ -107,7 +107,7 @@ class StopOnSignals:
 
                     # Through sys.stdout, as every line: a pipe whose reader ended with the Ctrl-C (`| tee`) is
                     # PrintableLines' to handle
-                    self.accelerator.print(interrupted(self), flush=True)
+                    self.accelerator.print(interrupted(self))
                 elif time.monotonic() - first > SECOND_INTERRUPT_S:  # within it: torchrun's copy of the first
                     try:
                         os.write(2, f"error: stopped at once by a second Ctrl-C, without saving: continue from the "

@@ -131,14 +131,14 @@ def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: b
             count = sum(map(len, found.splits.values()))
             check_decoded_size(source, count, image_shape)  # 2
             if is_main_process():  # many large photos take minutes (a 12-megapixel JPEG: 0.1 s here)
-                print(f"{source}: decoding {count:,} images, once: later runs read them from the cache", flush=True)
+                print(f"{source}: decoding {count:,} images, once: later runs read them from the cache")
             stored, seen = decode(found, image_shape, interpolation)  # 3
         from shared.bounds import check_labels  # data from anywhere, checked: an opt-in module
 
         check_labels(found, stored)
         if is_main_process() and (line := images.conversion(image_shape, seen)):
             print(f"{source}: converted the images to {'x'.join(map(str, image_shape))}, this recipe's decoded "
-                  f"size: {line}", flush=True)
+                  f"size: {line}")
         write_cache(cache, stored, found.classes, source)  # 4
         cached = read_cache(cache)
     if cached is None:  # written whole, and still unreadable: a filesystem safetensors cannot map
@@ -180,7 +180,7 @@ def open_hub(source: str) -> datasets.DatasetDict:
                           "hub ids are owner/name: pass the dataset's folder, a hub id, or --synthetic")
     import datasets
 
-    print(f"Loading {source} from the Hugging Face hub (or its local cache)...", flush=True)
+    print(f"Loading {source} from the Hugging Face hub (or its local cache)...")
     logging.getLogger("huggingface_hub").setLevel(logging.ERROR)  # one line at the end, not a warning per retry
     try:
         return datasets.load_dataset(source)
@@ -300,8 +300,7 @@ def read_cache(path: Path, name: str = ""):
             return tuple(ImageTensors(f.get_tensor(f"{split}.images"), f.get_tensor(f"{split}.labels"), classes,
                                       f"{name}{split}") for split in ("train", "test"))
     except (OSError, SafetensorError, KeyError, TypeError, ValueError) as error:
-        print(f"the cache {path} cannot be read ({type(error).__name__}: {first_line(error)[:100]}): made again",
-              flush=True)
+        print(f"the cache {path} cannot be read ({type(error).__name__}: {first_line(error)[:100]}): made again")
         return None
 
 

@@ -206,7 +206,7 @@ def check_image_folder(folder: Path, linked: list[str], others: list[Path], irre
                           "its own: unpack it, or move it out of --data")
     if others and is_main_process():
         print(f"{folder}: {len(others)} file(s) of no image format read here left out, e.g. "
-              f"{printable(others[0].relative_to(folder))} (photos: convert them to JPEG or PNG)", flush=True)
+              f"{printable(others[0].relative_to(folder))} (photos: convert them to JPEG or PNG)")
 
 
 def check_saved_dataset(folder: Path) -> bool:

@@ -65,7 +65,8 @@ class PrintableLines:
         shown = "\n".join(map(printable, text.split("\n")))
         try:
             self.stream.write(shown)
-            self.stream.flush()  # here, where a closed pipe is caught: a flush left for later would fail outside
+            self.stream.flush()  # each line shown at once (no print needs flush=True), and here, where a closed
+            # pipe is caught: a flush left for later would fail outside
         except OSError:  # its reader ended (`| head`, a Ctrl-C to `| tee`), or its disk is full: the run goes on,
             os.dup2(2, 1)  # printing to stderr
             with suppress(OSError):  # stderr's reader ended too (`2>&1 | tee`), or its disk is full: unheard

@@ -97,7 +97,7 @@ def start_offline(tracker, error: Exception) -> None:
         if tracker.init_kwargs["mode"] != "online":
             raise error
         print(f"warning: wandb could not start online ({type(error).__name__}: {first_line(error)[:150]}); "
-              "logging offline instead, upload later with `wandb sync`", file=sys.stderr, flush=True)
+              "logging offline instead, upload later with `wandb sync`", file=sys.stderr)
         import wandb
         from accelerate.tracking import WandBTracker
 

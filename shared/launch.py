@@ -78,7 +78,7 @@ def check_launch() -> None:
         # one whatever --num_processes asks, and sets MASTER_ADDR only when asked for more (torchrun sets its own id)
         print("warning: accelerate launch started one process, whatever --num_processes asks: --cpu, or a config of "
               "one process (cpu.yaml, 1gpu.yaml, bf16.yaml), takes its launcher of one. For several: a config of "
-              "several (2gpu.yaml), on the CPU with ACCELERATE_USE_CPU=true, not --cpu", flush=True)
+              "several (2gpu.yaml), on the CPU with ACCELERATE_USE_CPU=true, not --cpu")
     source = Path(torch.__file__)
     if state.is_main_process and source.suffix == ".py" and not Path(importlib.util.cache_from_source(source)).exists():
         # Python compiles torch's code again in each process that cannot keep its compiled copy (the launcher's too):
@@ -91,7 +91,7 @@ def check_launch() -> None:
         if fixes:
             print("note: each start compiles torch's Python code again, as Python cannot keep the compiled copy here "
                   "(the README's GPU line took 22-25 s without it on one H200, 13-15 s with it): to keep it, "
-                  f"{' and '.join(fixes)}", flush=True)
+                  f"{' and '.join(fixes)}")
     if os.environ.get("ACCELERATE_MIXED_PRECISION") == "fp16" and state.device.type == "cpu":
         # accelerate accepts fp16 on a CPU but does not autocast there: the run would be float32.
         raise RecipeError("fp16 mixed precision needs a GPU (on a CPU it would silently train in float32): "
@@ -107,10 +107,10 @@ def check_cpu() -> None:
                if torch.version.cuda else "it is built for the CPU only: install the build for your GPU "
                "(pytorch.org/get-started)")
         print(f"warning: training on the CPU, as torch {torch.__version__} must: {why}; for the CPU, launch with "
-              "accelerate_configs/cpu.yaml", flush=True)
+              "accelerate_configs/cpu.yaml")
     if os.environ.get("ACCELERATE_MIXED_PRECISION") == "bf16" and not cpu_has_bf16():
         print("warning: this CPU has no bf16 instructions (no avx512_bf16 or amx_bf16 in lscpu), so bf16 is emulated "
-              "here, 4 to 16 times slower than float32: accelerate_configs/cpu.yaml is faster", flush=True)
+              "here, 4 to 16 times slower than float32: accelerate_configs/cpu.yaml is faster")
 
 
 def cpu_has_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:

@@ -112,7 +112,7 @@ class CapturedStep:
                 self.outputs = self.function(*self.inputs)
         except Exception as error:  # noqa: BLE001 (any failure: the eager step still trains the same model)
             self.eager_because = f"its capture failed ({type(error).__name__}: {first_line(error)[:200]})"
-            print(f"warning: the training step runs without a CUDA graph: {self.eager_because}", flush=True)
+            print(f"warning: the training step runs without a CUDA graph: {self.eager_because}")
             for group, lr in zip(self.optimizer.param_groups, floats, strict=True):
                 group["lr"] = lr
             self.optimizer.zero_grad(set_to_none=True)

@@ -258,7 +258,7 @@ class WandB(WandBTracker):
             where = "disabled by WANDB_MODE: nothing is logged there"
         else:
             where = self.run.url
-        print(f"wandb: {where}", flush=True)
+        print(f"wandb: {where}")
         # Named from the configuration the run records: its launch, precision and global batch.
         self.run.name = (f"{values['recipe']}-{values['world_size']}x{values['mixed_precision']}"
                          f"-b{values['global_batch_size']}{'-synthetic' if values.get('synthetic') else ''}"
@@ -356,7 +356,7 @@ class TrainWindow:
             return
         self.last_line = now
         print(f"step {step}/{total_steps}  train_loss {total(self.losses).item() / max(self.batches, 1):.4f}  "
-              f"{self.samples / max(self.seconds, 1e-9):.0f} samples/s (since the last log point)", flush=True)
+              f"{self.samples / max(self.seconds, 1e-9):.0f} samples/s (since the last log point)")
 
     @contextlib.contextmanager
     def paused(self):
