@@ -537,7 +537,9 @@ def check_run_folder(run_dir: Path, cfg, recipe: str) -> None:
     if (run_dir / "config.json").exists() and not (cfg.resume or cfg.overwrite):
         raise RecipeError(f"{run_dir} already holds a run: pass --resume latest to continue it, --overwrite to "
                           "replace it (or to restart one stopped before its first checkpoint), or another --output_dir")
-    if not is_run(run_dir):  # a user's own folder: its metrics.jsonl would be appended to
+    # A user's own folder (its metrics.jsonl would be appended to); but wandb/ alone was left by a start stopped before
+    # its config.json (killed in its first second): the same command starts there again
+    if not is_run(run_dir) and os.listdir(run_dir) != ["wandb"]:
         raise RecipeError(f"{run_dir} holds files but no run of these recipes (no config.json with a run_id of letters "
                           "and digits), so nothing is written into it: pass a new or empty --output_dir, or to "
                           f"continue a run, its own folder (runs/{recipe}-<time>)")

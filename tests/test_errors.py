@@ -770,6 +770,24 @@ def test_resume_given_the_folder_of_the_runs_says_to_pass_the_run_s_own(env, dat
              "holds files but no run of these recipes", "or to continue a run, its own folder (runs/cifar_cnn-<time>)")
 
 
+def test_a_start_killed_before_its_config_json_is_started_again_by_the_same_command(env, data, tmp_path):
+    """A kill -9 in the second between wandb's start and config.json left the folder holding only wandb/; the same
+    command then refused it as "holds files but no run of these recipes". Now it starts there, and wandb/ is kept."""
+    run = tmp_path / "run"
+    left = run / "wandb" / "offline-run-20261204_183734-54c9d136" / "logs" / "debug.log"  # as the kill left it
+    left.parent.mkdir(parents=True)
+    left.write_text("wandb's log\n")
+    ok(run_here("cifar_cnn", "--data", str(data), *SHORT, "--output_dir", str(run)))
+    assert read_json(run / "summary.json")["steps"] == 4 and left.read_text() == "wandb's log\n"
+    # beside anything else, wandb/ is no sign of a start: the folder is still refused, untouched
+    other = tmp_path / "other"
+    (other / "wandb").mkdir(parents=True)
+    (other / "notes.txt").write_text("mine\n")
+    one_line(run_here("cifar_cnn", "--data", str(data), *SHORT, "--output_dir", str(other)),
+             "holds files but no run of these recipes")
+    assert sorted(p.name for p in other.iterdir()) == ["notes.txt", "wandb"]
+
+
 def test_checkpoint_that_counts_batches(env, data, finished, tmp_path):
     """A checkpoint of the recipes before they kept the epoch's position in samples."""
     old = tmp_path / "run"
