@@ -68,7 +68,9 @@ class PrintableLines:
             self.stream.flush()  # each line shown at once (no print needs flush=True), and here, where a closed
             # pipe is caught: a flush left for later would fail outside
         except OSError:  # its reader ended (`| head`, a Ctrl-C to `| tee`), or its disk is full: the run goes on,
-            os.dup2(2, 1)  # printing to stderr
+            # printing to stderr: the stream's own descriptor made stderr's (with stdout closed, `>&-`, the stream is
+            # stderr, and descriptor 1 another file's: the run folder's lock)
+            os.dup2(2, self.stream.fileno())
             with suppress(OSError):  # stderr's reader ended too (`2>&1 | tee`), or its disk is full: unheard
                 self.stream.write(shown)  # the failed flush dropped it (Python 3.10-3.13, tried)
         return len(text)

@@ -1040,6 +1040,24 @@ def test_a_standard_output_closed_or_on_a_full_disk_leaves_the_run_to_finish(env
     assert read_json(run / "summary.json")["steps"] == int(SHORT[SHORT.index("--max_steps") + 1])
 
 
+def test_a_standard_output_that_fails_is_pointed_at_stderr_and_descriptor_1_left_alone():
+    """With stdout closed (`>&-`) the lines go to stderr, and descriptor 1 is the next file opened: the run folder's
+    lock. A failed write to stderr then (its reader gone) pointed descriptor 1 at stderr, closing the lock. Now the
+    stream that failed is pointed there, whichever descriptor it has."""
+    from shared.errors import PrintableLines
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # a pipe whose reader is gone
+    kept = os.dup(1)
+    try:
+        with os.fdopen(write_end, "w") as stream:
+            assert PrintableLines(stream).write("a line\n") == len("a line\n")  # no BrokenPipeError
+            assert os.path.sameopenfile(write_end, 2) and os.path.sameopenfile(1, kept)
+    finally:
+        os.dup2(kept, 1)
+        os.close(kept)
+
+
 def fill(path: Path) -> None:
     """A file that takes the rest of its disk."""
     with open(path, "wb", buffering=0) as f:
