@@ -10,8 +10,8 @@ the function that needs them:
 - loop: the learning rate as a function of the step; the training step captured once as a CUDA
   graph and replayed (on one GPU); the device's settings (the CPU allocator; TF32, cuDNN, the data on the GPU)
 - tracking: the run folder, wandb, readable run files, the training window
-- checkpoints: full-state checkpoints, the run's progress, model.safetensors, a stop on SIGTERM or Ctrl-C with a
-  checkpoint and the command that continues the run
+- checkpoints: full-state checkpoints, the run's progress, model.safetensors, a stop on SIGTERM, Ctrl-C or
+  SIGHUP with a checkpoint and the command that continues the run
 - errors: one-line errors, a write that no crash breaks
 - launch: the launch's settings checked before the process group starts; on a CPU, a line where a GPU was meant or
   bf16 would be emulated (opt-in: imported where a run opens)

@@ -10,8 +10,8 @@ with another length.
 
 - `Checkpoints`: the run's checkpoint folder, `save`, `save_weights`, `resume` and `check_resume_and_branch`
   (--resume, in shared/resume.py), `initial_weights` (--init_from, in shared/init_from.py, an opt-in module), and
-  through `StopOnSignals` a stop on SIGTERM or Ctrl-C with a checkpoint and the command that continues the run
-  (written by shared/resume.py);
+  through `StopOnSignals` a stop on SIGTERM, Ctrl-C or SIGHUP with a checkpoint and the command that continues the
+  run (written by shared/resume.py);
 - `new_folder`: a run folder.
 """
 
@@ -56,7 +56,7 @@ def list_checkpoints(folder: Path, run: str | None = None) -> list[Path]:
 class StopOnSignals:
     """Checkpoints' stop on a signal; `save`, `accelerator`, `cfg` and `run_dir` are Checkpoints'.
 
-    After `stop_on_signals()`, SIGTERM or SIGINT asks the run to stop: it finishes the optimizer step, saves a
+    After `stop_on_signals()`, SIGTERM, SIGINT or SIGHUP asks the run to stop: it finishes the optimizer step, saves a
     checkpoint and exits 0. A second SIGINT more than SECOND_INTERRUPT_S after the first (Ctrl-C again, for a hung
     evaluation or collective) stops the process at once, exit 130, without saving. Other later signals change nothing
     (torchrun forwards the first one again at once, and that must not cost the checkpoint); kill -9 stops at once.
@@ -80,16 +80,19 @@ class StopOnSignals:
         self.saved_at = time.monotonic()  # the last checkpoint's time (or the start's), for CHECKPOINT_S
 
     def stop_on_signals(self) -> None:
-        """From now on SIGTERM (what SLURM and most schedulers send before they kill a job) and SIGINT (Ctrl-C) ask
-        the run to stop: `after_step` then saves a checkpoint and returns True. Without this call they kill it. The
-        launcher's death already sends SIGTERM (shared/launch.py's stop_with_launcher)."""
+        """From now on SIGTERM (what SLURM and most schedulers send before they kill a job), SIGINT (Ctrl-C) and
+        SIGHUP (a terminal that closes: an ssh session that drops) ask the run to stop: `after_step` then saves a
+        checkpoint and returns True. Without this call they kill it. The launcher's death already sends SIGTERM
+        (shared/launch.py's stop_with_launcher)."""
         # Python runs a handler only when the main thread returns to the interpreter, which a hung collective never
         # does; the C handler writes each signal's number to this pipe at once, read by a thread of its own.
         read_end, write_end = os.pipe()
         os.set_blocking(write_end, False)
         signal.set_wakeup_fd(write_end)
         threading.Thread(target=self._stop_at_second_interrupt, args=(read_end,), daemon=True).start()
-        for signum in (signal.SIGINT, signal.SIGTERM):  # SIGTERM's last: seen handled, both are
+        # Under nohup SIGHUP stays ignored, and the run goes on
+        hangup = () if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else (signal.SIGHUP,)
+        for signum in (*hangup, signal.SIGINT, signal.SIGTERM):  # SIGTERM's last: seen handled, the others are
             signal.signal(signum, self._on_signal)
 
     def _on_signal(self, signum, frame):

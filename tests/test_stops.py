@@ -8,13 +8,16 @@ this before a commit. The 2-process runs also keep an EMA of the weights (--ema)
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shlex
 import signal
 import subprocess
 import sys
+import termios
 import time
+from contextlib import suppress
 from pathlib import Path
 
 import psutil
@@ -233,6 +236,30 @@ def test_a_ctrl_c_that_also_ends_the_reader_of_the_runs_lines_saves_and_ends_cle
     if not stderr_too:
         assert ("Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again to stop at once, without saving)\n"
                 f"stopped by SIGINT at step {stopped}, checkpoint saved; continue with:\n") in lines, lines[-3000:]
+
+
+def test_a_terminal_that_closes_stops_the_run_with_a_checkpoint(env, data, tmp_path):
+    """An ssh session that drops: the run's terminal hangs up, and its SIGHUP ended the run at once, with no
+    checkpoint (docs/resume.md). Now it stops as on SIGTERM, saving the step, though each line printed after goes to a
+    closed terminal (EIO). The run is its terminal's controlling process here, as a login shell is."""
+    out = tmp_path / "run"
+    terminal, its_end = os.openpty()
+    command = [sys.executable, "recipes/cifar_cnn.py", "--data", str(data), "--output_dir", str(out), *RUN]
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdin=its_end, stdout=its_end, stderr=its_end,
+                               start_new_session=True, preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))
+    os.close(its_end)
+    os.set_blocking(terminal, False)
+    shown, deadline = b"", time.monotonic() + 180
+    while not catches_sigterm(process.pid):  # SIGHUP's handler comes before it: it stops after step 1 or 2
+        assert process.poll() is None and time.monotonic() < deadline, shown[-3000:]
+        with suppress(BlockingIOError):  # read as it comes, so that the run never waits on a full terminal
+            shown += os.read(terminal, 65536)
+        time.sleep(0.005)
+    os.close(terminal)  # the hang-up
+    assert process.wait(timeout=120) == 0, shown[-3000:]
+    stopped = max(int(p.name.removeprefix("step_")) for p in (out / "checkpoints").iterdir())
+    assert stopped < 20 and collect(out)[0]["state"] == f"stopped at step {stopped}"
+    assert (out / "curves.png").exists() and not (out / "model.safetensors").exists()
 
 
 @pytest.mark.parametrize("closed_pipe", [False, True])
