@@ -786,6 +786,13 @@ def test_a_start_killed_before_its_config_json_is_started_again_by_the_same_comm
     one_line(run_here("cifar_cnn", "--data", str(data), *SHORT, "--output_dir", str(other)),
              "holds files but no run of these recipes")
     assert sorted(p.name for p in other.iterdir()) == ["notes.txt", "wandb"]
+    # and a wandb/ that is a link to elsewhere is one, refused: nothing is written through it
+    linked, elsewhere = tmp_path / "linked", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    linked.mkdir()
+    (linked / "wandb").symlink_to(elsewhere, target_is_directory=True)
+    one_line(run_here("cifar_cnn", "--data", str(data), *SHORT, "--output_dir", str(linked)), "is a symbolic link")
+    assert not any(elsewhere.iterdir()) and os.listdir(linked) == ["wandb"]
 
 
 def test_checkpoint_that_counts_batches(env, data, finished, tmp_path):
