@@ -246,7 +246,7 @@ def test_a_terminal_that_closes_stops_the_run_with_a_checkpoint(env, data, tmp_p
     terminal, its_end = os.openpty()
     command = [sys.executable, "recipes/cifar_cnn.py", "--data", str(data), "--output_dir", str(out), *RUN]
     process = subprocess.Popen(command, cwd=ROOT, env=env, stdin=its_end, stdout=its_end, stderr=its_end,
-                               start_new_session=True, preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))
+                               start_new_session=True, preexec_fn=login_job)
     os.close(its_end)
     os.set_blocking(terminal, False)
     shown, deadline = b"", time.monotonic() + 180
@@ -260,6 +260,14 @@ def test_a_terminal_that_closes_stops_the_run_with_a_checkpoint(env, data, tmp_p
     stopped = max(int(p.name.removeprefix("step_")) for p in (out / "checkpoints").iterdir())
     assert stopped < 20 and collect(out)[0]["state"] == f"stopped at step {stopped}"
     assert (out / "curves.png").exists() and not (out / "model.safetensors").exists()
+
+
+def login_job() -> None:
+    """In a started process, before its program: its standard input's terminal made its controlling terminal, and
+    SIGHUP's default action back, as a job of a login shell has them (tests run under nohup would pass on their
+    ignored SIGHUP, and the run would then go on after the hang-up, as it should under nohup)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
 
 @pytest.mark.parametrize("closed_pipe", [False, True])
