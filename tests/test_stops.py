@@ -233,9 +233,10 @@ def test_a_ctrl_c_that_also_ends_the_reader_of_the_runs_lines_saves_and_ends_cle
     assert collect(out)[0]["state"] == f"stopped at step {stopped}" and (out / "curves.png").exists()
     lines = errors.read_text()
     assert "Traceback" not in lines, lines[-3000:]
-    if not stderr_too:
-        assert ("Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again to stop at once, without saving)\n"
-                f"stopped by SIGINT at step {stopped}, checkpoint saved; continue with:\n") in lines, lines[-3000:]
+    if not stderr_too:  # in this order; the run's first line may come between them (the Ctrl-C came before it)
+        ctrl_c = "Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again to stop at once, without saving)\n"
+        saved = f"stopped by SIGINT at step {stopped}, checkpoint saved; continue with:\n"
+        assert ctrl_c in lines and saved in lines[lines.index(ctrl_c):], lines[-3000:]
 
 
 def test_a_terminal_that_closes_stops_the_run_with_a_checkpoint(env, data, tmp_path):
