@@ -28,7 +28,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from shared.errors import RecipeError
+from shared.errors import PrintableLines, RecipeError
 
 from conftest import (
     ROOT,
@@ -1051,8 +1051,6 @@ def test_a_standard_output_that_fails_is_pointed_at_stderr_and_descriptor_1_left
     """With stdout closed (`>&-`) the lines go to stderr, and descriptor 1 is the next file opened: the run folder's
     lock. A failed write to stderr then (its reader gone) pointed descriptor 1 at stderr, closing the lock. Now the
     stream that failed is pointed there, whichever descriptor it has."""
-    from shared.errors import PrintableLines
-
     read_end, write_end = os.pipe()
     os.close(read_end)  # a pipe whose reader is gone
     kept = os.dup(1)
