@@ -361,12 +361,17 @@ def idx_files(folder: Path) -> DatasetFiles | None:
 
 
 def cifar_files(folder: Path) -> DatasetFiles | None:
-    if folder.name not in CIFAR_BINARY and folder.name not in CIFAR_PICKLED:
+    """CIFAR's files, known by the folder's name as the authors' archives unpack it, or by the files' own names (copied
+    into a folder of another name: data/, say), the binary version first."""
+    kinds = {**CIFAR_BINARY, **CIFAR_PICKLED}
+    kind = next((kind for kind, (splits, names_file, *_) in kinds.items() if folder.name == kind
+                 or (folder / splits["test"][0]).is_file() and (folder / names_file).is_file()), None)
+    if kind is None:
         return None
-    splits, names_file, *_ = CIFAR_BINARY.get(folder.name) or CIFAR_PICKLED[folder.name]
+    splits, names_file, *_ = kinds[kind]
     files = {split: [folder / name for name in names] for split, names in splits.items()}
     files["names"] = [folder / names_file]
-    found = DatasetFiles(folder.name, files)
+    found = DatasetFiles(kind, files)
     # A file there that is no regular one (a FIFO) is not missing: DatasetFiles.read refuses it (check_regular)
     if missing := [file.name for file in found.all_files() if not file.exists()]:
         raise RecipeError(f"{folder} lacks {', '.join(missing)}: download the dataset again")

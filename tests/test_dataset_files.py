@@ -172,6 +172,20 @@ def test_a_cifar_pickle_that_would_run_code_is_refused_in_one_line(env, tmp_path
              f"{folder / 'data_batch_3'} holds a list, not a CIFAR batch (a dict): download it again")
 
 
+@pytest.mark.parametrize("hundred", [False, True])
+@pytest.mark.parametrize("make", [cifar_folder, cifar_python_folder])
+def test_cifar_files_in_a_folder_of_another_name_are_read_by_their_names(tmp_path, data_module, make, hundred):
+    """CIFAR's files copied into data/ (their archive unpacks them into cifar-10-batches-py/ and the like). Before,
+    datasets' imagefolder read the folder: its files left out as "of no image format", then "Instruction 'test'
+    corresponds to no data", in a line that ended with CIFAR's files among those expected."""
+    splits = random_splits((3, 32, 32), classes=100 if hundred else 10)
+    classes = [f"class {i}" for i in range(100 if hundred else 10)]
+    make(tmp_path / "data", splits, classes, hundred)
+    train, test = data_module.load_image_data(str(tmp_path / "data"), (3, 32, 32))
+    assert torch.equal(train.labels, torch.from_numpy(splits["train"][1])) and train.classes == classes
+    assert torch.equal(test.images.flatten(1), torch.from_numpy(splits["test"][0]).flatten(1))
+
+
 def test_a_folder_with_both_cifar_versions_reads_the_binary_one(tmp_path, data_module):
     splits = random_splits((3, 32, 32))
     cifar_folder(tmp_path / "root" / "cifar-10-batches-bin", splits, [str(i) for i in range(10)])
