@@ -92,6 +92,22 @@ def test_the_tests_cifar_binary_folder_holds_the_images_of_their_saved_dataset(t
         assert torch.equal(files_split.labels, saved_split.labels) and files_split.classes == saved_split.classes
 
 
+def test_idx_files_named_with_a_dot_are_read_beside_folders_of_their_names(tmp_path, data_module):
+    """train-images.idx3-ubyte, as many copies of MNIST name the files; and Kaggle's copy, which has beside each file a
+    folder of its dashed name with the file inside (train-images-idx3-ubyte/train-images-idx3-ubyte). Both went to
+    datasets' imagefolder: the files left out as "of no image format", then "Instruction 'train' corresponds to no
+    data"."""
+    splits = random_splits((28, 28))
+    folder = idx_folder(tmp_path / "mnist", splits, suffix="")
+    for file in sorted(folder.iterdir()):
+        dotted = file.rename(file.with_name(file.name.replace("-idx", ".idx")))
+        file.mkdir()
+        shutil.copy(dotted, file / file.name)
+    train, test = data_module.load_image_data(str(folder), (1, 28, 28))
+    assert torch.equal(train.images[:, 0], torch.from_numpy(splits["train"][0]))
+    assert torch.equal(test.labels, torch.from_numpy(splits["test"][1]))
+
+
 def test_download_folders_are_found_from_their_root(tmp_path, data_module):
     # torchvision: <root>/FashionMNIST/raw/ with each .gz beside the file it unpacked; <root>/cifar-100-binary/.
     from shared.errors import RecipeError
