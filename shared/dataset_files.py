@@ -345,7 +345,7 @@ def idx_files(folder: Path) -> DatasetFiles | None:
         for kind in ("images[-.]idx3-ubyte", "labels[-.]idx1-ubyte"):  # train-images.idx3-ubyte: many copies' name
             matches = sorted(folder.glob(f"*{prefixes[0]}-{kind}*")) or sorted(
                 file for prefix in prefixes[1:] for file in folder.glob(f"*{prefix}-{kind}*"))
-            # Kaggle's copy of MNIST has a folder of each file's name beside it, the file inside: the file is read
+            # Kaggle's copy of MNIST also has a folder of each file's dashed name, the file inside: the file is read
             matches = [file for file in matches if not file.is_dir()]
             # torchvision keeps the .gz it downloaded beside the file it unpacked: read the unpacked one
             stems = {file.name.removesuffix(".gz") for file in matches}
