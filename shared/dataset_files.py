@@ -21,6 +21,7 @@ import gzip
 import hashlib
 import io
 import math
+import os
 import pickle
 import struct
 import zlib
@@ -104,7 +105,18 @@ def open_local(folder: Path):
                           f"{first_line(error)[:300]}): expected a save_to_disk folder, parquet files, an "
                           "imagefolder (one subfolder per class) with examples in every split, IDX files or CIFAR's "
                           "files") from None
-    return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict(train=loaded)
+    loaded = loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict(train=loaded)
+    # A split's folder holds class folders (train/cat/), a class's folder images. datasets knows a split by its folder's
+    # lowercase name alone: Fruits-360's Training/ and Test/, or trainset/ and testset/, were read as one split, a
+    # random 10% of it held out, the test images trained on. Hidden folders (.git/, .ipynb_checkpoints/) it skips.
+    # os.walk: a folder's listing alone, not a stat of each photo in it.
+    if not tables and list(loaded) == ["train"] and len(splits := [
+            child.name for child in sorted(folder.iterdir()) if child.is_dir() and not child.name.startswith(".")
+            and any(not name.startswith(".") for name in next(os.walk(child))[1])]) > 1:
+        raise RecipeError(f"{folder}: its folders {printable(', '.join(splits))} hold class folders, as splits do, "
+                          "but datasets read a 'train' split alone from them: it knows a split's folder only by its "
+                          "lowercase name (train, test, validation, ...: docs/data.md); rename them")
+    return loaded
 
 
 def check_datasets_folder(folder: Path) -> bool:

@@ -408,6 +408,51 @@ def test_resnet_trains_on_real_fashion_mnist_idx_files(env, real_subset, tmp_pat
     assert read_json(out / "summary.json")["eval_samples"] == 500
 
 
+@pytest.mark.parametrize("names", [("Training", "Test"), ("trainset", "testset")])
+def test_split_folders_that_datasets_does_not_know_are_one_line(tmp_path, names):
+    """Fruits-360's Training/ and Test/: datasets knows a split's folder by its lowercase name only (and trainset/ not
+    at all), so it read them as the classes of one split and held out a random 10% of it, the test images trained on.
+    Folders of images are classes, whatever their names."""
+    from shared.data import find_source
+    from shared.errors import RecipeError
+
+    photos = imagefolder_dataset(tmp_path / "photos", sizes={"train": 8, "test": 4})
+    (photos / "train").rename(photos / names[0])
+    (photos / "test").rename(photos / names[1])
+    with pytest.raises(RecipeError) as error:
+        find_source(str(photos))
+    assert str(error.value) == (
+        f"{photos}: its folders {', '.join(sorted(names))} hold class folders, as splits do, but datasets read a "
+        "'train' split alone from them: it knows a split's folder only by its lowercase name (train, test, "
+        "validation, ...: docs/data.md); rename them")
+    (photos / names[0]).rename(photos / "training")
+    (photos / names[1]).rename(photos / "test")
+    found = find_source(str(photos))
+    assert (len(found.splits["train"]), len(found.splits["test"])) == (8, 4)
+    # Classes named Test and Val (folders of images), in no split's folder: held out from one split, as any classes
+    classes = tmp_path / "classes"
+    for name in ("Test", "Val"):
+        shutil.copytree(photos / "training" / "class_0", classes / name)
+        (classes / name / ".ipynb_checkpoints").mkdir()  # hidden folders, which datasets skips too
+    for name in (".git/objects", ".dvc/cache"):
+        (classes / name).mkdir(parents=True)
+    found = find_source(str(classes))
+    assert found.classes == ["Test", "Val"]
+    assert len(found.splits["train"]) + len(found.splits["test"]) == 2 * len(list(classes.glob("Val/*.png")))
+
+
+def test_a_dataset_saved_alone_is_found_without_decoding_an_image(tmp_path):
+    """A Dataset saved alone (not a DatasetDict) iterates as its rows: listed for its splits' names, every image would
+    be decoded, and a damaged one end in PIL's traceback before the decoder's one line."""
+    from shared.data import find_source
+
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])})
+    datasets.Dataset.from_dict({"image": [{"bytes": b"not an image", "path": None}] * 20, "label": [0, 1] * 10},
+                               features=features).save_to_disk(str(tmp_path / "saved"))
+    found = find_source(str(tmp_path / "saved"))
+    assert (len(found.splits["train"]), len(found.splits["test"]), found.classes) == (18, 2, ["a", "b"])
+
+
 def test_an_image_folder_says_which_files_it_leaves_out_and_refuses_an_archive(tmp_path, capsys):
     """datasets' imagefolder left out every file of no image format it reads, unsaid: an iPhone's .heic photos trained
     on by no one. An archive among the images it read as a folder of its own, at another depth than the class folders:
