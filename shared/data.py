@@ -230,8 +230,9 @@ def find_columns(split: datasets.Dataset, source: str):
     if label_column is None:
         raise RecipeError(f"{source} has no label column (columns: {columns}): in a folder of images, each class's "
                           "images go directly in a folder named after it (train/<class>/<image>), two classes or "
-                          "more (one class, or a folder below the classes, gives no labels); otherwise add a "
-                          "ClassLabel column, or an integer column named 'label' (class names as strings: "
+                          "more, in every split (one class, a folder below the classes, or a split of unlabelled "
+                          "images, as a competition's test/, gives none: move it out); otherwise add a ClassLabel "
+                          "column, or an integer column named 'label' (class names as strings: "
                           "dataset.cast_column('label', datasets.ClassLabel(names=[...every class, in one order...])))")
     feature = features[label_column]
     # The training split's labels (a missing one is named with its image when the split is decoded). Not datasets'

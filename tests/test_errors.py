@@ -434,6 +434,13 @@ def test_dataset_without_a_label_column(env, tmp_path):
     splits.save_to_disk(str(tmp_path / "unlabelled"))
     one_line(run_here("cifar_cnn", "--data", str(tmp_path / "unlabelled"), "--tracker", "none"),
              "no label column")
+    # A competition's layout: train/<class>/ and a test/ of unlabelled images. Images at two depths: datasets drops
+    # every label, and the line said to put each class in a folder, as train/ already was.
+    photos = imagefolder_dataset(tmp_path / "photos", sizes={"train": 8, "test": 4})
+    for image in list((photos / "test").glob("*/*.png")):
+        image.rename(photos / "test" / f"{image.parent.name}-{image.name}")
+    one_line(run_here("cifar_cnn", "--data", str(photos), "--tracker", "none"), "no label column",
+             "or a split of unlabelled images, as a competition's test/, gives none: move it out")
     # Class names as strings (a table made with pandas): the line names the call that makes them a ClassLabel
     named = image_splits().cast_column("label", datasets.Value("string"))
     named.save_to_disk(str(tmp_path / "named"))
