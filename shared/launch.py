@@ -1,14 +1,16 @@
 """The launch checked as a run starts (`check_launch`, called by tracking.open_run, predict.py and deep_mlp_sweep.py: an
-opt-in module): the process tied to its launcher's life (`stop_with_launcher`); settings left in the shell or a config
-these recipes do not follow, which would run, but not as the user thinks; then the process group started (its
-collectives wait 30 minutes for a slow process, on every backend). For a training run on a CPU, `check_cpu`: a line
-where a GPU was meant or bf16 would be emulated."""
+opt-in module): the process tied to its launcher's life (`stop_with_launcher`), and a SIGTERM, Ctrl-C or SIGHUP
+before the run's own stop takes them over made one line (`stopped_before_the_first_step`); settings left in the
+shell or a config these recipes do not follow, which would run, but not as the user thinks; then the process group
+started (its collectives wait 30 minutes for a slow process, on every backend). For a training run on a CPU,
+`check_cpu`: a line where a GPU was meant or bf16 would be emulated."""
 
 import ctypes
 import importlib.util
 import os
 import signal
 import sys
+from contextlib import suppress
 from datetime import timedelta
 from pathlib import Path
 
@@ -25,12 +27,17 @@ PR_SET_PDEATHSIG = 1  # prctl: the signal this process gets when its parent dies
 # transformers' Trainer (ddp_timeout) and Ray Train set for NCCL too, whose own default is 10 minutes. A machine's
 # first decode runs in one process while the others wait in a barrier (docs/troubleshooting.md).
 PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)
+STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # what StopOnSignals takes over before the first step
 
 
 def check_launch() -> None:
     """Start the process group, and stop launches that would run, but not as the user thinks; before either, ask for
-    a SIGTERM when the launcher dies (stop_with_launcher)."""
+    a SIGTERM when the launcher dies (stop_with_launcher), and make that signal, or any SIGTERM, Ctrl-C or SIGHUP, end
+    this process in one line until the run's own stop takes them over (StopOnSignals, before the first step)."""
     stop_with_launcher()  # first: the process group below may wait for other processes
+    for signum in STOPS:
+        if signal.getsignal(signum) != signal.SIG_IGN:  # ignored from the start (nohup, a shell's `&`): it stays so
+            signal.signal(signum, stopped_before_the_first_step)
     if line := torchvision_mismatch():  # said before anything imports torchvision
         raise RecipeError(line)
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):  # what a launcher sets for each process
@@ -96,6 +103,30 @@ def check_launch() -> None:
         # accelerate accepts fp16 on a CPU but does not autocast there: the run would be float32.
         raise RecipeError("fp16 mixed precision needs a GPU (on a CPU it would silently train in float32): "
                           "use accelerate_configs/bf16.yaml on a CPU")
+
+
+def stopped_before_the_first_step(signum: int, frame) -> None:
+    """A SIGTERM, Ctrl-C or SIGHUP before the run's own stop takes them over (a large dataset's first decode takes
+    minutes; predict.py keeps this one): one line, and the exit status a shell gives a process the signal ends.
+    Python's default for SIGTERM and SIGHUP ended the process at once, with no line, and left the run folder this start
+    made, empty; an exit runs the cleanup a Ctrl-C runs (tracking.open_run's removal of that folder, the `finally` of
+    temporary files). Python runs this where the main thread next runs Python code: a wait in a collective ends when
+    the other processes, stopped too, are gone."""
+    # The first signal decides. A second must not cut the exit's cleanup short: accelerate 1.16's launcher of one
+    # process, given a Ctrl-C, sends its process a SIGTERM too, which came in the middle of Python's exit
+    for each in STOPS:
+        signal.signal(each, signal.SIG_IGN)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt  # its line: shared/errors.py's one_line_errors
+    # torchrun stops every process this way when one fails, and its report then names that failure as the cause; on a
+    # stop it says itself that a signal came ("Received 15 death signal")
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        with suppress(OSError):  # its reader gone: the launcher's death, a closed terminal
+            # Written once, unbuffered: a print here could land inside a print the signal interrupted
+            os.write(2, f"stopped by {signal.Signals(signum).name} before there was anything to save (a training run "
+                        "saves a checkpoint from its first step on, predict.py its CSV once every image is read): run "
+                        "the same command again\n".encode())
+    sys.exit(128 + signum)
 
 
 def check_cpu() -> None:

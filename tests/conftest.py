@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -124,7 +125,7 @@ def run_here(script: str, *args, cwd: Path | None = None, env: dict | None = Non
     try:
         with (mock.patch.dict(os.environ, env or {}), mock.patch.object(sys, "argv", argv),
               mock.patch.object(Checkpoints, "stop_on_signals", lambda self: None), working_directory(cwd),
-              contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr)):
+              contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), own_signal_handlers()):
             module.main()
     except SystemExit as stop:
         status = stop.code if isinstance(stop.code, int) else 1
@@ -133,6 +134,24 @@ def run_here(script: str, *args, cwd: Path | None = None, env: dict | None = Non
             os.close(descriptor)
         tracking._LOCKS.clear()
     return subprocess.CompletedProcess(argv, status, stdout.getvalue(), stderr.getvalue())
+
+
+@contextlib.contextmanager
+def own_signal_handlers():
+    """pytest's own handlers of the signals a run's start takes over (shared/launch.py's check_launch), back after."""
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+
+
+@pytest.fixture(autouse=True)
+def signal_handlers_restored():
+    """Also for the tests that call check_launch itself."""
+    with own_signal_handlers():
+        yield
 
 
 @contextlib.contextmanager

@@ -304,6 +304,36 @@ def test_more_processes_per_machine_than_gpus(monkeypatch):
         check_launch()
 
 
+@pytest.mark.parametrize("under_torchrun", [False, True])
+def test_a_signal_before_the_first_step_ends_the_process_in_one_line(monkeypatch, capfd, under_torchrun):
+    """From the launch's check to the run's own stop (StopOnSignals), a SIGTERM or SIGHUP ended the process at once,
+    with no line, leaving the run folder its start made (tests/test_stops.py runs it). Now it exits, with a line, but
+    under torchrun, which stops every process with a SIGTERM when one fails and names that failure in its report: a
+    line of theirs would tell the user to run the same command again. The first signal decides: the others are
+    ignored from then on, as the exit's cleanup runs."""
+    import signal
+
+    from shared.launch import STOPS, check_launch, stopped_before_the_first_step
+
+    before = {signum: signal.getsignal(signum) for signum in STOPS}
+    check_launch()
+    for signum in STOPS:  # one ignored from the start (nohup, a shell's `&`) stays ignored
+        assert signal.getsignal(signum) == (
+            signal.SIG_IGN if before[signum] == signal.SIG_IGN else stopped_before_the_first_step), signum
+    if under_torchrun:
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "a stand-in for torchrun's")
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        stopped_before_the_first_step(signal.SIGTERM, None)
+    assert stop.value.code == 143 and capfd.readouterr().err == ("" if under_torchrun else (
+        "stopped by SIGTERM before there was anything to save (a training run saves a checkpoint from its first step "
+        "on, predict.py its CSV once every image is read): run the same command again\n"))
+    assert [signal.getsignal(signum) for signum in STOPS] == [signal.SIG_IGN] * 3
+    with pytest.raises(KeyboardInterrupt):  # Ctrl-C's line is one_line_errors' (tests/test_stops.py)
+        stopped_before_the_first_step(signal.SIGINT, None)
+    assert [signal.getsignal(signum) for signum in STOPS] == [signal.SIG_IGN] * 3
+
+
 @pytest.mark.slow  # a process group of 2 processes
 def test_the_process_group_waits_30_minutes_on_every_backend(tmp_path):
     """torch's NCCL default is 10 minutes: a machine's first decode that took longer (one process decodes, the others

@@ -127,14 +127,18 @@ def training_processes(launcher: int) -> list[int]:
         return []
 
 
-def catches_sigterm(pid: int) -> bool:
-    """Whether the process has a SIGTERM handler installed (Linux's SigCgt mask in /proc/<pid>/status)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-    caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
-    return bool(caught >> (signal.SIGTERM - 1) & 1)
+@pytest.fixture
+def marking(env, tmp_path) -> dict:
+    """`env`, in which each process marks the moment the run's own stop takes its signals over (StopOnSignals, before
+    the first step): it creates <tmp_path>/ready/<pid> (tests/faults/sitecustomize.py). Before that moment a SIGTERM
+    ends the process in one line, so a test of the stop waits for the mark."""
+    (tmp_path / "ready").mkdir()
+    return dict(env, PYTHONPATH=str(ROOT / "tests" / "faults"), SIGNALS_READY=str(tmp_path / "ready"))
+
+
+def stops_on_signals(marking: dict, pid: int) -> bool:
+    """Whether the process, started in `marking`, has handed its signals to the run's own stop."""
+    return (Path(marking["SIGNALS_READY"]) / str(pid)).exists()
 
 
 def test_kill_9_mid_epoch_between_checkpoints_then_resume(env, data, reference, tmp_path):
@@ -181,14 +185,15 @@ def test_kill_9_during_a_checkpoint_save_keeps_the_previous_one(env, tmp_path):
     assert_bitwise_equal(weights(out), weights(reference))
 
 
-def test_sigterm_saves_the_current_step_exits_0_and_prints_a_working_resume_command(env, data, reference, tmp_path):
+def test_sigterm_saves_the_current_step_exits_0_and_prints_a_working_resume_command(env, marking, data, reference,
+                                                                                     tmp_path):
     """Started as `nohup` starts it (SIGHUP ignored), a hang-up first: the run goes on (docs/resume.md: a closed
     terminal ends a run started without nohup, tmux or screen), and the SIGTERM after it stops it."""
     out = tmp_path / "run"
     command = [sys.executable, "recipes/cifar_cnn.py", "--data", str(data), "--output_dir", str(out), *RUN]
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
-    wait_for(lambda: catches_sigterm(process.pid), process)  # set before the first step: it stops after step 1 or 2
+    process = subprocess.Popen(command, cwd=ROOT, env=marking, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    wait_for(lambda: stops_on_signals(marking, process.pid), process)  # before the first step: it stops after 1 or 2
     process.send_signal(signal.SIGHUP)
     process.send_signal(signal.SIGTERM)
     stdout, stderr = process.communicate(timeout=120)
@@ -212,7 +217,8 @@ def test_sigterm_saves_the_current_step_exits_0_and_prints_a_working_resume_comm
 
 
 @pytest.mark.parametrize("stderr_too", [False, True])
-def test_a_ctrl_c_that_also_ends_the_reader_of_the_runs_lines_saves_and_ends_clean(env, data, tmp_path, stderr_too):
+def test_a_ctrl_c_that_also_ends_the_reader_of_the_runs_lines_saves_and_ends_clean(marking, data, tmp_path,
+                                                                                   stderr_too):
     """`python recipes/cifar_cnn.py ... | tee train.log`, then Ctrl-C: the terminal's SIGINT ends tee too, and the
     run's next line (the Ctrl-C's own) met a closed pipe: a BrokenPipeError traceback from the thread that prints it,
     another from the line saying where the run saved, exit 1, no summary.json or curves.png. Now the run goes on and
@@ -222,10 +228,10 @@ def test_a_ctrl_c_that_also_ends_the_reader_of_the_runs_lines_saves_and_ends_cle
     read_end, write_end = os.pipe()
     command = [sys.executable, "recipes/cifar_cnn.py", "--data", str(data), "--output_dir", str(out), *RUN]
     with errors.open("w") as stderr:
-        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=write_end,
+        process = subprocess.Popen(command, cwd=ROOT, env=marking, stdout=write_end,
                                    stderr=subprocess.STDOUT if stderr_too else stderr)
     os.close(write_end)
-    wait_for(lambda: catches_sigterm(process.pid), process)  # set before the first step: it stops after step 1 or 2
+    wait_for(lambda: stops_on_signals(marking, process.pid), process)  # before the first step: it stops after 1 or 2
     os.close(read_end)
     process.send_signal(signal.SIGINT)
     assert process.wait(timeout=120) == 0, errors.read_text()[-3000:]
@@ -239,19 +245,19 @@ def test_a_ctrl_c_that_also_ends_the_reader_of_the_runs_lines_saves_and_ends_cle
         assert ctrl_c in lines and saved in lines[lines.index(ctrl_c):], lines[-3000:]
 
 
-def test_a_terminal_that_closes_stops_the_run_with_a_checkpoint(env, data, tmp_path):
+def test_a_terminal_that_closes_stops_the_run_with_a_checkpoint(marking, data, tmp_path):
     """An ssh session that drops: the run's terminal hangs up, and its SIGHUP ended the run at once, with no
     checkpoint (docs/resume.md). Now it stops as on SIGTERM, saving the step, though each line printed after goes to a
     closed terminal (EIO). The run is its terminal's controlling process here, as a login shell is."""
     out = tmp_path / "run"
     terminal, its_end = os.openpty()
     command = [sys.executable, "recipes/cifar_cnn.py", "--data", str(data), "--output_dir", str(out), *RUN]
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdin=its_end, stdout=its_end, stderr=its_end,
+    process = subprocess.Popen(command, cwd=ROOT, env=marking, stdin=its_end, stdout=its_end, stderr=its_end,
                                start_new_session=True, preexec_fn=login_job)
     os.close(its_end)
     os.set_blocking(terminal, False)
     shown, deadline = b"", time.monotonic() + 180
-    while not catches_sigterm(process.pid):  # SIGHUP's handler comes before it: it stops after step 1 or 2
+    while not stops_on_signals(marking, process.pid):  # before the first step: it stops after step 1 or 2
         assert process.poll() is None and time.monotonic() < deadline, shown[-3000:]
         with suppress(BlockingIOError):  # read as it comes, so that the run never waits on a full terminal
             shown += os.read(terminal, 65536)
@@ -317,21 +323,29 @@ def waiting_for_data(loading: Path) -> list[str]:
     return [sys.executable, "-c", code]
 
 
-def test_ctrl_c_before_the_first_step_is_one_line_and_leaves_no_run_folder(env, data, tmp_path):
-    """Ctrl-C while the data loads, before the run's own handler takes signals over (StopOnSignals, just before the
-    first step): a KeyboardInterrupt traceback from deep inside datasets, where a first decode of a large dataset takes
-    minutes. One line now, exit 130. Here the load waits (shared.data's load_image_data replaced, the recipe run as a
-    script), so that the signal comes during it."""
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["Ctrl-C", "SIGTERM", "SIGHUP"])
+def test_a_stop_before_the_first_step_is_one_line_and_leaves_no_run_folder(env, data, tmp_path, signum):
+    """Ctrl-C, SIGTERM or a closed terminal's SIGHUP while the data loads, before the run's own stop takes signals over
+    (StopOnSignals, just before the first step), where a first decode of a large dataset takes minutes. Ctrl-C ended
+    in a KeyboardInterrupt traceback from deep inside datasets; SIGTERM and SIGHUP ended the process at once, with no
+    line, and left the run folder this start had made, empty. One line now, and the exit status a shell gives a
+    process the signal ends (130, 143, 129). Here the load waits (shared.data's load_image_data replaced, the recipe
+    run as a script), so that the signal comes during it."""
     loading = tmp_path / "loading"
+
+    def as_in_a_terminal():  # a shell's background job (`pytest ... &`, nohup) starts with these ignored
+        for each in (signal.SIGINT, signal.SIGHUP):
+            signal.signal(each, signal.SIG_DFL)
+
     process = subprocess.Popen([*waiting_for_data(loading), "recipes/cifar_cnn.py", "--data", str(data),
                                 "--output_dir", str(tmp_path / "run"), *RUN], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True,
-                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                               stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=as_in_a_terminal)
     wait_for(loading.exists, process)
-    os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+    os.killpg(process.pid, signum)  # Ctrl-C in a terminal signals its whole group
     stdout, stderr = process.communicate(timeout=60)
-    assert process.returncode == 130 and stderr.strip().splitlines() == [
-        "stopped by Ctrl-C before there was anything to save (a training run saves a checkpoint from its first step "
+    name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+    assert process.returncode == 128 + signum and stderr.strip().splitlines() == [
+        f"stopped by {name} before there was anything to save (a training run saves a checkpoint from its first step "
         "on, predict.py its CSV once every image is read): run the same command again"], stderr[-3000:]
     assert not (tmp_path / "run").exists()  # made by this start, and empty: removed
 
@@ -354,11 +368,11 @@ def test_a_launcher_killed_while_the_data_loads_takes_its_process_with_it(env, d
     except psutil.TimeoutExpired:  # before: it went on loading, then training
         trainer.kill()
         raise
-    assert not (tmp_path / "run" / "config.json").exists()
+    assert not (tmp_path / "run").exists()  # made by this start, and empty: removed (SIGTERM's default left it)
 
 
 @pytest.mark.parametrize("ctrl_c", [False, True])
-def test_a_stop_under_the_launcher_of_1_process(env, data, reference, tmp_path, ctrl_c):
+def test_a_stop_under_the_launcher_of_1_process(env, marking, data, reference, tmp_path, ctrl_c):
     """`accelerate launch` of one process starts the script and waits. Before accelerate 1.16 it forwards no signal
     (accelerate #929): a SIGTERM kills the launcher only (exit 143 in a shell). The training process asks the kernel
     for a SIGTERM when its parent dies (PR_SET_PDEATHSIG), so it still saves its step, and the run resumes to the
@@ -372,10 +386,11 @@ def test_a_stop_under_the_launcher_of_1_process(env, data, reference, tmp_path, 
     # SIGINT as a terminal's commands have it: a shell's background job (`pytest ... &`) starts with SIGINT ignored,
     # which the launcher would inherit, and then it outlives a Ctrl-C (exit 0), as it does under `nohup` too.
     process = subprocess.Popen([*launcher, "recipes/cifar_cnn.py", "--data", str(data), "--output_dir", str(out), *RUN],
-                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               cwd=ROOT, env=marking, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    # The trainer handles SIGTERM before its first step, and asked for its parent's death signal before that
-    wait_for(lambda: [catches_sigterm(pid) for pid in training_processes(process.pid)] == [True], process)
+    # The trainer's stop takes its signals over before its first step, and it asked for its parent's death signal
+    # before that
+    wait_for(lambda: [stops_on_signals(marking, pid) for pid in training_processes(process.pid)] == [True], process)
     if ctrl_c:
         os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
     else:
@@ -430,7 +445,7 @@ def test_a_save_past_the_launchers_5_s_is_cut_short_and_the_run_resumes_from_the
 
 
 @pytest.mark.parametrize("ctrl_c", [False, True])
-def test_a_stop_of_2_processes_between_log_points(env, data, reference_of_two_long, tmp_path, ctrl_c):
+def test_a_stop_of_2_processes_between_log_points(env, marking, data, reference_of_two_long, tmp_path, ctrl_c):
     """`accelerate launch` of several processes runs torchrun, which forwards a SIGTERM to every worker and kills
     them TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds later (30 by default; 5 here). This run's only log point is its
     last step, and it saves no checkpoint before it: the processes must agree on a stop between log points, save a
@@ -443,12 +458,13 @@ def test_a_stop_of_2_processes_between_log_points(env, data, reference_of_two_lo
     out = tmp_path / "run"
     command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file",
                "accelerate_configs/2gpu.yaml", "recipes/cifar_cnn.py", *args, "--output_dir", str(out)]
-    process = subprocess.Popen(command, cwd=ROOT, env=dict(env, ACCELERATE_USE_CPU="true",
+    process = subprocess.Popen(command, cwd=ROOT, env=dict(marking, ACCELERATE_USE_CPU="true",
                                                            TORCH_ELASTIC_SHUTDOWN_TIMEOUT="5"),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    # Signalled as soon as both training processes catch SIGTERM (their handlers are in place, before the first of
-    # 400 steps, each an all-reduce between them): on any machine, the run is far from its only log point.
-    wait_for(lambda: [catches_sigterm(pid) for pid in training_processes(process.pid)] == [True, True], process)
+    # Signalled as soon as both training processes' stops take their signals over (before the first of 400 steps,
+    # each an all-reduce between them): on any machine, the run is far from its only log point.
+    wait_for(lambda: [stops_on_signals(marking, pid) for pid in training_processes(process.pid)] == [True, True],
+             process)
     if ctrl_c:
         os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
     else:
@@ -477,7 +493,8 @@ def test_a_stop_of_2_processes_between_log_points(env, data, reference_of_two_lo
                          load_file(reference_of_two_long / "checkpoints" / "step_400" / "model.safetensors"))
 
 
-def test_kill_9_of_the_launcher_of_2_processes_stops_both_with_a_checkpoint(env, data, reference_of_two, tmp_path):
+def test_kill_9_of_the_launcher_of_2_processes_stops_both_with_a_checkpoint(env, marking, data, reference_of_two,
+                                                                            tmp_path):
     """kill -9 of `accelerate launch` (or an OOM kill of it) forwards nothing: its two training processes trained on,
     orphaned, to the run's end. Each asks the kernel for a SIGTERM when its launcher dies (PR_SET_PDEATHSIG), so both
     stop within seconds, agree on a step and save it, and the command they print continues the run to the weights of
@@ -487,9 +504,10 @@ def test_kill_9_of_the_launcher_of_2_processes_stops_both_with_a_checkpoint(env,
     out = tmp_path / "run"
     command = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file",
                "accelerate_configs/2gpu.yaml", "recipes/cifar_cnn.py", *args, "--output_dir", str(out)]
-    process = subprocess.Popen(command, cwd=ROOT, env=dict(env, ACCELERATE_USE_CPU="true"), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
-    wait_for(lambda: [catches_sigterm(pid) for pid in training_processes(process.pid)] == [True, True], process)
+    process = subprocess.Popen(command, cwd=ROOT, env=dict(marking, ACCELERATE_USE_CPU="true"),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_for(lambda: [stops_on_signals(marking, pid) for pid in training_processes(process.pid)] == [True, True],
+             process)
     workers = [psutil.Process(pid) for pid in training_processes(process.pid)]
     process.kill()
     killed = time.monotonic()

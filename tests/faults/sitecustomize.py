@@ -21,12 +21,29 @@ With FAULT_NO_THREADS=1, a thread cannot be started: what Python says when the p
 With FAULT_SIGTERM_IN_TRAINING=1, the first training loss sends SIGTERM to its own process: a stop at step 1.
 With RECORD_SYNCS=FILE, each os.fsync appends a line to FILE (`fsync<TAB>the path synced`), and so does each os.replace
 (`replace<TAB>from<TAB>to`): what a machine's crash could leave of each file renamed into place.
+With SIGNALS_READY=DIR, a process creates DIR/<pid> once the run's own stop has taken its signals over (SIGTERM's
+handler set to StopOnSignals', its last): from then on a SIGTERM, SIGINT or SIGHUP stops it with a checkpoint. Before,
+one ends it in a line (shared/launch.py), and /proc's mask of caught signals cannot tell the two handlers apart.
 With START_METHOD=M, multiprocessing starts its processes by M: forkserver is Python 3.14's default on Linux (fork
 before), under which each semaphore is registered with a resource tracker, a process of its own.
 """
 
 import errno
 import os
+
+_ready = os.environ.get("SIGNALS_READY")
+if _ready:
+    import signal
+
+    _set_handler = signal.signal
+
+    def _set_and_mark(signum, handler):
+        previous = _set_handler(signum, handler)
+        if signum == signal.SIGTERM and getattr(handler, "__name__", None) == "_on_signal":  # StopOnSignals' method
+            open(os.path.join(_ready, str(os.getpid())), "w").close()
+        return previous
+
+    signal.signal = _set_and_mark
 
 if os.environ.get("START_METHOD"):
     import multiprocessing
