@@ -122,12 +122,12 @@ class Speed:
         os.environ["ACCELERATE_MIXED_PRECISION"] = PRECISION[precision]
         folder = self.runs / run
         cfg = recipe.Config.parse([*map(str, flags), "--tracker", "none", "--output_dir", str(folder), "--overwrite"])
-        handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+        handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
         try:
             with contextlib.redirect_stdout(self.log), contextlib.redirect_stderr(self.log):
                 recipe.train(cfg)
         finally:
-            for signum, handler in handlers.items():  # train() took SIGTERM and Ctrl-C for its checkpoint on a stop
+            for signum, handler in handlers.items():  # train() took SIGTERM, Ctrl-C and SIGHUP (a stop)
                 signal.signal(signum, handler)
             self.trained += 1
             if torch.cuda.is_available():
