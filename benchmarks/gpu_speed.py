@@ -64,6 +64,7 @@ from accelerate.utils import ProfileKwargs
 
 from benchmarks import start_cost
 from shared import loop
+from shared.launch import STOPS  # the signals a run's start and its stop take over
 
 RECIPES = ("cifar_cnn", "resnet18_fmnist", "deep_mlp_ckpt")
 FASHION_MNIST = "/usr/share/datasets/fashion-mnist"  # Debian's dataset-fashion-mnist
@@ -122,7 +123,7 @@ class Speed:
         os.environ["ACCELERATE_MIXED_PRECISION"] = PRECISION[precision]
         folder = self.runs / run
         cfg = recipe.Config.parse([*map(str, flags), "--tracker", "none", "--output_dir", str(folder), "--overwrite"])
-        handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+        handlers = {signum: signal.getsignal(signum) for signum in STOPS}
         try:
             with contextlib.redirect_stdout(self.log), contextlib.redirect_stderr(self.log):
                 recipe.train(cfg)

@@ -244,7 +244,9 @@ def count_recipe(name: str, flags: list[str], mixed_precision: str = "no") -> li
     output_dir = tempfile.TemporaryDirectory(prefix=f"step-cost-{name}-")  # the run's config.json: removed after
     cfg = recipe.Config.parse([*flags, "--max_steps", "1000", "--log_every", "1000", "--tracker", "none",
                                "--output_dir", output_dir.name, "--data_on_device"])
-    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    from shared.launch import STOPS  # the signals a run's start and its stop take over
+
+    handlers = {signum: signal.getsignal(signum) for signum in STOPS}
     # Without a terminal a run prints a line every 30 s, with the loss: a read at its own cadence, like the processes'
     # stop agreement (see worker()), and not part of a step. These counted steps are slow: it would fall among them.
     heartbeat_s, tracking.HEARTBEAT_S = tracking.HEARTBEAT_S, float("inf")

@@ -139,7 +139,9 @@ def run_here(script: str, *args, cwd: Path | None = None, env: dict | None = Non
 @contextlib.contextmanager
 def own_signal_handlers():
     """pytest's own handlers of the signals a run's start takes over (shared/launch.py's check_launch), back after."""
-    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    from shared.launch import STOPS
+
+    handlers = {signum: signal.getsignal(signum) for signum in STOPS}
     try:
         yield
     finally:
