@@ -37,7 +37,6 @@ from shared.errors import RecipeError, flush_to_disk, replacing
 STEP_DIR = re.compile(r"step_(\d+)$")
 STOP_CHECK_S = 1.0  # several processes agree on a stop about this often (seconds of training)
 CHECKPOINT_S = 600  # without --checkpoint_every, a checkpoint about this often: a crash or kill -9 loses at most this
-SECOND_INTERRUPT_S = 1.0  # a SIGINT this long after the first is the user's second Ctrl-C, not torchrun's copy
 
 
 def run_id(folder: Path) -> str | None:
@@ -89,7 +88,7 @@ class StopOnSignals:
         read_end, write_end = os.pipe()
         os.set_blocking(write_end, False)
         signal.set_wakeup_fd(write_end)
-        threading.Thread(target=self._stop_at_second_interrupt, args=(read_end,), daemon=True).start()
+        threading.Thread(target=self._watch_interrupts, args=(read_end,), daemon=True).start()
         # Under nohup SIGHUP stays ignored, and the run goes on
         hangup = () if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else (signal.SIGHUP,)
         for signum in (*hangup, signal.SIGINT, signal.SIGTERM):  # SIGTERM's last: seen handled, the others are
@@ -98,25 +97,12 @@ class StopOnSignals:
     def _on_signal(self, signum, frame):
         self.signal = self.signal or signal.Signals(signum).name
 
-    def _stop_at_second_interrupt(self, read_end: int) -> None:
-        first = None
-        while True:
-            for signum in os.read(read_end, 64):
-                if signum != signal.SIGINT:  # SIGTERM: _on_signal's alone
-                    continue
-                if first is None:
-                    first = time.monotonic()
-                    from shared.resume import interrupted  # only the runs a Ctrl-C stops: an opt-in module
+    def _watch_interrupts(self, read_end: int) -> None:
+        while signal.SIGINT not in os.read(read_end, 64):  # the signals' numbers, as they come; SIGTERM: _on_signal's
+            pass
+        from shared.resume import after_interrupt  # only the runs a Ctrl-C stops: an opt-in module
 
-                    # Through sys.stdout, as every line: a pipe whose reader ended with the Ctrl-C (`| tee`) is
-                    # PrintableLines' to handle
-                    self.accelerator.print(interrupted(self))
-                elif time.monotonic() - first > SECOND_INTERRUPT_S:  # within it: torchrun's copy of the first
-                    try:
-                        os.write(2, f"error: stopped at once by a second Ctrl-C, without saving: continue from the "
-                                    f"newest checkpoint in {self.folder} with --resume latest\n".encode())
-                    finally:  # stderr a pipe its Ctrl-C ended (`2>&1 | tee`): the stop still comes
-                        os._exit(128 + signal.SIGINT)
+        after_interrupt(self, read_end)
 
     def after_step(self, model, step: int, at_log_point: bool) -> bool:
         """After each optimizer step: checkpoint every --checkpoint_every steps (without it, about every CHECKPOINT_S

@@ -29,6 +29,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -58,6 +59,7 @@ NOT_SETTINGS = ("resume", "resumed_step", "resumed_from", "run_id", "overwrite",
 FROM_THE_COMMAND_LINE = ("resume", "output_dir", "overwrite", "checkpoint_dir")
 FINISHED_FILES = ("model.safetensors", "summary.json", "curves.png", "confusion_matrix.png")  # a finished run's record
 RENAMED = {"samples_seen": "samples_into_epoch", "best_eval_acc": "max_eval_acc"}  # Progress, in older checkpoints
+SECOND_INTERRUPT_S = 1.0  # a SIGINT this long after the first is the user's second Ctrl-C, not torchrun's copy
 MOST = {"max_eval_acc": 1, "pieces": 10**6, "train_s": 10**9, "wall_s": 10**9}  # Progress's bounds; the others: 2**62
 # The variables of the launch a resume needs, and no others (an allow-list: the printed line is pasted, shown and kept
 # in wandb's log): accelerate's settings, the GPUs seen (CUDA_VISIBLE_DEVICES counts in CUDA_DEVICE_ORDER's order),
@@ -471,6 +473,24 @@ def interrupted(stop) -> str:
             again = (f"accelerate launch ends now, in its own traceback; this process, {os.getpid()}, saves after it: "
                      f"wait for its 'stopped by' line, or stop it at once with kill -INT {os.getpid()}")
     return f"Ctrl-C: stopping after this step with a checkpoint ({again})"
+
+
+def after_interrupt(stop, read_end: int) -> None:
+    """After the first Ctrl-C (`stop`: the run's Checkpoints; `read_end`: the pipe its signals' numbers come through):
+    the line that says what a second one does; then a second SIGINT, more than SECOND_INTERRUPT_S after the first,
+    stops the process at once, exit 130, without saving (a hung evaluation or collective)."""
+    first = time.monotonic()
+    # Through sys.stdout, as every line: a pipe whose reader ended with the Ctrl-C (`| tee`) is PrintableLines' to
+    # handle
+    stop.accelerator.print(interrupted(stop))
+    while True:
+        # Within SECOND_INTERRUPT_S: torchrun's copy of the first
+        if signal.SIGINT in os.read(read_end, 64) and time.monotonic() - first > SECOND_INTERRUPT_S:
+            try:
+                os.write(2, f"error: stopped at once by a second Ctrl-C, without saving: continue from the newest "
+                            f"checkpoint in {stop.folder} with --resume latest\n".encode())
+            finally:  # stderr a pipe its Ctrl-C ended (`2>&1 | tee`): the stop still comes
+                os._exit(128 + signal.SIGINT)
 
 
 def resume_command(stop) -> str:

@@ -267,7 +267,21 @@ class WandB(WandBTracker):
 
     @on_main_process
     def log(self, values: dict, step: int | None = None, **kwargs):
-        self.run.log({**values, "step": step}, **kwargs)
+        self.call("log", {**values, "step": step}, **kwargs)
+
+    @on_main_process
+    def finish(self):
+        self.call("finish")
+
+    def call(self, method: str, *args, **kwargs):
+        """The wandb run's `method`; once wandb's service process is gone (stopped by the signal that stops this run),
+        a disabled run's: the stop's checkpoint and the run's own files come first."""
+        try:
+            getattr(self.run, method)(*args, **kwargs)
+        except ConnectionError as error:
+            from shared.failures import without_wandb  # only a run whose wandb service stopped: an opt-in module
+
+            self.run = without_wandb(error)
 
 
 def run_config(cfg, accelerator, run_dir: Path, **extra) -> dict:

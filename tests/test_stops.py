@@ -422,6 +422,38 @@ def test_a_stop_under_the_launcher_of_1_process(env, marking, data, reference, t
     assert_bitwise_equal(weights(out), weights(reference))
 
 
+def test_a_stop_that_also_stops_wandbs_service_saves_and_ends_clean(marking, data, tmp_path):
+    """SIGTERM to every process of the run at once, wandb's service (wandb-core) included, as `accelerate launch` of
+    one process sends it from 1.16 (on a Ctrl-C too), and SLURM's scancel: wandb-core ends at once (wandb/wandb
+    #9963), and the run's next log (every step here) ended in a ConnectionResetError traceback, before the step's
+    checkpoint was saved, and its finish in another, with one more from wandb's exit handler. Now the stop goes on
+    without wandb, saying so once: the checkpoint, every row of metrics.jsonl, summary.json."""
+    out = tmp_path / "run"
+    process = start(dict(marking, WANDB_MODE="offline"), "--data", str(data), "--output_dir", str(out), "--batch_size",
+                    "8", "--max_steps", "400", "--log_every", "1", "--checkpoint_every", "0", "--tracker", "wandb")
+
+    def run_with_wandb() -> list[psutil.Process]:
+        try:
+            trainers = [psutil.Process(pid) for pid in training_processes(process.pid)]
+            services = [child for trainer in trainers for child in trainer.children() if child.name() == "wandb-core"]
+        except psutil.Error:  # a process ended while being read
+            return []
+        ready = trainers and stops_on_signals(marking, trainers[0].pid) and services and safe_rows(out)
+        return [psutil.Process(process.pid), *trainers, *services] if ready else []
+
+    wait_for(run_with_wandb, process)
+    for member in run_with_wandb():
+        member.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == (128 + signal.SIGTERM if LAUNCHER_WAITS else -signal.SIGTERM), stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert stdout.count("wandb: its service process has stopped (") == 1, stdout[-3000:]
+    stopped = int(stdout.split("stopped by SIGTERM at step ")[1].split(",")[0])
+    assert (out / "checkpoints" / f"step_{stopped}").is_dir() and stopped < 400
+    assert [row["step"] for row in safe_rows(out) if "train_loss" in row] == list(range(1, stopped + 1))
+    assert collect(out)[0]["state"] == f"stopped at step {stopped}" and (out / "summary.json").exists()
+
+
 @pytest.mark.skipif(not LAUNCHER_WAITS, reason="before accelerate 1.16 the launcher of 1 process waits for no save")
 def test_a_save_past_the_launchers_5_s_is_cut_short_and_the_run_resumes_from_the_one_before(env, data, reference,
                                                                                              tmp_path):

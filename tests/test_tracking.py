@@ -625,3 +625,35 @@ def test_runs_started_in_the_same_second_get_a_folder_each(tmp_path):
     base = str(tmp_path / "runs" / "cifar_cnn-20261127-080000")
     made = [new_folder(base) for _ in range(3)]
     assert made == [Path(base), Path(f"{base}-2"), Path(f"{base}-3")] and all(path.is_dir() for path in made)
+
+
+def test_a_wandb_run_whose_service_has_gone_is_replaced_by_a_disabled_one_said_once(capsys):
+    """wandb's service process (wandb-core) ends at once on a SIGINT or SIGTERM, and `accelerate launch` of one process
+    sends one to every process under it from 1.16: the run's next log or finish then failed in a ConnectionResetError
+    traceback, before the stop's checkpoint and the row's line in metrics.jsonl (wandb's tracker is first). In-process,
+    a run whose socket is gone stands in; a stop launched is tests/test_stops.py's."""
+    from accelerate import PartialState
+
+    from shared.tracking import WandB
+
+    class Gone:
+        calls = 0
+
+        def log(self, *args, **kwargs):
+            Gone.calls += 1
+            raise ConnectionResetError("Connection lost")
+
+        finish = log
+
+    PartialState()  # the trackers' calls are the main process's
+    logged, finished = WandB.__new__(WandB), WandB.__new__(WandB)  # no wandb.init: its service is what is gone
+    logged.run = finished.run = Gone()
+    logged.log({"train_loss": 1.0}, step=3)
+    logged.log({"train_loss": 0.9}, step=4)
+    logged.finish()
+    assert Gone.calls == 1 and logged.run.disabled
+    out = capsys.readouterr().out
+    assert out.count("wandb: its service process has stopped (ConnectionResetError: Connection lost)") == 1, out
+    assert "(wandb/wandb#9963)" in out and "To keep it, stop the training process itself (kill <its pid>)" in out
+    finished.finish()  # a stop with no log point after the signal: the finish is the first call that fails
+    assert Gone.calls == 2 and finished.run.disabled and "service process has stopped" in capsys.readouterr().out
