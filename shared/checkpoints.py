@@ -56,9 +56,10 @@ class StopOnSignals:
     """Checkpoints' stop on a signal; `save`, `accelerator`, `cfg` and `run_dir` are Checkpoints'.
 
     After `stop_on_signals()`, SIGTERM, SIGINT or SIGHUP asks the run to stop: it finishes the optimizer step, saves a
-    checkpoint and exits 0. A second SIGINT more than SECOND_INTERRUPT_S after the first (Ctrl-C again, for a hung
-    evaluation or collective) stops the process at once, exit 130, without saving. Other later signals change nothing
-    (torchrun forwards the first one again at once, and that must not cost the checkpoint); kill -9 stops at once.
+    checkpoint and exits 0. A second SIGINT more than a second after the first (Ctrl-C again, for a hung evaluation or
+    collective) stops the process at once, exit 130, without saving (shared/resume.py's `after_interrupt`). Other later
+    signals change nothing (torchrun forwards the first one again at once, and that must not cost the checkpoint);
+    kill -9 stops at once.
 
     How soon: one process stops after the step in flight. Several processes must first agree on a step, which they
     do about every STOP_CHECK_S seconds of training; the stop then takes at most that, plus an evaluation if one
