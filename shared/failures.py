@@ -117,13 +117,14 @@ def without_wandb(error: ConnectionError):
     """A disabled wandb run, in place of one whose service process (wandb-core) has gone: `error`, from the socket to
     it. wandb-core takes a SIGINT or SIGTERM as its own stop, at once, keeping only what it had written (wandb/wandb
     #9963), and `accelerate launch` of one process, from 1.16, sends one to every process under it, wandb-core
-    included. The run's stop goes on without it: the step's checkpoint, metrics.jsonl and summary.json. Said once."""
+    included, as SLURM's stops of a job step do. The run's stop goes on without it: the step's checkpoint,
+    metrics.jsonl and summary.json. Said once."""
     import wandb
 
-    print(f"wandb: its service process has stopped ({type(error).__name__}: {first_line(error)[:100]}), as a SIGINT or "
-          "SIGTERM stops it, which accelerate launch from 1.16 sends it too (wandb/wandb#9963): wandb's record of this "
-          "launch may end early (offline, at what it had written); metrics.jsonl and the checkpoints have every step. "
-          "To keep it, stop the training process itself (kill <its pid>), not its launcher")
+    print(f"wandb: its service process has stopped ({type(error).__name__}: {first_line(error)[:100]}): a SIGINT or "
+          "SIGTERM to it stops it (wandb/wandb#9963); accelerate launch from 1.16, SLURM and systemd signal every "
+          "process of a run: wandb's record of this launch may end early (offline: at what it wrote); metrics.jsonl "
+          "and the checkpoints have every step. To keep it, signal the training process alone (kill <its pid>)")
     with suppress(Exception):  # the service is gone: the teardown's message to it fails, after it unhooks wandb's exit
         wandb.teardown()  # handler, which would end the process in a traceback
     return wandb.init(mode="disabled")

@@ -654,6 +654,6 @@ def test_a_wandb_run_whose_service_has_gone_is_replaced_by_a_disabled_one_said_o
     assert Gone.calls == 1 and logged.run.disabled
     out = capsys.readouterr().out
     assert out.count("wandb: its service process has stopped (ConnectionResetError: Connection lost)") == 1, out
-    assert "(wandb/wandb#9963)" in out and "To keep it, stop the training process itself (kill <its pid>)" in out
+    assert "(wandb/wandb#9963)" in out and "To keep it, signal the training process alone (kill <its pid>)" in out
     finished.finish()  # a stop with no log point after the signal: the finish is the first call that fails
     assert Gone.calls == 2 and finished.run.disabled and "service process has stopped" in capsys.readouterr().out
