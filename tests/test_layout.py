@@ -7,8 +7,10 @@ import difflib
 import importlib
 import importlib.util
 import json
+import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -333,6 +335,18 @@ def test_the_budget_fails_over_a_ceiling_and_prints_what_is_over_its_budget(caps
     assert capsys.readouterr().out.splitlines()[-1] == "every budget met"
     # each ceiling names a count that exists
     assert all(name.rsplit(": ", 1)[-1] in budget.BUDGETS or name == "opt-in" for name in budget.CEILINGS)
+
+
+def test_the_budget_piped_to_a_reader_that_ends_first_ends_quietly():
+    """`python -m tools.budget | head -1`: head ends after its line, and the rest met a closed pipe: a BrokenPipeError
+    traceback at the exit's flush. Now the pipe's signal ends it, as it ends a Unix tool. Here the reader is gone from
+    the start."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    result = subprocess.run([sys.executable, "-m", "tools.budget"], cwd=ROOT, stdout=write_end, stderr=subprocess.PIPE,
+                            text=True)
+    os.close(write_end)
+    assert result.returncode == -signal.SIGPIPE and result.stderr == "", result.stderr
 
 
 @pytest.mark.slow  # what a new process imports

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import ast
 import io
+import signal
 import sys
 import tokenize
 from pathlib import Path
@@ -134,4 +135,7 @@ def report(counts: list[tuple[str, int, int]], ceilings: dict[str, int] = CEILIN
 
 
 if __name__ == "__main__":
+    # `python -m tools.budget | head`: a reader that ends first ends this quietly, as it ends a Unix tool, not in a
+    # BrokenPipeError traceback at the exit's flush
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     main()
