@@ -23,14 +23,25 @@ from shared.errors import RecipeError, first_line
 MAX_CLASSES = 100_000  # a label column's classes: ImageNet-21k's 21,841 fit, a label of 2^40 does not
 
 
-def free_memory(cgroups: Path = Path("/sys/fs/cgroup")) -> float:
+def free_memory(cgroups: Path = Path("/sys/fs/cgroup"), own: Path = Path("/proc/self/cgroup")) -> float:
     """Bytes this process may still allocate: the memory the system has available (page cache counts as free, as in
-    `free`), within the limit of its cgroup and of every cgroup above it (cgroup v2: a container's or a SLURM job's
-    memory limit), and within its address-space limit (`ulimit -v`). psutil (accelerate's) reads the system's figures
-    (on Linux, MemAvailable in /proc/meminfo) and this process's address space, on macOS too."""
+    `free`), within the limit of its cgroup and of every cgroup above it (a container's or a SLURM job's memory limit,
+    in cgroup v2 or v1), and within its address-space limit (`ulimit -v`). psutil (accelerate's) reads the system's
+    figures (on Linux, MemAvailable in /proc/meminfo) and this process's address space, on macOS too. `own`: this
+    process's cgroups, a line each (hierarchy:controllers:path)."""
     room = [psutil.virtual_memory().available]
     with contextlib.suppress(OSError, ValueError, StopIteration):
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        lines = own.read_text().splitlines()
+        # cgroup v1 (kernels and SLURM set up before v2): the memory controller's own tree, where memory.stat's
+        # hierarchical_memory_limit is the lowest limit of the cgroup and of those above it. A container of v1 sees
+        # its own cgroup at the tree's root, named by the host's path
+        with contextlib.suppress(OSError, ValueError, StopIteration, KeyError):
+            path = next(line.split(":", 2)[2] for line in lines if ":memory:" in line)
+            folder = cgroups / "memory" / path.strip("/")
+            folder = folder if folder.is_dir() else cgroups / "memory"
+            stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines())
+            used = int((folder / "memory.usage_in_bytes").read_text()) - int(stat["total_inactive_file"])
+            room.append(int(stat["hierarchical_memory_limit"]) - used)
         group = cgroups / next(line[3:] for line in lines if line.startswith("0::")).strip("/")
         for folder in [group, *group.parents[:len(group.relative_to(cgroups).parts)]]:
             with contextlib.suppress(OSError, ValueError, KeyError):  # "max": no limit in this cgroup

@@ -532,18 +532,57 @@ def test_the_decode_cache_sits_beside_datasets_own_cache_without_importing_datas
 
 
 def test_free_memory_stays_within_the_cgroups_limit(tmp_path):
-    """A container's or a SLURM job's memory limit (cgroup v2: memory.max), less what the cgroup uses beyond page cache
-    it can drop. This process's own cgroup is "/" here, so the folder given stands for the cgroup root."""
+    """A container's or a SLURM job's memory limit, less what its cgroup uses beyond page cache it can drop: in cgroup
+    v2, memory.max of its cgroup and of each above it; in v1 (where a limit was not seen: 23 GiB free in a cgroup of
+    1 GiB), its memory controller's tree, whose memory.stat gives the lowest limit above, and where a container sees its
+    own cgroup at the tree's root, named by the host's path. `own` stands for /proc/self/cgroup."""
     from shared.bounds import free_memory
 
-    if "0::/\n" not in Path("/proc/self/cgroup").read_text():
-        pytest.skip("this process sits below the cgroup namespace's root")
-    (tmp_path / "memory.stat").write_text("anon 1\ninactive_file 104857600\n")
-    (tmp_path / "memory.current").write_text("629145600\n")
-    (tmp_path / "memory.max").write_text("1073741824\n")
-    assert free_memory(tmp_path) == 2**30 - 600 * 2**20 + 100 * 2**20
-    (tmp_path / "memory.max").write_text("max\n")  # no limit: the system's free memory (this machine has over 1 GiB)
-    assert free_memory(tmp_path) > 2**30
+    own, v2 = tmp_path / "cgroup", tmp_path / "v2"
+    own.write_text("0::/slurm/job_1\n")
+    for folder, limit in ((v2 / "slurm", "max"), (v2 / "slurm" / "job_1", "1073741824")):
+        folder.mkdir(parents=True)
+        (folder / "memory.stat").write_text("anon 1\ninactive_file 104857600\n")
+        (folder / "memory.current").write_text("629145600\n")
+        (folder / "memory.max").write_text(f"{limit}\n")
+    assert free_memory(v2, own) == 2**30 - 600 * 2**20 + 100 * 2**20
+    (v2 / "slurm" / "job_1" / "memory.max").write_text("max\n")  # none here or above: the system's (over 1 GiB here)
+    assert free_memory(v2, own) > 2**30
+    (v2 / "slurm" / "memory.max").write_text("943718400\n")  # the job's cgroup within a smaller one above it
+    assert free_memory(v2, own) == 900 * 2**20 - 500 * 2**20
+
+    v1 = tmp_path / "v1" / "memory"
+    for folder in (v1 / "slurm" / "uid_0" / "job_2", v1):  # SLURM's cgroup v1 plugin; then a container of v1
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "memory.stat").write_text("cache 1\nhierarchical_memory_limit 1073741824\n"
+                                            "total_inactive_file 104857600\n")
+        (folder / "memory.usage_in_bytes").write_text("629145600\n")
+        own.write_text("12:pids:/slurm/uid_0/job_2\n4:memory:/slurm/uid_0/job_2\n2:cpu,cpuacct:/slurm\n"
+                       if folder != v1 else "4:memory:/docker/0123abcd\n0::/\n")
+        assert free_memory(v1.parent, own) == 2**30 - 500 * 2**20
+        (folder / "memory.stat").write_text("hierarchical_memory_limit 9223372036854771712\ntotal_inactive_file 0\n")
+        assert free_memory(v1.parent, own) > 2**30  # v1's "no limit"
+
+
+@pytest.mark.slow  # a process of its own, in a cgroup the kernel limits
+def test_free_memory_in_a_cgroup_v1_the_kernel_limits(tmp_path):
+    """Where this machine has cgroup v1's memory controller and root may make a cgroup in it: a process in a cgroup
+    limited to 1 GiB finds less than 1 GiB free (it found 23 GiB, the machine's)."""
+    line = next((line for line in Path("/proc/self/cgroup").read_text().splitlines() if ":memory:" in line), "")
+    parent = Path("/sys/fs/cgroup/memory") / line.split(":", 2)[-1].strip("/")
+    if not line or not (parent / "cgroup.procs").exists() or not os.access(parent, os.W_OK):
+        pytest.skip("no cgroup v1 memory controller here that this process may make a cgroup in")
+    group = parent / f"recipes-test-{os.getpid()}"
+    group.mkdir()
+    try:
+        (group / "memory.limit_in_bytes").write_text(f"{2**30}\n")
+        code = "from shared.bounds import free_memory; print(free_memory())"
+        result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                                preexec_fn=lambda: (group / "cgroup.procs").write_text(f"{os.getpid()}\n"))
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert 0 < float(result.stdout) < 2**30
+    finally:
+        group.rmdir()
 
 
 @pytest.mark.parametrize("layout", ["idx", "cifar"])
