@@ -124,8 +124,8 @@ def load_recipe(cfg: Config, about: dict):
                   and f'\nRECIPE = "{trained_by}"'.encode() in path.read_bytes()]
         if not beside:
             raise RecipeError(f"--weights {cfg.weights}: which recipe builds the model? They name none of the recipes "
-                              f"beside predict.py: pass --recipe PATH of the script that trained them (a file the "
-                              "weights name is never imported)")
+                              "beside predict.py (a run's model.safetensors names its own; a .pt, none): pass --recipe "
+                              "PATH of the script that trained them (a file the weights name is never imported)")
         name = str(beside[0])
     path = Path(name) if name.endswith(".py") else RECIPES / f"{name}.py"
     if not (name.endswith(".py") or RECIPE_NAME.fullmatch(name)) or not path.is_file():

@@ -319,7 +319,10 @@ def test_predict_bad_input_is_one_line_and_keeps_what_is_on_disk(env, run, folde
         ((other, root, tmp_path / "new.csv"), {"recipe": "cifar_cnn", "classes": ",".join(CLASSES[:10])},
          f"--weights {other} does not fit this model"),
         ((other, root, tmp_path / "new.csv"), {}, f"--weights {other}: which recipe builds the model? They name none "
-                                                 "of the recipes beside predict.py: pass --recipe PATH"),
+                                                 "of the recipes beside predict.py (a run's model.safetensors names "
+                                                 "its own; a .pt, none): pass --recipe PATH"),
+        # The run's config.json for its weights: the line named --recipe alone, not the file that names the recipe
+        ((out / "config.json", root, tmp_path / "new.csv"), {}, "(a run's model.safetensors names its own"),
         ((weights, root, tmp_path / "new.csv"), {"recipe": "resnet18_fmnist"},  # said first (below)
          f"--weights {weights} does not fit this model ('0.weight' is (32, 3, 5, 5) in the file"),
         ((tmp_path / "none.pt", root, tmp_path / "new.csv"), {}, f"--weights {tmp_path / 'none.pt'}: no such file"),
