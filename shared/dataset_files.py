@@ -338,8 +338,8 @@ class DatasetFiles:
 def find_dataset_files(folder: Path) -> DatasetFiles | None:
     """The IDX or CIFAR files in `folder`, or where torchvision's download puts them below its root folder."""
     if not folder.is_dir():  # a dataset is a folder of files (or a hub id), whatever its format
-        raise RecipeError(f"--data {folder} is a file, not a folder: pass the folder that holds the dataset's files "
-                          "(parquet files, class folders of images, IDX or CIFAR files), or a hub id")
+        raise RecipeError(f"--data {folder} is a file, not a folder (an archive? extract it): pass the folder of the "
+                          "dataset's files (parquet files, class folders of images, IDX or CIFAR files), or a hub id")
     candidates = (folder, folder / "raw", *sorted(folder.glob("*/raw")), *sorted(folder.glob("cifar-*")))
     found = [f for candidate in candidates
              if candidate.is_dir() and (f := idx_files(candidate) or cifar_files(candidate))]

@@ -435,15 +435,17 @@ def test_synthetic_with_a_data_folder_is_one_line_not_a_run_on_generated_images(
     assert not any((tmp_path / "run").iterdir())  # nothing trained or written (a process's exit removes the folder)
 
 
-def test_a_file_passed_as_data_is_named_as_a_file(tmp_path):
+@pytest.mark.parametrize("name", ["train.parquet", "photos.zip"])
+def test_a_file_passed_as_data_is_named_as_a_file(tmp_path, name):
     """--data train.parquet, one file of a dataset instead of its folder, said "cannot list the folders under
-    train.parquet (Not a directory): move the files nearer the root", which is not the cause."""
+    train.parquet (Not a directory): move the files nearer the root", which is not the cause. A download's archive
+    (photos.zip) is named as one to extract."""
     from shared.data import find_source
 
-    file = tmp_path / "train.parquet"
+    file = tmp_path / name
     file.write_bytes(b"PAR1")
-    with pytest.raises(RecipeError, match=r"--data \S+/train.parquet is a file, not a folder: pass the folder that "
-                                          r"holds the dataset's files"):
+    with pytest.raises(RecipeError, match=rf"--data \S+/{re.escape(name)} is a file, not a folder \(an archive\? "
+                                          r"extract it\): pass the folder of the dataset's files"):
         find_source(str(file))
 
 
