@@ -102,7 +102,7 @@ def open_run(cfg, recipe: str) -> tuple[Path, list]:
             probe.unlink()
         except OSError as error:
             raise RecipeError(f"cannot write to {run_dir} ({error.strerror}): pass --output_dir a writable folder, "
-                              "not a file or a path inside one") from None
+                              "not a file or a path inside one (a run there: --resume its newest checkpoint)") from None
     state.wait_for_everyone()
     if state.num_processes != int(os.environ.get("LOCAL_WORLD_SIZE", state.num_processes)):  # several machines
         from shared.nodes import check_shared  # only the runs of several nodes: an opt-in module

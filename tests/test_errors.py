@@ -591,18 +591,46 @@ def test_a_dataset_without_a_train_split_names_the_splits_it_has(env, tmp_path):
 # ------------------------------------------------------------------ outputs and checkpoints
 def test_output_dir_not_writable(env, data, tmp_path):
     """A path through a file, or a file itself: its "(File exists)" read as a run folder already there. The default
-    folder too, through a file named runs."""
+    folder too, through a file named runs. The line says how a run in a folder that cannot be written (a read-only
+    filesystem) continues: from its checkpoint, into a writable --output_dir."""
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
     for output_dir, reason in ((blocker / "run", "Not a directory"), (blocker, "File exists")):
         one_line(run_here("cifar_cnn", "--data", str(data), "--output_dir", str(output_dir), *SHORT),
                  f"cannot write to {output_dir} ({reason}): pass --output_dir a writable folder, not a file or a "
-                 "path inside one")
+                 "path inside one (a run there: --resume its newest checkpoint)")
     assert blocker.read_text() == "not a folder"
     (tmp_path / "runs").write_text("mine")  # without --output_dir: runs/<recipe>-<time>, through a file
     one_line(run_here("cifar_cnn", "--data", str(data), *SHORT, cwd=tmp_path), "cannot write to runs/cifar_cnn-",
              "(Not a directory): pass --output_dir a writable folder")
     assert (tmp_path / "runs").read_text() == "mine"
+
+
+def test_a_run_on_a_read_only_filesystem_continues_from_its_checkpoint_into_a_writable_folder(env, data, tmp_path):
+    """--resume latest of a run folder on a read-only filesystem (a snapshot, an archive mounted) said "pass
+    --output_dir a writable folder", which --resume latest cannot take, and not what continues the run: its checkpoint
+    given to --resume, with a new --output_dir. The line says so, and the run continues so."""
+    run_here("cifar_cnn", "--data", str(data), "--output_dir", str(tmp_path / "source" / "run"), *SHORT)
+    read_only = tmp_path / "read_only"
+    read_only.mkdir()
+    mounted = subprocess.run(["mount", "--bind", str(tmp_path / "source"), str(read_only)], capture_output=True,
+                             text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a folder here (root can): {mounted.stderr.strip()}")
+    try:
+        # read-only by a remount: util-linux before 2.27 left a bind mount given ro writable
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(read_only)], check=True)
+        run = read_only / "run"
+        one_line(run_here("cifar_cnn", "--output_dir", str(run), "--resume", "latest", "--max_steps", "6"),
+                 f"cannot write to {run} (Read-only file system): pass --output_dir a writable folder, not a file or "
+                 "a path inside one (a run there: --resume its newest checkpoint)")
+        continued = tmp_path / "continued"
+        result = run_here("cifar_cnn", "--resume", str(run / "checkpoints" / "step_4"), "--output_dir",
+                          str(continued), "--max_steps", "6")
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert read_json(continued / "summary.json")["steps"] == 6
+    finally:
+        subprocess.run(["umount", str(read_only)], check=True)
 
 
 @pytest.fixture(scope="module")
