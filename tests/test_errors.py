@@ -6,6 +6,7 @@ point, the case launches (the slow tier)."""
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import importlib
 import importlib.util
@@ -630,6 +631,7 @@ def test_a_run_on_a_read_only_filesystem_continues_from_its_checkpoint_into_a_wr
         assert result.returncode == 0, result.stderr[-3000:]
         assert read_json(continued / "summary.json")["steps"] == 6
     finally:
+        gc.collect()  # the checkpoint's files, mapped by the resume, freed: see small_disk
         subprocess.run(["umount", str(read_only)], check=True)
 
 
@@ -992,6 +994,9 @@ def small_disk(tmp_path):
     if mounted.returncode:
         pytest.skip(f"cannot mount a tmpfs here (root can): {mounted.stderr.strip()}")
     yield disk
+    # A test's weights (safetensors' load_file maps the file) may be garbage that the collector has not freed yet: a
+    # mapping of model.safetensors left the tmpfs busy, its umount refused (Python 3.13.0, at every run)
+    gc.collect()
     subprocess.run(["umount", str(disk)], check=True)
 
 
