@@ -6,6 +6,7 @@ point, the case launches (the slow tier)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import importlib
@@ -614,11 +615,7 @@ def test_a_run_on_a_read_only_filesystem_continues_from_its_checkpoint_into_a_wr
     run_here("cifar_cnn", "--data", str(data), "--output_dir", str(tmp_path / "source" / "run"), *SHORT)
     read_only = tmp_path / "read_only"
     read_only.mkdir()
-    mounted = subprocess.run(["mount", "--bind", str(tmp_path / "source"), str(read_only)], capture_output=True,
-                             text=True)
-    if mounted.returncode:
-        pytest.skip(f"cannot mount a folder here (root can): {mounted.stderr.strip()}")
-    try:
+    with mounted(read_only, "--bind", str(tmp_path / "source")):
         # read-only by a remount: util-linux before 2.27 left a bind mount given ro writable
         subprocess.run(["mount", "-o", "remount,bind,ro", str(read_only)], check=True)
         run = read_only / "run"
@@ -630,9 +627,22 @@ def test_a_run_on_a_read_only_filesystem_continues_from_its_checkpoint_into_a_wr
                           str(continued), "--max_steps", "6")
         assert result.returncode == 0, result.stderr[-3000:]
         assert read_json(continued / "summary.json")["steps"] == 6
+
+
+@contextlib.contextmanager
+def mounted(where: Path, *how: str):
+    """`mount *how where` for the block, unmounted after it, failed or not; skipped where no mount can be made here
+    (root can)."""
+    mount = subprocess.run(["mount", *how, str(where)], capture_output=True, text=True)
+    if mount.returncode:
+        pytest.skip(f"cannot mount {how[-1]} here (root can): {mount.stderr.strip()}")
+    try:
+        yield where
     finally:
-        gc.collect()  # the checkpoint's files, mapped by the resume, freed: see small_disk
-        subprocess.run(["umount", str(read_only)], check=True)
+        # A test's weights (safetensors' load_file maps the file) may be garbage that the collector has not freed yet:
+        # a mapping of model.safetensors left the tmpfs busy, its umount refused (Python 3.13.0, at every run)
+        gc.collect()
+        subprocess.run(["umount", str(where)], check=True)
 
 
 @pytest.fixture(scope="module")
@@ -989,15 +999,8 @@ def small_disk(tmp_path):
     RuntimeError ("unexpected pos") and safetensors with its own error, not with the OSError that Python raises."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2000k", "tmpfs", str(disk)], capture_output=True,
-                             text=True)
-    if mounted.returncode:
-        pytest.skip(f"cannot mount a tmpfs here (root can): {mounted.stderr.strip()}")
-    yield disk
-    # A test's weights (safetensors' load_file maps the file) may be garbage that the collector has not freed yet: a
-    # mapping of model.safetensors left the tmpfs busy, its umount refused (Python 3.13.0, at every run)
-    gc.collect()
-    subprocess.run(["umount", str(disk)], check=True)
+    with mounted(disk, "-t", "tmpfs", "-o", "size=2000k", "tmpfs"):
+        yield disk
 
 
 @pytest.mark.parametrize("full_at", ["checkpoint", "weights"])
