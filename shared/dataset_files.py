@@ -34,7 +34,7 @@ import torch
 from shared.bounds import check_cache_error, check_decoded_size, free_memory, walk
 from shared.config import MAX_JSON_BYTES, read_json
 from shared.errors import RecipeError, first_line, is_main_process, printable
-from shared.images import fit, to_channels
+from shared.images import fit
 from shared.pickles import check_pickle
 
 FASHION_MNIST = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
@@ -333,6 +333,16 @@ class DatasetFiles:
         return {split: (fit(to_channels(pixels, image_shape[0]), *image_shape[1:], f"{source} '{split}'",
                             interpolation).contiguous(), labels) for split, (pixels, labels) in splits.items()
                 }, classes, seen
+
+
+def to_channels(images: torch.Tensor, channels: int) -> torch.Tensor:
+    """uint8 (N, C, H, W) with 1 or 3 channels -> `channels`, as PIL converts L <-> RGB."""
+    if images.shape[1] == channels:
+        return images
+    if channels == 3:
+        return images.expand(-1, 3, -1, -1)
+    r, g, b = images.to(torch.int32).unbind(1)  # ITU-R 601-2 luma in PIL's 16-bit fixed point
+    return ((r * 19595 + g * 38470 + b * 7471 + 0x8000) >> 16).to(torch.uint8)[:, None]
 
 
 def find_dataset_files(folder: Path) -> DatasetFiles | None:

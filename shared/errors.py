@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, redirect_stdout, suppress
@@ -56,13 +57,17 @@ def is_main_process() -> bool:
 
 class PrintableLines:
     """The standard output while an entry point runs (`one_line_errors`): each line passes through `printable`, so a
-    name from a file, a folder or a flag, in any message, is shown and never acted on by the terminal."""
+    name from a file, a folder or a flag, in any message, is shown and never acted on by the terminal; and each line
+    is written whole, once it ends (as a terminal's line buffering shows it), whichever threads print meanwhile."""
 
     def __init__(self, stream):
-        self.stream = stream
+        self.stream, self.started = stream, threading.local()  # each thread's line not yet ended
 
     def write(self, text: str) -> int:
-        shown = "\n".join(map(printable, text.split("\n")))
+        # print writes its text, then its newline: a line another thread printed between the two (the first
+        # Ctrl-C's, shared/resume.py's after_interrupt) was spliced into this one
+        ended, newline, self.started.line = (getattr(self.started, "line", "") + text).rpartition("\n")
+        shown = "\n".join(map(printable, ended.split("\n"))) + newline
         try:
             self.stream.write(shown)
             self.stream.flush()  # each line shown at once (no print needs flush=True), and here, where a closed

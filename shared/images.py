@@ -1,6 +1,6 @@
-"""Images into the recipes' tensors: one file decoded (`decode`, bounded by PIL's pixel limit), and an image or a batch
-converted to the recipe's channels and size (`to_channels`, `fit`: torchvision's resize and centre crop); `conversion`
-says what was converted."""
+"""Images into the recipes' tensors: one file decoded (`decode`, bounded by PIL's pixel limit) into the recipe's
+channels, an image or a batch fitted to its size (`fit`: torchvision's resize and centre crop); `conversion` says what
+was converted."""
 
 import io
 import warnings
@@ -56,16 +56,6 @@ def decode(file: bytes | str | Path, channels: int, where: str):
         raise RecipeError(f"{where} is not a readable image ({type(error).__name__}: {first_line(error)[:120]}): "
                           "remove it or replace it") from None
     return torch.from_numpy(pixels).reshape(*pixels.shape[:2], -1).permute(2, 0, 1).expand(channels, -1, -1), own
-
-
-def to_channels(images: torch.Tensor, channels: int) -> torch.Tensor:
-    """uint8 (N, C, H, W) with 1 or 3 channels -> `channels`, as PIL converts L <-> RGB."""
-    if images.shape[1] == channels:
-        return images
-    if channels == 3:
-        return images.expand(-1, 3, -1, -1)
-    r, g, b = images.to(torch.int32).unbind(1)  # ITU-R 601-2 luma in PIL's 16-bit fixed point
-    return ((r * 19595 + g * 38470 + b * 7471 + 0x8000) >> 16).to(torch.uint8)[:, None]
 
 
 def conversion(image_shape: tuple[int, int, int], seen: dict) -> str:

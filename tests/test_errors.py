@@ -11,6 +11,7 @@ import gc
 import hashlib
 import importlib
 import importlib.util
+import io
 import json
 import math
 import os
@@ -19,6 +20,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -1136,6 +1138,21 @@ def test_a_standard_output_that_fails_is_pointed_at_stderr_and_descriptor_1_left
     finally:
         os.dup2(kept, 1)
         os.close(kept)
+
+
+def test_a_line_another_thread_prints_meanwhile_is_never_spliced_into_a_line():
+    """The first Ctrl-C's line is printed by a thread of its own (shared/resume.py's after_interrupt), while the run
+    may be printing one: print writes its text, then its newline, and the other thread's line came between the two
+    ("...without saving)cifar_cnn: ... run", then both newlines: a CI run of test_stops.py). Now each thread's line is
+    written whole, and a control character in the held part is still escaped."""
+    stream = io.StringIO()
+    lines = PrintableLines(stream)
+    lines.write("the run's line \x1b[2J")  # print's first write; its newline comes next
+    other = threading.Thread(target=print, args=("the Ctrl-C's line",), kwargs={"file": lines})
+    other.start()
+    other.join()
+    assert lines.write("\n") == 1
+    assert stream.getvalue() == "the Ctrl-C's line\nthe run's line \\x1b[2J\n"
 
 
 def fill(path: Path) -> None:
