@@ -196,6 +196,8 @@ def pick_splits(splits: datasets.DatasetDict, source: str):
         raise RecipeError(f"{source} has no 'train' split (splits: {', '.join(splits) or 'none'}): "
                           "name the training split 'train'")
     train, test = splits["train"], splits.get("test", splits.get("validation"))
+    if "test" not in splits and test is not None and is_main_process():  # its accuracy is reported as the test's
+        print(f"{source} has no 'test' split: testing on its 'validation' split ({len(test):,} images)")
     if test is None and len(train) < 2:
         raise RecipeError(f"{source} holds {len(train)} example(s) and no 'test' split: a run needs at least one "
                           "example to train on and one to test on; add examples, or a 'test' split")
