@@ -23,6 +23,7 @@ import io
 import math
 import os
 import pickle
+import re
 import struct
 import zlib
 from dataclasses import dataclass
@@ -48,6 +49,9 @@ MAX_INFLATE_RATIO = 100  # what a compressed file (parquet, gzip) may inflate to
 MAX_NAMES_BYTES = 2**20  # a file of class names: CIFAR-100's is under 1 KiB
 MAX_PICKLE_BYTES = 2**28  # one CIFAR pickle (its text costs 6 times its size to read): 400 MB of text took 3.3 GB
 IDX_SPLITS = {"train": ("train",), "test": ("t10k", "test")}
+# A word of a file's name by which datasets knows a split other than 'train' (its SPLIT_KEYWORDS and NON_WORDS_CHARS),
+# in any case: datasets' own match is in lowercase alone
+OTHER_SPLIT = re.compile(r"(^|[-._ 0-9])(validation|valid|dev|val|test|testing|eval|evaluation)[-._ 0-9]", re.I)
 CIFAR_BINARY = {  # folder -> the files of each split, the class names' file, the label bytes before each image
     "cifar-10-batches-bin": ({"train": [f"data_batch_{i}.bin" for i in range(1, 6)], "test": ["test_batch.bin"]},
                              "batches.meta.txt", 1),
@@ -116,13 +120,18 @@ def open_local(folder: Path):
         raise RecipeError(f"{folder}: its folders {printable(', '.join(splits))} hold class folders, as splits do, "
                           "but datasets read a 'train' split alone from them: it knows a split's folder only by its "
                           "lowercase name (train, test, validation, ...: docs/data.md); rename them")
+    # Parquet files the same: Train.parquet and Test.parquet were read as one 'train' split
+    if list(loaded) == ["train"] and (named := [file.name for file in tables if OTHER_SPLIT.search(file.name)]):
+        raise RecipeError(f"{folder}: datasets read its parquet files as one 'train' split, "
+                          f"{printable(', '.join(named))} included: it knows a split's file only by its lowercase name "
+                          "(train, test, validation, ...: docs/data.md); rename them")
     return loaded
 
 
 def check_datasets_folder(folder: Path) -> bool:
     """What datasets will read from a local folder, checked first, in one walk (a folder may hold millions of photos,
     so only what the checks read is kept): a save_to_disk folder's files, its parquet files' sizes once read, or an
-    imagefolder's files. Returns whether it holds parquet tables (datasets' parquet builder reads them)."""
+    imagefolder's files. Returns the parquet tables datasets' parquet builder reads (none in a save_to_disk folder)."""
     from datasets.packaged_modules.imagefolder.imagefolder import ImageFolder
 
     saved = check_saved_dataset(folder)
@@ -140,10 +149,10 @@ def check_datasets_folder(folder: Path) -> bool:
         elif not entry.is_file():  # a FIFO or a broken link named as an image
             irregular.append(Path(entry.path))
     check_parquet_files(sorted(parquet))
-    tables = [file for file in parquet if file.name != "metadata.parquet"]  # that one: an imagefolder's labels
+    tables = [] if saved else [file for file in parquet if file.name != "metadata.parquet"]  # an imagefolder's labels
     if not saved and not tables:
         check_image_folder(folder, linked, sorted(others), sorted(irregular))
-    return bool(tables)
+    return tables
 
 
 def check_parquet_files(files: list[Path]) -> None:

@@ -26,6 +26,7 @@ from tiny_data import (
     cifar_folder,
     cifar_python_folder,
     idx_folder,
+    image_splits,
     imagefolder_dataset,
     parquet_dataset,
     random_splits,
@@ -439,6 +440,32 @@ def test_split_folders_that_datasets_does_not_know_are_one_line(tmp_path, names)
     found = find_source(str(classes))
     assert found.classes == ["Test", "Val"]
     assert len(found.splits["train"]) + len(found.splits["test"]) == 2 * len(list(classes.glob("Val/*.png")))
+
+
+@pytest.mark.parametrize("names", [("Train", "Test"), ("train", "Test"), ("train-0", "Validation-0")],
+                         ids=["Train and Test", "train and Test", "train-0 and Validation-0"])
+def test_parquet_files_named_for_a_split_datasets_does_not_know_are_one_line(tmp_path, names):
+    """Train.parquet and Test.parquet: datasets knows a split's file by its lowercase name only, so it read both as
+    one 'train' split and held out a random 10% of it, the test images trained on (beside train.parquet, it left
+    Test.parquet out). Nothing is read from the folder but the check; lowercase names are the splits."""
+    from shared.data import find_source
+    from shared.errors import RecipeError
+
+    data, splits = tmp_path / "data", image_splits(sizes={"train": 8, "test": 4})
+    data.mkdir()
+    for name, split in zip(names, ("train", "test"), strict=True):
+        splits[split].to_parquet(str(data / f"{name}.parquet"))
+    before = sorted(data.rglob("*"))
+    with pytest.raises(RecipeError) as error:
+        find_source(str(data))
+    assert str(error.value) == (
+        f"{data}: datasets read its parquet files as one 'train' split, {names[1]}.parquet included: it knows a "
+        "split's file only by its lowercase name (train, test, validation, ...: docs/data.md); rename them")
+    assert sorted(data.rglob("*")) == before
+    for name in names:
+        (data / f"{name}.parquet").rename(data / f"{name.lower()}.parquet")
+    found = find_source(str(data))
+    assert sorted(map(len, found.splits.values())) == [4, 8]
 
 
 def test_a_dataset_saved_alone_is_found_without_decoding_an_image(tmp_path):
