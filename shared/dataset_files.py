@@ -128,7 +128,7 @@ def open_local(folder: Path):
     return loaded
 
 
-def check_datasets_folder(folder: Path) -> bool:
+def check_datasets_folder(folder: Path) -> list[Path]:
     """What datasets will read from a local folder, checked first, in one walk (a folder may hold millions of photos,
     so only what the checks read is kept): a save_to_disk folder's files, its parquet files' sizes once read, or an
     imagefolder's files. Returns the parquet tables datasets' parquet builder reads (none in a save_to_disk folder)."""
@@ -149,7 +149,7 @@ def check_datasets_folder(folder: Path) -> bool:
         elif not entry.is_file():  # a FIFO or a broken link named as an image
             irregular.append(Path(entry.path))
     check_parquet_files(sorted(parquet))
-    tables = [] if saved else [file for file in parquet if file.name != "metadata.parquet"]  # an imagefolder's labels
+    tables = [] if saved else [file for file in parquet if file.name != "metadata.parquet"]  # that: its labels
     if not saved and not tables:
         check_image_folder(folder, linked, sorted(others), sorted(irregular))
     return tables
