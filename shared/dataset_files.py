@@ -149,7 +149,8 @@ def check_datasets_folder(folder: Path) -> list[Path]:
         elif not entry.is_file():  # a FIFO or a broken link named as an image
             irregular.append(Path(entry.path))
     check_parquet_files(sorted(parquet))
-    tables = [] if saved else [file for file in parquet if file.name != "metadata.parquet"]  # that: its labels
+    # metadata.parquet: an imagefolder's labels, not a table
+    tables = [] if saved else [file for file in parquet if file.name != "metadata.parquet"]
     if not saved and not tables:
         check_image_folder(folder, linked, sorted(others), sorted(irregular))
     return tables
