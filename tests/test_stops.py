@@ -316,9 +316,13 @@ def test_a_second_ctrl_c_stops_a_hung_evaluation_at_once(env, data, tmp_path, cl
 
 def waiting_for_data(loading: Path) -> list[str]:
     """A Python command that runs the script after it as `python <script> <flags>` would, but whose data load touches
-    `loading` and then waits: a signal sent once `loading` exists comes while the data loads."""
+    `loading` and then waits: a signal sent once `loading` exists comes while the data loads. It waits in sleeps of
+    0.1 s, as a real load runs Python between its reads: CPython runs a signal's handler after a sleep it interrupts,
+    and one sleep of 300 s that began just after the signal came (or that a signal to another thread did not
+    interrupt) would hold it that long. A CI run of this file's Ctrl-C case waited out its 60 s with nothing printed."""
     code = ("import pathlib, runpy, sys, time\nfrom shared import data\n"
-            f"data.load_image_data = lambda *args: (pathlib.Path({str(loading)!r}).touch(), time.sleep(300))\n"
+            f"data.load_image_data = lambda *args: (pathlib.Path({str(loading)!r}).touch(), "
+            "[time.sleep(0.1) for _ in range(3000)])\n"
             "sys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')")
     return [sys.executable, "-c", code]
 
