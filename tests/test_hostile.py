@@ -1816,7 +1816,6 @@ def test_the_held_out_split_is_the_one_datasets_train_test_split_makes():
         assert [split["x"] for split in ours] == [theirs["train"]["x"], theirs["test"]["x"]]
 
 
-
 def test_a_validation_split_is_the_test_split_where_there_is_no_test_split_and_the_run_says_so(capsys):
     """docs/data.md: without a 'test' split, a 'validation' split is the test split. The run said nothing of it: its
     test accuracy was the validation split's, unsaid."""
@@ -1829,6 +1828,7 @@ def test_a_validation_split_is_the_test_split_where_there_is_no_test_split_and_t
     assert capsys.readouterr().out == "rows has no 'test' split: testing on its 'validation' split (3 images)\n"
     rows["test"] = datasets.Dataset.from_dict({"x": [7]})
     assert pick_splits(datasets.DatasetDict(rows), "rows")[1]["x"] == [7] and capsys.readouterr().out == ""
+
 
 def test_a_dataset_of_one_example_and_no_test_split_is_one_line(env, tmp_path):
     """datasets' train_test_split cannot split one row: its ValueError was a traceback."""
