@@ -138,10 +138,10 @@ def check_image_size(size: int, model: str, weights: str, chosen) -> None:
         raise ValueError(f"--image_size must be a multiple of {model}'s {patch}-px patches, got {size}")
 
 
-def walk(folder: Path, skip: Path | None = None) -> Iterator[os.DirEntry]:
+def walk(folder: Path, skip: Path | None = None, hidden: bool = True) -> Iterator[os.DirEntry]:
     """Every entry below `folder` that is not a folder (files, links, FIFOs, ...), links not followed, and nothing below
-    `skip`. Not recursive: rglob and os.walk recurse in Python 3.11, and a tree 1,500 folders deep ended in a
-    RecursionError."""
+    `skip` (nor below a hidden folder, such as .git/, with `hidden` False). Not recursive: rglob and os.walk recurse in
+    Python 3.11, and a tree 1,500 folders deep ended in a RecursionError."""
     folders = [folder]
     while folders:
         try:
@@ -155,5 +155,5 @@ def walk(folder: Path, skip: Path | None = None) -> Iterator[os.DirEntry]:
             for entry in entries:
                 if not entry.is_dir(follow_symlinks=False):
                     yield entry
-                elif Path(entry.path) != skip:
+                elif Path(entry.path) != skip and (hidden or not entry.name.startswith(".")):
                     folders.append(entry.path)

@@ -9,8 +9,9 @@ in the resumable order of EpochOrder. load_image_data runs four stages in order,
    CIFAR's sizes);
 3. the decoding (shared/images.py): each image into the recipe's channels and size, once (one line says what was
    converted, with the sizes found);
-4. the cache (here): the tensors saved by what they came from (datasets' fingerprints, or the files' paths, sizes and
-   times) and the code that made them, so that the next run reads them back in seconds.
+4. the cache (here): the tensors saved by what they came from (a local folder's files: their paths, sizes and times;
+   a hub dataset's fingerprints) and the code that made them, so that the next run reads them back in seconds,
+   without datasets for a local folder.
 
 --synthetic generates a stand-in instead (shared/synthetic.py, an opt-in module; never a fallback).
 """
@@ -126,13 +127,7 @@ def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: b
         if found.files:  # their arrays and the class names, bounded (2) before any is read, converted whole (3)
             stored, found.classes, seen = found.files.read(source, image_shape, interpolation)
         else:
-            from shared.bounds import check_decoded_size  # what a decode may take: an opt-in module
-
-            count = sum(map(len, found.splits.values()))
-            check_decoded_size(source, count, image_shape)  # 2
-            if is_main_process():  # many large photos take minutes (a 12-megapixel JPEG: 0.1 s here)
-                print(f"{source}: decoding {count:,} images, once: later runs read them from the cache")
-            stored, seen = decode(found, image_shape, interpolation)  # 3
+            stored, seen = decode(found, image_shape, interpolation)  # 2, 3
         from shared.bounds import check_labels  # data from anywhere, checked: an opt-in module
 
         check_labels(found, stored)
@@ -147,21 +142,24 @@ def load_image_data(source: str, image_shape: tuple[int, int, int], synthetic: b
 
 
 def find_source(source: str) -> Source:
-    """Published files in a folder, else a dataset: checked as far as can be without decoding an image (a bad first
-    image is one line at once)."""
-    path, files, local = Path(source).expanduser(), None, None
-    if path.exists():  # the published formats (IDX, CIFAR's files), and datasets' folders checked: an opt-in module
-        from shared import dataset_files
+    """A local folder's files (published ones, or datasets' formats, read on a cache miss alone), else the hub's
+    dataset: checked as far as can be without decoding an image (a bad first image is one line at once)."""
+    path = Path(source).expanduser()
+    if not path.exists():
+        return dataset_source(open_hub(source), source)
+    from shared import dataset_files  # local folders, checked: an opt-in module
 
-        files = dataset_files.find_dataset_files(path)
-        if not files:  # what datasets will read, bounded first, then read
-            local = dataset_files.open_local(path)
-    if files:
-        stamps = [(str(file.resolve()), file.stat().st_size, file.stat().st_mtime_ns) for file in files.all_files()]
-        readers = inspect.getsource(dataset_files)  # they name the classes kept in the cache too
-        return Source(source, "files-" + hashlib.sha256(json.dumps([stamps, readers]).encode()).hexdigest()[:16],
-                      files=files)
-    train, test = pick_splits(open_hub(source) if local is None else local, source)
+    files = dataset_files.find_dataset_files(path)
+    stamps = [(str(file.resolve()), file.stat().st_size, file.stat().st_mtime_ns) for file in files.all_files()]
+    # ... and the code that reads them (which also names the classes kept in the cache)
+    readers = [files.kind, inspect.getsource(dataset_files), Path(__file__).read_text()]
+    return Source(source, "files-" + hashlib.sha256(json.dumps([stamps, readers]).encode()).hexdigest()[:16],
+                  files=files)
+
+
+def dataset_source(splits: datasets.DatasetDict, source: str) -> Source:
+    """A dataset's train and test splits, their image and label columns and its class names."""
+    train, test = pick_splits(splits, source)
     image_column, label_column, classes = find_columns(train, source)
     import datasets  # after open_hub's checks: a folder that is not there is one line, before datasets' import
 
@@ -254,9 +252,16 @@ def find_columns(split: datasets.Dataset, source: str):
 
 
 def decode(found: Source, image_shape, interpolation: str):
-    """Stage 3 for a dataset: every image of both splits in `image_shape` (uint8 (N, C, H, W)) with its label, and what
-    the images were (`seen`: channel counts and sizes). The images one at a time, decoded here, not by datasets (memory
-    for one image at a time, whatever the files hold; never a file fetched because a dataset names its path)."""
+    """Stages 2 and 3 for a dataset: every image of both splits in `image_shape` (uint8 (N, C, H, W)) with its label,
+    and what the images were (`seen`: channel counts and sizes). The images one at a time, decoded here, not by
+    datasets (memory for one image at a time, whatever the files hold; never a file fetched because a dataset names
+    its path)."""
+    from shared.bounds import check_decoded_size  # what a decode may take: an opt-in module
+
+    count = sum(map(len, found.splits.values()))
+    check_decoded_size(found.name, count, image_shape)
+    if is_main_process():  # many large photos take minutes (a 12-megapixel JPEG: 0.1 s here)
+        print(f"{found.name}: decoding {count:,} images, once: later runs read them from the cache")
     stored, seen, (image_column, label_column) = {}, {"channels": set(), "sizes": set()}, found.columns
     channels, height, width = image_shape
     for name, split in found.splits.items():

@@ -58,6 +58,16 @@ def data_module(tmp_path, monkeypatch):
     return data
 
 
+def read_by_datasets(folder: Path):
+    """What a run reads from a folder of datasets' formats where its decoded images are not cached: the folder
+    checked, then read by datasets (shared/data.py's Source, with the splits and classes found)."""
+    from shared.data import dataset_source
+    from shared.dataset_files import find_dataset_files, open_local
+
+    found = find_dataset_files(folder)
+    return dataset_source(open_local(found.folder, found.tables), str(folder))
+
+
 @pytest.mark.parametrize("shape", [(1, 28, 28), (3, 32, 32)])
 def test_idx_files_give_the_tensors_of_the_same_images_saved_as_a_dataset(tmp_path, data_module, shape):
     splits = random_splits((28, 28))
@@ -263,6 +273,49 @@ def test_an_imagefolder_with_its_metadata_in_parquet_is_read_as_an_imagefolder(t
     assert config["train_size"] == 16 and config["classes"] == ["0", "1"]
 
 
+@pytest.mark.parametrize("make", [imagefolder_dataset, parquet_dataset, save_to_disk_dataset])
+def test_a_folder_decoded_once_is_read_back_by_its_files_without_datasets(tmp_path, data_module, monkeypatch, make):
+    """datasets lists a folder by up to 46 patterns, each a walk of every file below it (datasets #5317): 35 s a run for
+    60,000 small photos. The decoded images are cached by the folder's files (paths, sizes, times), so a later run
+    does not ask datasets; a file changed, added or removed is read again."""
+    data, asked = make(tmp_path / "data", sizes={"train": 8, "test": 4}), []
+
+    def counted(read):
+        def reading(*args, **kwargs):
+            asked.append(args)
+            return read(*args, **kwargs)
+        return reading
+
+    for name in ("load_dataset", "load_from_disk"):
+        monkeypatch.setattr(datasets, name, counted(getattr(datasets, name)))
+    first = data_module.load_image_data(str(data), (3, 32, 32))
+    assert len(asked) == 1
+    again = data_module.load_image_data(str(data), (3, 32, 32))
+    assert len(asked) == 1
+    for a, b in zip(first, again, strict=True):
+        assert torch.equal(a.images, b.images) and torch.equal(a.labels, b.labels) and a.classes == b.classes
+    file = max(path for path in data.rglob("*") if path.is_file() and path.suffix != ".json")  # a data file
+    changes = [lambda: os.utime(file, ns=(0, 0)), lambda: shutil.copy(file, data / f"more{file.suffix}")]
+    if make is imagefolder_dataset:
+        changes.append(file.unlink)
+    for count, change in enumerate(changes, start=2):
+        change()
+        data_module.load_image_data(str(data), (3, 32, 32))
+        data_module.load_image_data(str(data), (3, 32, 32))
+        assert len(asked) == count  # read again, then from the cache
+
+
+def test_a_hub_dataset_is_cached_by_the_hashes_datasets_keeps_of_its_splits(tmp_path, data_module, monkeypatch):
+    """A hub id's dataset (datasets' load replaced here: no hub is reachable) has no files of its own to key the cache:
+    each split's `_fingerprint`, datasets' hash of its content and history, keys it."""
+    splits = image_splits(sizes={"train": 8, "test": 4})
+    monkeypatch.setattr(datasets, "load_dataset", lambda name: splits if name == "someone/photos" else None)
+    train, test = data_module.load_image_data("someone/photos", (3, 32, 32))
+    assert (len(train), len(test)) == (8, 4)
+    cached = [path.name for path in (tmp_path / "cache").iterdir()]
+    assert len(cached) == 1 and cached[0].startswith(f"{splits['train']._fingerprint}-{splits['test']._fingerprint}-")
+
+
 def test_a_class_with_no_training_image_is_named(tmp_path, data_module, capsys, monkeypatch):
     """train/cat beside test/Cat: an imagefolder's classes are the folders of every split, so 'Cat' became a class
     that no training image teaches, and the run said nothing."""
@@ -414,21 +467,20 @@ def test_split_folders_that_datasets_does_not_know_are_one_line(tmp_path, names)
     """Fruits-360's Training/ and Test/: datasets knows a split's folder by its lowercase name only (and trainset/ not
     at all), so it read them as the classes of one split and held out a random 10% of it, the test images trained on.
     Folders of images are classes, whatever their names."""
-    from shared.data import find_source
     from shared.errors import RecipeError
 
     photos = imagefolder_dataset(tmp_path / "photos", sizes={"train": 8, "test": 4})
     (photos / "train").rename(photos / names[0])
     (photos / "test").rename(photos / names[1])
     with pytest.raises(RecipeError) as error:
-        find_source(str(photos))
+        read_by_datasets(photos)
     assert str(error.value) == (
         f"{photos}: its folders {', '.join(sorted(names))} hold class folders, as splits do, but datasets read a "
         "'train' split alone from them: it knows a split's folder only by its lowercase name (train, test, "
         "validation, ...: docs/data.md); rename them")
     (photos / names[0]).rename(photos / "training")
     (photos / names[1]).rename(photos / "test")
-    found = find_source(str(photos))
+    found = read_by_datasets(photos)
     assert (len(found.splits["train"]), len(found.splits["test"])) == (8, 4)
     # Classes named Test and Val (folders of images), in no split's folder: held out from one split, as any classes
     classes = tmp_path / "classes"
@@ -437,7 +489,7 @@ def test_split_folders_that_datasets_does_not_know_are_one_line(tmp_path, names)
         (classes / name / ".ipynb_checkpoints").mkdir()  # hidden folders, which datasets skips too
     for name in (".git/objects", ".dvc/cache"):
         (classes / name).mkdir(parents=True)
-    found = find_source(str(classes))
+    found = read_by_datasets(classes)
     assert found.classes == ["Test", "Val"]
     assert len(found.splits["train"]) + len(found.splits["test"]) == 2 * len(list(classes.glob("Val/*.png")))
 
@@ -448,7 +500,6 @@ def test_parquet_files_named_for_a_split_datasets_does_not_know_are_one_line(tmp
     """Train.parquet and Test.parquet: datasets knows a split's file by its lowercase name only, so it read both as
     one 'train' split and held out a random 10% of it, the test images trained on (beside train.parquet, it left
     Test.parquet out). Nothing is read from the folder but the check; lowercase names are the splits."""
-    from shared.data import find_source
     from shared.errors import RecipeError
 
     data, splits = tmp_path / "data", image_splits(sizes={"train": 8, "test": 4})
@@ -457,26 +508,25 @@ def test_parquet_files_named_for_a_split_datasets_does_not_know_are_one_line(tmp
         splits[split].to_parquet(str(data / f"{name}.parquet"))
     before = sorted(data.rglob("*"))
     with pytest.raises(RecipeError) as error:
-        find_source(str(data))
+        read_by_datasets(data)
     assert str(error.value) == (
         f"{data}: datasets read its parquet files as one 'train' split, {names[1]}.parquet included: it knows a "
         "split's file only by its lowercase name (train, test, validation, ...: docs/data.md); rename them")
     assert sorted(data.rglob("*")) == before
     for name in names:
         (data / f"{name}.parquet").rename(data / f"{name.lower()}.parquet")
-    found = find_source(str(data))
+    found = read_by_datasets(data)
     assert sorted(map(len, found.splits.values())) == [4, 8]
 
 
 def test_a_dataset_saved_alone_is_found_without_decoding_an_image(tmp_path):
     """A Dataset saved alone (not a DatasetDict) iterates as its rows: listed for its splits' names, every image would
     be decoded, and a damaged one end in PIL's traceback before the decoder's one line."""
-    from shared.data import find_source
 
     features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])})
     datasets.Dataset.from_dict({"image": [{"bytes": b"not an image", "path": None}] * 20, "label": [0, 1] * 10},
                                features=features).save_to_disk(str(tmp_path / "saved"))
-    found = find_source(str(tmp_path / "saved"))
+    found = read_by_datasets(tmp_path / "saved")
     assert (len(found.splits["train"]), len(found.splits["test"]), found.classes) == (18, 2, ["a", "b"])
 
 
@@ -485,21 +535,20 @@ def test_an_image_folder_says_which_files_it_leaves_out_and_refuses_an_archive(t
     on by no one. An archive among the images it read as a folder of its own, at another depth than the class folders:
     every label dropped, and the line said the classes' folders were laid out wrong. A linked class folder it left out
     too."""
-    from shared.data import find_source
     from shared.errors import RecipeError
 
     photos = imagefolder_dataset(tmp_path / "photos", sizes={"train": 8, "test": 4})
     (photos / "train" / "class_0" / "IMG_0001.HEIC").write_bytes(b"ftypheic")
     (photos / "notes.txt").write_text("where the photos came from")
     (photos / ".DS_Store").write_bytes(b"\0")  # a hidden file: no one's photo
-    found = find_source(str(photos))
+    found = read_by_datasets(photos)
     assert capsys.readouterr().out.splitlines()[0] == (
         f"{photos}: 2 file(s) of no image format read here left out, e.g. notes.txt (photos: convert them to JPEG or "
         "PNG)")
     assert len(found.splits["train"]) == 8
     shutil.make_archive(str(photos / "train" / "more"), "zip", photos / "train" / "class_0")
     with pytest.raises(RecipeError) as error:
-        find_source(str(photos))
+        read_by_datasets(photos)
     assert str(error.value) == (f"{photos / 'train' / 'more.zip'} is an archive among the images, which datasets "
                                 "would read as a folder of its own: unpack it, or move it out of --data")
     # A class folder that is a link: datasets does not follow it ("doesn't contain any data files", or a class gone)
@@ -507,28 +556,44 @@ def test_an_image_folder_says_which_files_it_leaves_out_and_refuses_an_archive(t
     shutil.move(photos / "train" / "class_0", tmp_path / "elsewhere")
     (photos / "train" / "class_0").symlink_to(tmp_path / "elsewhere")
     with pytest.raises(RecipeError) as error:
-        find_source(str(photos))
+        read_by_datasets(photos)
     assert str(error.value) == (f"{photos / 'train' / 'class_0'} is a link to a folder, which datasets does not "
                                 "follow: copy the folder there, or move the images into --data")
+
+
+def test_a_folder_without_images_is_one_line_before_datasets_lists_it(tmp_path, monkeypatch):
+    """A home folder given for --data: datasets listed every file below it (290,000 in .cache/, .pyenv/ and the
+    like), 4 minutes, before it found no image there. Hidden folders, which datasets skips, are not walked."""
+    from shared.data import find_source
+    from shared.errors import RecipeError
+
+    home = tmp_path / "home"
+    imagefolder_dataset(home / ".cache" / "photos", sizes={"train": 4, "test": 2})
+    os.mkfifo(home / ".cache" / "photos" / "x.png")
+    (home / "notes.txt").write_text("not an image")
+    monkeypatch.setattr(datasets, "load_dataset", None)  # never reached
+    with pytest.raises(RecipeError) as error:
+        find_source(str(home))
+    assert str(error.value) == (f"--data {home} holds no images, parquet files or save_to_disk dataset (nor IDX or "
+                                "CIFAR files) outside its hidden folders: pass the dataset's folder (docs/data.md)")
 
 
 @pytest.mark.parametrize("kind", ["a FIFO", "a broken link"])
 def test_an_image_folder_entry_named_as_an_image_that_is_no_regular_file_is_one_line(tmp_path, kind):
     """datasets' imagefolder left out a FIFO (or a link to nothing) named x.png, unsaid: 8 training images of 9."""
-    from shared.data import find_source
     from shared.errors import RecipeError
 
     photos = imagefolder_dataset(tmp_path / "photos", sizes={"train": 8, "test": 4})
     entry = photos / "train" / "class_0" / "x.png"
     os.mkfifo(entry) if kind == "a FIFO" else entry.symlink_to(tmp_path / "nothing.png")
     with pytest.raises(RecipeError) as error:
-        find_source(str(photos))
+        read_by_datasets(photos)
     assert str(error.value) == (f"{str(entry)!r} is not a regular file (a FIFO, socket, device or folder): replace it "
                                 "by the image file")
     # Beside parquet tables, which are what datasets reads there, it is no image of the dataset: left alone
     data = parquet_dataset(tmp_path / "tables", sizes={"train": 8, "test": 4})
     os.mkfifo(data / "x.png") if kind == "a FIFO" else (data / "x.png").symlink_to(tmp_path / "nothing.png")
-    assert len(find_source(str(data)).splits["train"]) == 8
+    assert len(read_by_datasets(data).splits["train"]) == 8
 
 
 def test_a_datasets_cache_that_cannot_be_written_is_named_as_the_cause(tmp_path, monkeypatch):
@@ -541,7 +606,7 @@ def test_a_datasets_cache_that_cannot_be_written_is_named_as_the_cause(tmp_path,
     (tmp_path / "home").write_text("a file where a folder is expected")
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "home" / ".cache")
     with pytest.raises(RecipeError) as error:
-        open_local(photos)
+        open_local(photos, tables=[])
     assert str(error.value) == (f"datasets could not write its cache ({tmp_path / 'home' / '.cache'}: Not a "
                                 "directory): set HF_HOME (or HF_DATASETS_CACHE) to a writable folder with room")
 
