@@ -92,7 +92,7 @@ class DatasetsFolder:
     Intel Xeon; 6 s on --synthetic)."""
     folder: Path
     tables: list[Path]  # its parquet files, none in an imagefolder or a save_to_disk folder
-    files: list[Path]  # every regular file below it
+    files: list[Path]  # every regular file below it, hidden ones aside
     kind: str = f"datasets {version('datasets')}"  # which split names a folder's files make
 
     def all_files(self) -> list[Path]:
@@ -155,19 +155,19 @@ def open_local(folder: Path, tables: list[Path]):
 def check_datasets_folder(folder: Path) -> tuple[list[Path], list[Path]]:
     """What datasets will read from a local folder, checked first, in one walk: a save_to_disk folder's files, its
     parquet files' sizes once read, or an imagefolder's files. Returns the parquet tables datasets' parquet builder
-    reads (none in a save_to_disk folder) and every regular file."""
+    reads (none in a save_to_disk folder) and every regular file that is not hidden."""
     from datasets.packaged_modules.imagefolder.imagefolder import ImageFolder
 
     saved, images = check_saved_dataset(folder), 0
     known = (*ImageFolder.EXTENSIONS, *ImageFolder.METADATA_FILENAMES)
     parquet, linked, others, irregular, files = [], [], [], [], []
     for entry in walk(folder, hidden=False):  # datasets skips hidden folders (.git/, .ipynb_checkpoints/) too
-        if entry.is_file():  # after links: a FIFO or a broken link is no file datasets reads
-            files.append(Path(entry.path))
         if entry.name.endswith(".parquet"):
             parquet.append(Path(entry.path))
-        if entry.name.startswith("."):
+        if entry.name.startswith("."):  # .DS_Store, which a Finder window rewrites
             continue
+        if entry.is_file():  # after links: a FIFO or a broken link is no file datasets reads
+            files.append(Path(entry.path))
         if entry.is_dir():  # walk follows no link: datasets neither
             linked.append(entry.path)
         elif Path(entry.name).suffix.lower() not in known and entry.name not in known:

@@ -303,6 +303,12 @@ def test_a_folder_decoded_once_is_read_back_by_its_files_without_datasets(tmp_pa
         data_module.load_image_data(str(data), (3, 32, 32))
         data_module.load_image_data(str(data), (3, 32, 32))
         assert len(asked) == count  # read again, then from the cache
+    # Hidden files and folders, which datasets skips: a Finder window's .DS_Store, a notebook's checkpoints
+    (data / ".DS_Store").write_bytes(b"\0")
+    (data / ".ipynb_checkpoints").mkdir()
+    (data / ".ipynb_checkpoints" / "notes.txt").write_text("")
+    data_module.load_image_data(str(data), (3, 32, 32))
+    assert len(asked) == len(changes) + 1
 
 
 def test_a_hub_dataset_is_cached_by_the_hashes_datasets_keeps_of_its_splits(tmp_path, data_module, monkeypatch):
