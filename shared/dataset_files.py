@@ -93,7 +93,7 @@ class DatasetsFolder:
     for those 60,000, with their key."""
     folder: Path
     tables: list[Path]  # its parquet files, none in an imagefolder or a save_to_disk folder
-    files: list[Path]  # every regular file below it, hidden ones aside
+    files: list[Path]  # the files of its formats below it, hidden ones aside
     kind: str = f"datasets {version('datasets')}"  # which split names a folder's files make
 
     def all_files(self) -> list[Path]:
@@ -156,27 +156,26 @@ def open_local(folder: Path, tables: list[Path]):
 def check_datasets_folder(folder: Path) -> tuple[list[Path], list[Path]]:
     """What datasets will read from a local folder, checked first, in one walk: a save_to_disk folder's files, its
     parquet files' sizes once read, or an imagefolder's files. Returns the parquet tables datasets' parquet builder
-    reads (none in a save_to_disk folder) and every regular file that is not hidden."""
+    reads (none in a save_to_disk folder), and the files of the formats datasets reads there, which key the decoded
+    images' cache: not notes.txt, a notebook or Windows' Thumbs.db, which change with no image changed."""
     from datasets.packaged_modules.imagefolder.imagefolder import ImageFolder
 
-    saved, images = check_saved_dataset(folder), 0
+    saved = check_saved_dataset(folder)
     known = (*ImageFolder.EXTENSIONS, *ImageFolder.METADATA_FILENAMES)
-    parquet, linked, others, irregular, files = [], [], [], [], []
+    parquet, linked, others, irregular, images = [], [], [], [], []
     for entry in walk(folder, hidden=False):  # datasets skips hidden folders (.git/, .ipynb_checkpoints/) too
         if entry.name.endswith(".parquet"):
             parquet.append(Path(entry.path))
         if entry.name.startswith("."):  # .DS_Store, which a Finder window rewrites
             continue
-        if entry.is_file():  # after links: a FIFO or a broken link is no file datasets reads
-            files.append(Path(entry.path))
         if entry.is_dir():  # walk follows no link: datasets neither
             linked.append(entry.path)
         elif Path(entry.name).suffix.lower() not in known and entry.name not in known:
             others.append(Path(entry.path))
         elif not entry.is_file():  # a FIFO or a broken link named as an image
             irregular.append(Path(entry.path))
-        else:
-            images += 1
+        else:  # an image, or an imagefolder's metadata file
+            images.append(Path(entry.path))
     check_parquet_files(sorted(parquet))
     # metadata.parquet: an imagefolder's labels, not a table
     tables = [] if saved else [file for file in parquet if file.name != "metadata.parquet"]
@@ -185,7 +184,9 @@ def check_datasets_folder(folder: Path) -> tuple[list[Path], list[Path]]:
         if not images:  # datasets would list every file below it first: minutes in a home folder
             raise RecipeError(f"--data {folder} holds no images, parquet files or save_to_disk dataset (nor IDX or "
                               "CIFAR files) outside its hidden folders: pass the dataset's folder (docs/data.md)")
-    return tables, files
+    # and a save_to_disk folder's arrow and JSON files (after links: a FIFO or a broken link is no file it reads)
+    saved_files = [file for file in others if saved and file.suffix in (".arrow", ".json") and file.is_file()]
+    return tables, images + parquet + saved_files
 
 
 def check_parquet_files(files: list[Path]) -> None:

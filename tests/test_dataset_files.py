@@ -303,10 +303,11 @@ def test_a_folder_decoded_once_is_read_back_by_its_files_without_datasets(tmp_pa
         data_module.load_image_data(str(data), (3, 32, 32))
         data_module.load_image_data(str(data), (3, 32, 32))
         assert len(asked) == count  # read again, then from the cache
-    # Hidden files and folders, which datasets skips: a Finder window's .DS_Store, a notebook's checkpoints
-    (data / ".DS_Store").write_bytes(b"\0")
-    (data / ".ipynb_checkpoints").mkdir()
-    (data / ".ipynb_checkpoints" / "notes.txt").write_text("")
+    # Files of no format datasets reads there, and hidden ones, which it skips: a Finder window's .DS_Store, Windows'
+    # Thumbs.db, a notebook and its checkpoints
+    for name in (".DS_Store", "Thumbs.db", "look.ipynb", ".ipynb_checkpoints/look-checkpoint.ipynb"):
+        (data / name).parent.mkdir(exist_ok=True)
+        (data / name).write_bytes(b"\0")
     data_module.load_image_data(str(data), (3, 32, 32))
     assert len(asked) == len(changes) + 1
 
