@@ -27,7 +27,6 @@ import re
 import struct
 import zlib
 from dataclasses import dataclass
-from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
@@ -94,7 +93,7 @@ class DatasetsFolder:
     folder: Path
     tables: list[Path]  # its parquet files, none in an imagefolder or a save_to_disk folder
     files: list[Path]  # the files of its formats below it, hidden ones aside
-    kind: str = f"datasets {version('datasets')}"  # which split names a folder's files make
+    kind: str  # datasets' release, which decides the splits a folder's files make
 
     def all_files(self) -> list[Path]:
         return self.files
@@ -402,7 +401,11 @@ def find_dataset_files(folder: Path) -> DatasetFiles | DatasetsFolder:
     if len({tuple(f.all_files()) for f in found}) > 1:
         places = ", ".join(str(f.all_files()[0].parent) for f in found)
         raise RecipeError(f"--data {folder} holds more than one dataset ({places}): pass --data one of these folders")
-    return found[0] if found else DatasetsFolder(folder, *check_datasets_folder(folder))
+    if found:
+        return found[0]
+    import datasets  # only here: IDX and CIFAR files need no datasets
+
+    return DatasetsFolder(folder, *check_datasets_folder(folder), f"datasets {datasets.__version__}")
 
 
 def idx_files(folder: Path) -> DatasetFiles | None:

@@ -1316,6 +1316,9 @@ def test_a_requirement_not_installed_is_one_line(data, tmp_path, monkeypatch):
     one_line(run_here("cifar_cnn", "--data", photos, "--output_dir", tmp_path / "run", "--tracker", "none"),
              f"error: No module named 'datasets' in this Python ({sys.executable}): install the requirements there: "
              "pip install -r requirements.txt")
+    # IDX and CIFAR files need no datasets (a GPU image's benchmarks read Fashion-MNIST's)
+    ok(run_here("cifar_cnn", "--data", data, "--output_dir", tmp_path / "files", "--tracker", "none", "--max_steps",
+                "1", "--batch_size", "8"))
     with pytest.raises(ModuleNotFoundError), one_line_errors():  # one missing inside a package: its traceback says why
         raise ModuleNotFoundError("No module named 'torchvision._meta'", name="torchvision._meta")
 
