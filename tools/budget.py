@@ -28,7 +28,7 @@ BUDGETS = {"recipe": 3_000, "header": 20, "default path": 11_000, "default files
 # for elsewhere, or one that moves code from the default path into an opt-in module raises the opt-in ceiling by
 # what it moved (and the new calls); either says so in its commit. A count within its ceiling but over its budget
 # is printed, not failed; one over both fails. Remove a line once its count meets the budget.
-CEILINGS = {"opt-in": 15_619}
+CEILINGS = {"opt-in": 15_616}
 LAYOUT = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)
 # Python 3.12 splits an f-string into its pieces; counted as one token, as Python 3.10 and 3.11 count it, the
 # budgets mean the same on every Python.
